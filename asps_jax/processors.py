@@ -1,0 +1,93 @@
+"""The one logits processor: logits -> float32 log-probabilities.
+
+Draft sampling, target verification and the bonus token all go through :func:`process_logits`, so
+the law a draft token was sampled from is exactly the law verification compares against. The order
+is transformers' (``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLogitsWarper``):
+temperature, then top-k (ties at the k-th value are kept), then top-p (the smallest set of most
+likely tokens whose mass reaches ``top_p``, keeping at least one token).
+
+``temperature``, ``top_k`` and ``top_p`` may be Python numbers or traced scalars: changing them does
+not recompile. ``temperature == 0`` gives a point mass on the (first) argmax; ``top_k <= 0`` or
+``top_k >= V`` disables top-k; ``top_p >= 1`` disables top-p.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from asps_jax.logspace import NEG_INF, log_normalize
+
+
+def validate_sampling_args(temperature=None, top_k=None, top_p=None) -> None:
+    """Raise ``ValueError`` for sampling parameters outside their domain (host-side check)."""
+    if temperature is not None:
+        t = float(temperature)
+        if not (t >= 0.0) or t == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and int(top_k) < 0:
+        raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {top_k!r}")
+    if top_p is not None:
+        p = float(top_p)
+        if not (0.0 < p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def process_logits(
+    logits_V: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    top_k: int | jax.Array | None = None,
+    top_p: float | jax.Array | None = None,
+) -> jax.Array:
+    """Map logits ``[..., V]`` to float32 log-probabilities ``[..., V]`` (``-inf`` = excluded).
+
+    NaN logits are treated as ``-inf``; a row with no finite logit stays all ``-inf`` (callers that
+    sample from it must check, see ``decode``).
+    """
+    logits = jnp.asarray(logits_V, jnp.float32)
+    logits = jnp.where(jnp.isnan(logits), NEG_INF, logits)
+    vocab = logits.shape[-1]
+    temperature = jnp.asarray(temperature, jnp.float32)
+    greedy = temperature <= 0.0
+
+    # --- Step 1: temperature (guarded so the greedy branch never divides by zero) ---
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+
+    # --- Step 2: top-k; keep every logit >= the k-th largest (ties kept, as transformers) ---
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    if top_k is not None:
+        k = jnp.asarray(top_k, jnp.int32)
+        k_eff = jnp.where((k <= 0) | (k >= vocab), vocab, k)
+        kth = jnp.take_along_axis(
+            sorted_desc, jnp.broadcast_to(k_eff - 1, sorted_desc.shape[:-1])[..., None], axis=-1
+        )
+        scaled = jnp.where(scaled < kth, NEG_INF, scaled)
+        sorted_desc = jnp.where(jnp.arange(vocab) < k_eff, sorted_desc, NEG_INF)
+
+    # --- Step 3: top-p over the (top-k filtered) law; transformers removes a token when the
+    # ascending cumulative mass up to and including it is <= 1 - top_p, always keeping the top one.
+    if top_p is not None:
+        p = jnp.asarray(top_p, jnp.float32)
+        sorted_asc = jnp.flip(sorted_desc, axis=-1)
+        probs_asc = jnp.exp(log_normalize(sorted_asc))
+        cum_asc = jnp.cumsum(probs_asc, axis=-1)
+        removed = cum_asc <= 1.0 - p
+        removed = removed.at[..., -1].set(False)
+        # Threshold: the smallest kept logit; everything strictly below it goes. Ties with the
+        # threshold are kept (transformers scatters by index, identical ties straddling the cut
+        # are a measure-zero event for real logits).
+        kept_vals = jnp.where(removed, jnp.inf, sorted_asc)
+        threshold = jnp.min(kept_vals, axis=-1, keepdims=True)
+        scaled = jnp.where((scaled < threshold) & (p < 1.0), NEG_INF, scaled)
+
+    logprobs = log_normalize(scaled)
+
+    # --- Greedy: point mass on the first argmax of the raw logits ---
+    argmax = jnp.argmax(logits, axis=-1)
+    point = jnp.where(jnp.arange(vocab) == argmax[..., None], 0.0, NEG_INF)
+    return jnp.where(greedy, point, logprobs)
+
+
+def sample_token(key: jax.Array, logprobs_V: jax.Array) -> jax.Array:
+    """Draw one token per row from log-probabilities ``[..., V]`` (Gumbel-max; ``-inf`` never drawn)."""
+    return jax.random.categorical(key, logprobs_V, axis=-1).astype(jnp.int32)

@@ -1,0 +1,3 @@
+"""Multi-draft verifiers (placeholder; being implemented)."""
+
+METHODS: dict = {}
