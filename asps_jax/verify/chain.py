@@ -1,9 +1,234 @@
-"""Single-chain verifiers: SpS and ASpS (placeholder; being implemented)."""
+"""Single-chain verifiers: standard speculative sampling (SpS) and accelerated SpS (ASpS).
+
+SpS: Leviathan et al. 2023 / Chen et al. 2023 (ALGORITHMS.md §1). ASpS: Hu & Huang, "Accelerated
+Speculative Sampling Based on Tree Monte Carlo", ICML 2024 (ALGORITHMS.md §2).
+
+A draft token that passes verification is *accepted*; the token that replaces the first rejected
+draft token is *recovered*; when every valid draft token is accepted, one *bonus* token is drawn
+from the target law after the draft. Position ``t`` (0-based) verifies ``x_t`` with the laws
+``p_t``, ``q_t``.
+
+Each method is split in two:
+
+* an *outcome law* (``sps_outcome_logweights`` / ``asps_outcome_logweights``): a pure,
+  deterministic function of the draft returning ``stop_NV`` (log-probability of "emit ``x_{<t}``
+  then ``y`` and stop", for ``y != x_t``) and ``log_full`` (log-probability of "accept all
+  ``draft_length`` tokens, then a bonus token"). It works in the dtype it is given, so the exact
+  enumeration tests run it in float64; the tables are also what expected-length computations use.
+* a sampler (``sps`` / ``asps``) with the registry signature of ``verify/api.py``.
+
+Keeping the fully coupled outcome as a separate slot (instead of overwriting entry
+``(L-1, x_{L-1})`` of the table as the reference does) means padding never has to move it: rows at
+or beyond ``draft_length`` are simply ``-inf`` and ``draft_length == 0`` is a table that is all
+``-inf`` with ``log_full == 0`` (the bonus token is then drawn from ``target_logprobs[0]``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from asps_jax.logspace import NEG_INF, log_minus_exp, log_normalize
+from asps_jax.verify.api import Verdict, make_verdict
+
+# Purposes folded into the caller's key, so the draws of one step are independent.
+_ACCEPT, _RESIDUAL, _BONUS, _OUTCOME = 0, 1, 2, 3
 
 
-def sps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length):
-    raise NotImplementedError("sps is not implemented yet")
+def _logsumexp(x: jax.Array, axis: int = -1) -> jax.Array:
+    """``log(sum(exp(x)))`` that is ``-inf`` (never NaN) for an all ``-inf`` slice."""
+    m = jnp.max(x, axis=axis, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    out = jnp.log(jnp.sum(jnp.exp(x - m_safe), axis=axis)) + jnp.squeeze(m_safe, axis)
+    return jnp.where(jnp.isfinite(jnp.squeeze(m, axis)), out, NEG_INF)
 
 
-def asps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length):
-    raise NotImplementedError("asps is not implemented yet")
+def _draft_token_logprobs(draft_tokens_N, draft_logprobs_NV, target_logprobs_MV):
+    """``(log q_t(x_t), log p_t(x_t))``, each ``[n]``."""
+    n = draft_tokens_N.shape[0]
+    idx = draft_tokens_N[:, None]
+    lq_x = jnp.take_along_axis(draft_logprobs_NV, idx, axis=-1)[:, 0]
+    lp_x = jnp.take_along_axis(target_logprobs_MV[:n], idx, axis=-1)[:, 0]
+    return lq_x, lp_x
+
+
+def _log_ratio(lp_x: jax.Array, lq_x: jax.Array) -> jax.Array:
+    """``log(p(x) / q(x))`` with ``p(x) = 0`` giving ``-inf`` even when ``q(x) = 0`` (no NaN)."""
+    safe_lq = jnp.where(jnp.isfinite(lq_x), lq_x, 0.0)
+    ratio = jnp.where(jnp.isfinite(lq_x), lp_x - safe_lq, jnp.inf)
+    return jnp.where(lp_x == NEG_INF, NEG_INF, ratio)
+
+
+def _residual(lp_V: jax.Array, lq_V: jax.Array) -> jax.Array:
+    """Unnormalised log of ``(p - q)_+``, falling back to ``p`` when it is all zero.
+
+    In exact arithmetic a rejection implies a positive residual; in floating point ``p == q`` up to
+    rounding can meet a (probability ~1e-16) rejection with an all-zero residual (ALGORITHMS.md §1).
+    """
+    res = log_minus_exp(lp_V, lq_V)
+    empty = jnp.all(res == NEG_INF, axis=-1, keepdims=True)
+    return jnp.where(empty, lp_V, res)
+
+
+# --------------------------------------------------------------------------------------------
+# SpS
+# --------------------------------------------------------------------------------------------
+
+
+def sps_outcome_logweights(draft_tokens, draft_logprobs, target_logprobs, draft_length):
+    """Exact outcome law of SpS for one draft (ALGORITHMS.md §1).
+
+    Args:
+      draft_tokens: int[n]; draft_logprobs: float[n, V]; target_logprobs: float[n+1, V];
+      draft_length: int[] in [0, n].
+
+    Returns:
+      ``(stop_NV, log_full)``: ``stop_NV[t, y]`` = log P(accept ``x_{<t}``, reject ``x_t``, recover
+      ``y``), ``-inf`` at ``y == x_t`` and for ``t >= draft_length``; ``log_full`` = log P(accept
+      all ``draft_length`` tokens). The weights sum to 1.
+    """
+    n, vocab = draft_logprobs.shape
+    dtype = draft_logprobs.dtype
+    lq_x, lp_x = _draft_token_logprobs(draft_tokens, draft_logprobs, target_logprobs)
+    valid_N = jnp.arange(n) < draft_length
+    log_acc_N = jnp.minimum(_log_ratio(lp_x, lq_x), 0.0)  # log min(1, r_t)
+    log_acc_N = jnp.where(valid_N, log_acc_N, jnp.zeros((), dtype))
+    # Probability of accepting x_{<t}: exclusive cumulative sum (no +inf terms, so no NaN).
+    log_reach_M = jnp.concatenate([jnp.zeros((1,), dtype), jnp.cumsum(log_acc_N)])
+    log_reject_N = log_minus_exp(jnp.zeros((), dtype), log_acc_N)
+    res_NV = log_normalize(_residual(target_logprobs[:n], draft_logprobs))
+    stop_NV = (log_reach_M[:n] + log_reject_N)[:, None] + res_NV
+    is_draft_NV = jnp.arange(vocab)[None, :] == draft_tokens[:, None]
+    # y == x_t has zero residual mass in exact arithmetic; only the all-zero fallback could put
+    # mass there, and that fallback event itself has probability zero.
+    stop_NV = jnp.where(is_draft_NV | ~valid_N[:, None], NEG_INF, stop_NV)
+    log_full = log_reach_M[jnp.asarray(draft_length, jnp.int32)]
+    return stop_NV, log_full
+
+
+def sps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Verdict:
+    """Standard speculative sampling: accept ``x_t`` iff ``u_t * q_t(x_t) < p_t(x_t)``.
+
+    Shapes: draft_tokens int32[n], draft_logprobs float32[n, V], target_logprobs float32[n+1, V],
+    draft_length int32[] in [0, n]. Returns a Verdict with ``tokens`` int32[n+1].
+    """
+    n = draft_tokens.shape[0]
+    lq_x, lp_x = _draft_token_logprobs(draft_tokens, draft_logprobs, target_logprobs)
+
+    # --- Step 1: accept/reject every position at once; strict `<` in log space (no division,
+    # no underflow of tiny probabilities). log u = -inf for u = 0 accepts iff p(x) > 0.
+    u_N = jax.random.uniform(jax.random.fold_in(key, _ACCEPT), (n,), jnp.float32)
+    accepted_N = jnp.log(u_N) + lq_x < lp_x
+    stop_N = ~accepted_N | (jnp.arange(n) >= draft_length)
+    # J = number of accepted tokens = index of the first rejection, or draft_length.
+    first_stop = jnp.argmax(stop_N) if n > 0 else 0
+    num_accepted = jnp.where(jnp.any(stop_N), first_stop, n).astype(jnp.int32)
+
+    # --- Step 2: the final token. J < draft_length: recovered from (p_J - q_J)_+; otherwise the
+    # bonus from p_J. Row J of the draft is padded with -inf so that lde(p_n, -inf) = p_n.
+    lq_pad_MV = jnp.concatenate(
+        [draft_logprobs, jnp.full((1, draft_logprobs.shape[1]), NEG_INF, draft_logprobs.dtype)]
+    )
+    lp_J = target_logprobs[num_accepted]
+    res_J = _residual(lp_J, lq_pad_MV[num_accepted])
+    recovered = jax.random.categorical(jax.random.fold_in(key, _RESIDUAL), res_J)
+    bonus = jax.random.categorical(jax.random.fold_in(key, _BONUS), lp_J)
+    last = jnp.where(num_accepted < draft_length, recovered, bonus).astype(jnp.int32)
+
+    tokens_M = jnp.concatenate([draft_tokens, jnp.full((1,), -1, jnp.int32)])
+    tokens_M = tokens_M.at[num_accepted].set(last)
+    return make_verdict(tokens_M, num_accepted + 1)
+
+
+# --------------------------------------------------------------------------------------------
+# ASpS
+# --------------------------------------------------------------------------------------------
+
+
+def asps_continuation_logweights(draft_tokens, draft_logprobs, target_logprobs, draft_length):
+    """``log a_t``, t = 0..n (``[n+1]``): ``a_0 = 1``, ``a_{t+1} = min(1, a_t p_t(x_t)/q_t(x_t))``.
+
+    Frozen at ``t >= draft_length`` so that ``a_n`` is ``a_{draft_length}``. The clamp at 1 makes
+    this a recurrence, hence the one ``lax.scan`` of the method.
+    """
+    n = draft_tokens.shape[0]
+    dtype = draft_logprobs.dtype
+    lq_x, lp_x = _draft_token_logprobs(draft_tokens, draft_logprobs, target_logprobs)
+    log_r_N = _log_ratio(lp_x, lq_x)
+
+    def step(log_a, inputs):
+        log_r, valid = inputs
+        # -inf stays -inf (a + r could otherwise be -inf + inf); r = +inf (q(x) = 0) gives 1.
+        nxt = jnp.where(log_a == NEG_INF, NEG_INF, jnp.minimum(log_a + log_r, 0.0))
+        nxt = jnp.where(log_r == NEG_INF, NEG_INF, nxt)
+        nxt = jnp.where(valid, nxt, log_a)
+        return nxt, nxt
+
+    valid_N = jnp.arange(n) < draft_length
+    _, log_a_N = jax.lax.scan(step, jnp.zeros((), dtype), (log_r_N, valid_N))
+    return jnp.concatenate([jnp.zeros((1,), dtype), log_a_N])
+
+
+def asps_outcome_logweights(draft_tokens, draft_logprobs, target_logprobs, draft_length):
+    """Exact outcome law of ASpS for one draft: the table of ALGORITHMS.md §2.2 in closed form.
+
+    ``stop_NV[t, y] = r_t(y) * prod_{j=t}^{L-1} s_j`` with ``r_t = (a_t p_t - q_t)_+`` and
+    ``s_j = c_j(x_j) / (C_j q_j(x_j))``, ``c_j = (q_j - a_j p_j)_+``, ``C_j = sum c_j``
+    (``s_j = 1`` when ``C_j = 0``); entries ``(t, x_t)`` and rows ``t >= L`` are ``-inf``;
+    ``log_full = log a_L``. O(n V) work; weights sum to 1 without normalisation (§2.2).
+
+    Returns:
+      ``(stop_NV, log_full)`` as :func:`sps_outcome_logweights`.
+    """
+    n, vocab = draft_logprobs.shape
+    dtype = draft_logprobs.dtype
+    log_a_M = asps_continuation_logweights(
+        draft_tokens, draft_logprobs, target_logprobs, draft_length
+    )
+    valid_N = jnp.arange(n) < draft_length
+    scaled_target_NV = log_a_M[:n, None] + target_logprobs[:n]
+
+    # --- Step 1: rescaling factors s_t (importance weight of x_t under the draft-excess law) ---
+    lc_NV = log_minus_exp(draft_logprobs, scaled_target_NV)
+    lC_N = _logsumexp(lc_NV)
+    lc_x = jnp.take_along_axis(lc_NV, draft_tokens[:, None], axis=-1)[:, 0]
+    lq_x = jnp.take_along_axis(draft_logprobs, draft_tokens[:, None], axis=-1)[:, 0]
+    # c_t(x_t) > 0 implies q_t(x_t) > 0, so the subtraction is finite wherever it is used.
+    safe = jnp.isfinite(lc_x)
+    ls_N = jnp.where(safe, jnp.where(safe, lc_x, 0.0) - lC_N - jnp.where(safe, lq_x, 0.0), NEG_INF)
+    ls_N = jnp.where((lC_N == NEG_INF) | ~valid_N, jnp.zeros((), dtype), ls_N)
+
+    # --- Step 2: suffix products prod_{j>=t} s_j as a reversed cumulative sum (never +inf) ---
+    suffix_N = jnp.flip(jnp.cumsum(jnp.flip(ls_N)))
+
+    # --- Step 3: stop-and-emit weights; (t, x_t) is the consumed continuation entry ---
+    stop_NV = log_minus_exp(scaled_target_NV, draft_logprobs) + suffix_N[:, None]
+    is_draft_NV = jnp.arange(vocab)[None, :] == draft_tokens[:, None]
+    stop_NV = jnp.where(is_draft_NV | ~valid_N[:, None], NEG_INF, stop_NV)
+    return stop_NV, log_a_M[n]
+
+
+def asps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Verdict:
+    """Accelerated speculative sampling: one categorical draw over the outcome table.
+
+    Shapes as :func:`sps`. The fully coupled outcome emits the ``draft_length`` valid draft tokens
+    and a bonus token from ``target_logprobs[draft_length]``.
+    """
+    n, vocab = draft_logprobs.shape
+    stop_NV, log_full = asps_outcome_logweights(
+        draft_tokens, draft_logprobs, target_logprobs, draft_length
+    )
+    # The table sums to 1 up to rounding; categorical's implicit normalisation absorbs it.
+    flat = jnp.concatenate([stop_NV.reshape(-1), log_full[None]])
+    idx = jax.random.categorical(jax.random.fold_in(key, _OUTCOME), flat).astype(jnp.int32)
+    full = idx == n * vocab
+    stop_row = jnp.minimum(idx // vocab, n - 1) if n > 0 else jnp.zeros((), jnp.int32)
+    num_accepted = jnp.where(full, draft_length, stop_row).astype(jnp.int32)
+    bonus = jax.random.categorical(
+        jax.random.fold_in(key, _BONUS), target_logprobs[draft_length]
+    ).astype(jnp.int32)
+    last = jnp.where(full, bonus, idx % vocab)
+
+    tokens_M = jnp.concatenate([draft_tokens, jnp.full((1,), -1, jnp.int32)])
+    tokens_M = tokens_M.at[num_accepted].set(last)
+    return make_verdict(tokens_M, num_accepted + 1)

@@ -1,0 +1,272 @@
+"""SpS and ASpS: exact enumeration, statistical exactness via the public API, properties, errors.
+
+Expected values come from ``tests/tabular.py`` (NumPy float64 reference laws written independently
+of the library, exact enumeration over every draft) and from literals; ALGORITHMS.md §5.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tabular as tab
+from scipy import stats
+
+import asps_jax
+from asps_jax import metrics
+from asps_jax.verify import chain
+
+OUTCOME = {"sps": chain.sps_outcome_logweights, "asps": chain.asps_outcome_logweights}
+METHODS = ("sps", "asps")
+EXPECTED_LENGTH = {"sps": metrics.expected_length_sps, "asps": metrics.expected_length_asps}
+
+
+@functools.cache
+def _batched_outcome(method):
+    return jax.jit(jax.vmap(OUTCOME[method], in_axes=(0, 0, 0, None)))
+
+
+def code_outcome(method, drafts, q_rows, p_rows, draft_length):
+    """The library's outcome law for every draft, in float64, as probabilities."""
+    with jax.enable_x64(True):
+        stop, full = _batched_outcome(method)(
+            jnp.asarray(drafts, jnp.int32),
+            jnp.log(jnp.asarray(q_rows, jnp.float64)),
+            jnp.log(jnp.asarray(p_rows, jnp.float64)),
+            jnp.asarray(draft_length, jnp.int32),
+        )
+        assert stop.dtype == jnp.float64
+        stop, full = np.asarray(stop), np.asarray(full)
+    assert not np.isnan(stop).any() and not np.isnan(full).any()
+    return np.exp(stop), np.exp(full)
+
+
+def _model(vocab, n, tstyle, dstyle, seed):
+    rng = np.random.default_rng(seed)
+    target = tab.target_model(rng, vocab, n + 2, tstyle)
+    return target, tab.draft_model(rng, target, n, dstyle)
+
+
+# --- Exact enumeration: every V in {4,5,6} x n in {1..4} x every target/draft style pair ---
+
+
+@pytest.mark.parametrize("vocab,n", list(itertools.product((4, 5, 6), (1, 2, 3, 4))))
+def test_exact_enumeration(vocab, n):
+    for k, (tstyle, dstyle) in enumerate(itertools.product(tab.TARGET_STYLES, tab.DRAFT_STYLES)):
+        target, draft = _model(vocab, n, tstyle, dstyle, seed=1000 * vocab + 10 * n + k)
+        drafts, weight, q_rows, p_rows = tab.draft_enumeration(target, draft, n)
+        live = weight > 0
+        want = tab.joint(target, n + 1)
+        atn = {}
+        for method in METHODS:
+            stop, full = code_outcome(method, drafts, q_rows, p_rows, n)
+            ref_stop, ref_full = tab.REF_OUTCOME[method](drafts, q_rows, p_rows, n)
+            where = f"{method} V={vocab} n={n} {tstyle}/{dstyle}"
+            np.testing.assert_allclose(stop[live], ref_stop[live], atol=1e-12, err_msg=where)
+            np.testing.assert_allclose(full[live], ref_full[live], atol=1e-12, err_msg=where)
+            # Outcome weights sum to 1 before any normalisation (§2.2 telescoping).
+            total = stop.sum((1, 2)) + full
+            np.testing.assert_allclose(total[live], 1.0, atol=1e-12, err_msg=where)
+            # The emitted string continued by the target has the target's law (§5.1).
+            emitted = tab.emitted_law(stop, full, weight, drafts, p_rows[:, n], n)
+            got = tab.continue_with_target(emitted, target)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-10, err_msg=where)
+            # E[L] by enumeration of the reference law vs the closed forms of asps_jax.metrics.
+            length_law = [ref_stop[:, t].sum(-1) for t in range(n)] + [ref_full]
+            enum_atn = sum((t + 1) * np.dot(weight, w) for t, w in enumerate(length_law))
+            atn[method] = EXPECTED_LENGTH[method](target, draft)
+            assert atn[method] == pytest.approx(enum_atn, abs=1e-12), where
+        assert atn["asps"] >= atn["sps"] - 1e-12
+        if n == 1:
+            assert atn["asps"] == pytest.approx(atn["sps"], abs=1e-12)
+
+
+def test_enumeration_detects_an_inexact_verifier():
+    """Recovering from p instead of (p - q)_+ is a classic bug; the enumeration must catch it."""
+    target, draft = _model(4, 2, "dense", "far", seed=7)
+    drafts, weight, q_rows, p_rows = tab.draft_enumeration(target, draft, 2)
+    stop, full = tab.ref_sps_outcome(drafts, q_rows, p_rows, 2)
+    wrong = stop.sum(-1, keepdims=True) * p_rows[:, :2]
+    emitted = tab.emitted_law(wrong, full, weight, drafts, p_rows[:, 2], 2)
+    err = np.abs(tab.continue_with_target(emitted, target) - tab.joint(target, 3)).max()
+    assert err > 1e-3
+
+
+def test_asps_beats_sps_on_toy_models():
+    """ASpS gains nothing at n = 1 and strictly gains at n >= 2 on a close draft (§5)."""
+    target, draft = _model(4, 4, "dense", "close", seed=3)
+    gains = [
+        EXPECTED_LENGTH["asps"](target, draft[:n]) / EXPECTED_LENGTH["sps"](target, draft[:n])
+        for n in (1, 2, 3, 4)
+    ]
+    assert gains[0] == pytest.approx(1.0, abs=1e-12)
+    assert min(gains[1:]) > 1.001
+
+
+# --- draft_length: padding is ignored exactly ---
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_padding_is_exact(method):
+    vocab, n = 5, 4
+    target, draft = _model(vocab, n, "sparse", "close", seed=11)
+    rng = np.random.default_rng(0)
+    for length in range(n):
+        drafts, weight, q_rows, p_rows = tab.draft_enumeration(target, draft, length)
+        pad = n - length
+        garbage_tok = rng.integers(0, vocab, (drafts.shape[0], pad))
+        garbage_q = rng.dirichlet(np.ones(vocab), (drafts.shape[0], pad))
+        garbage_p = rng.dirichlet(np.ones(vocab), (drafts.shape[0], pad))
+        stop, full = code_outcome(
+            method,
+            np.concatenate([drafts, garbage_tok], 1),
+            np.concatenate([q_rows, garbage_q], 1),
+            np.concatenate([p_rows, garbage_p], 1),
+            length,
+        )
+        ref_stop, ref_full = tab.REF_OUTCOME[method](drafts, q_rows, p_rows, length)
+        live = weight > 0
+        np.testing.assert_allclose(stop[live, :length], ref_stop[live], atol=1e-12)
+        np.testing.assert_allclose(full[live], ref_full[live], atol=1e-12)
+        assert np.all(stop[:, length:] == 0.0)
+        emitted = tab.emitted_law(stop, full, weight, drafts, p_rows[:, length], length)
+        got = tab.continue_with_target(emitted[: length + 1], target)
+        np.testing.assert_allclose(got, tab.joint(target, length + 1), atol=1e-10)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_padding_values_do_not_change_the_sample(method):
+    vocab, n, length = 6, 5, 2
+    rng = np.random.default_rng(1)
+    lq = np.log(rng.dirichlet(np.ones(vocab), n)).astype(np.float32)
+    lp = np.log(rng.dirichlet(np.ones(vocab), n + 1)).astype(np.float32)
+    x = rng.integers(0, vocab, n).astype(np.int32)
+    lq2, lp2, x2 = lq.copy(), lp.copy(), x.copy()
+    lq2[length:] = -np.inf
+    lp2[length + 1 :] = np.log(rng.dirichlet(np.ones(vocab), n - length))
+    x2[length:] = 0
+
+    @jax.jit
+    def run(keys, x, lq, lp):
+        fn = functools.partial(asps_jax.verify_chain, method=method, draft_length=length)
+        return jax.vmap(lambda k: fn(k, x, lq, lp))(keys)
+
+    keys = jax.random.split(jax.random.key(2), 512)
+    a, b = run(keys, x, lq, lp), run(keys, x2, lq2, lp2)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.num_tokens, b.num_tokens)
+    assert a.num_tokens.max() <= length + 1 and a.num_tokens.min() >= 1
+    assert np.all(np.asarray(a.tokens)[:, length + 1 :] == -1)
+
+
+# --- Statistical exactness through the public API (jit + vmap, drafts sampled from q) ---
+
+NUM_KEYS = 200_000
+STAT_CONFIGS = {
+    # name: (V, n, target style, draft style, seed, draft_length: "full" or "random")
+    "dense-close": (4, 3, "dense", "close", 21, "full"),
+    "sparse-sparse": (4, 3, "sparse", "sparse", 24, "full"),
+    "peaked-far-padded": (4, 3, "peaked", "far", 23, "random"),
+}
+
+
+def _flat_laws(laws, count):
+    vocab = laws[0].shape[-1]
+    with np.errstate(divide="ignore"):  # zeros of sparse laws become -inf log-probs
+        return [jnp.asarray(np.log(law.reshape(-1, vocab)), jnp.float32) for law in laws[:count]]
+
+
+@functools.cache
+def _simulation(name, method):
+    vocab, n, tstyle, dstyle, seed, mode = STAT_CONFIGS[name]
+    target, draft = _model(vocab, n, tstyle, dstyle, seed)
+    lq_tables, lp_tables = _flat_laws(draft, n), _flat_laws(target, n + 1)
+
+    def one(key):
+        k_draft, k_len, k_verify = jax.random.split(key, 3)
+        prefix, toks, lq, lp = jnp.zeros((), jnp.int32), [], [], []
+        for i in range(n + 1):
+            lp.append(lp_tables[i][prefix])
+            if i < n:
+                lq.append(lq_tables[i][prefix])
+                toks.append(jax.random.categorical(jax.random.fold_in(k_draft, i), lq[-1]))
+                prefix = prefix * vocab + toks[-1]
+        x, lq, lp = jnp.stack(toks).astype(jnp.int32), jnp.stack(lq), jnp.stack(lp)
+        length = n if mode == "full" else jax.random.randint(k_len, (), 0, n + 1)
+        if mode == "random":  # padding is garbage: -inf rows and arbitrary tokens
+            rows = jnp.arange(n + 1)[:, None]
+            x = jnp.where(jnp.arange(n) < length, x, vocab - 1)
+            lq = jnp.where(rows[:n] < length, lq, -jnp.inf)
+            lp = jnp.where(rows <= length, lp, -jnp.inf)
+        verdict = asps_jax.verify_chain(k_verify, x, lq, lp, method=method, draft_length=length)
+        return verdict.tokens, verdict.num_tokens
+
+    keys = jax.random.split(jax.random.key(12345), NUM_KEYS)
+    tokens, num = jax.jit(jax.vmap(one))(keys)
+    return np.asarray(tokens), np.asarray(num), target, draft
+
+
+def _exact_emitted_law(method, target, draft, n, lengths):
+    """Law of the emitted string (flattened over lengths 1..n+1) from the float64 references."""
+    drafts, weight, q_rows, p_rows = tab.draft_enumeration(target, draft, n)
+    total = None
+    for length in lengths:
+        stop, full = tab.REF_OUTCOME[method](drafts, q_rows, p_rows, length)
+        law = np.concatenate(tab.emitted_law(stop, full, weight, drafts, p_rows[:, length], length))
+        total = law if total is None else total + law
+    return total / len(lengths)
+
+
+def _string_index(tokens, num, vocab):
+    offsets = np.cumsum([0] + [vocab ** (m + 1) for m in range(tokens.shape[1])])
+    codes = np.zeros(tokens.shape[0], np.int64)
+    for j in range(tokens.shape[1]):
+        codes = np.where(j < num, codes * vocab + tokens[:, j], codes)
+    return offsets[num - 1] + codes, offsets[-1]
+
+
+def _chi_square_pvalue(index, size, law):
+    observed = np.bincount(index, minlength=size).astype(np.float64)
+    expected = law * index.shape[0]
+    assert observed[law == 0].sum() == 0, "emitted a string of probability zero"
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    exp = exp[keep] * obs[keep].sum() / exp[keep].sum()
+    return stats.chisquare(obs[keep], exp).pvalue
+
+
+@pytest.mark.parametrize("name", list(STAT_CONFIGS))
+@pytest.mark.parametrize("method", METHODS)
+def test_statistical_law_and_length(method, name):
+    vocab, n, *_, mode = STAT_CONFIGS[name]
+    tokens, num, target, draft = _simulation(name, method)
+    lengths = [n] if mode == "full" else list(range(n + 1))
+    law = _exact_emitted_law(method, target, draft, n, lengths)
+    assert law.sum() == pytest.approx(1.0, abs=1e-12)
+    index, size = _string_index(tokens, num, vocab)
+    assert _chi_square_pvalue(index, size, law) > 1e-3
+    # Mean emitted length within 4 standard errors of the exact E[L].
+    string_len = np.repeat(np.arange(1, n + 2), [vocab ** (m + 1) for m in range(n + 1)])
+    exact = float(np.dot(law, string_len))
+    if mode == "full":
+        assert exact == pytest.approx(EXPECTED_LENGTH[method](target, draft), abs=1e-12)
+    mean, se = metrics.mean_and_stderr(num)
+    assert abs(float(mean) - exact) < 4 * float(se), (float(mean), exact, float(se))
+
+
+def test_statistical_test_tells_the_methods_apart():
+    """Power check: ASpS samples are rejected against the SpS law (and vice versa)."""
+    vocab, n, *_ = STAT_CONFIGS["dense-close"]
+    for sampled, other in (("asps", "sps"), ("sps", "asps")):
+        tokens, num, target, draft = _simulation("dense-close", sampled)
+        law = _exact_emitted_law(other, target, draft, n, [n])
+        index, size = _string_index(tokens, num, vocab)
+        observed = np.bincount(index, minlength=size)
+        impossible = observed[law == 0].sum() > 0
+        assert impossible or _chi_square_pvalue(index, size, law) < 1e-6
