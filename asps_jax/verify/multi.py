@@ -1,3 +1,233 @@
-"""Multi-draft verifiers (placeholder; being implemented)."""
+"""Multi-draft verifiers: a token-level scheme applied along K draft chains (ALGORITHMS.md §3.1).
 
-METHODS: dict = {}
+The K chains are drawn independently (from one draft law or several). Verification walks down the
+depths with an *alive* mask: at depth d the alive drafts are those whose first d tokens equal the
+emitted prefix and whose ``draft_length > d``. The scheme (tokenlevel.py) emits one token Y from the
+alive drafts' tokens; the survivors are the alive drafts whose token equals Y -- including a
+recovered token that happens to equal a draft token, and never deduplicated. With no survivor the
+step stops after Y; if the matched chains end (depth n or their ``draft_length``) a *bonus* token is
+drawn from the target at that depth. Conditional on the history the alive drafts' next tokens are
+fresh independent draws, so each node's exact scheme makes the whole step exact.
+
+Registry :data:`METHODS`: ``"specinfer"``, ``"spectr"``, ``"is"``, ``"optimal"`` and
+``"specinfer_wor"`` (for root drafts drawn *without* replacement by
+:func:`sample_without_replacement`; a different draft law, hence a different name).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from asps_jax.verify.api import Verdict, make_verdict
+from asps_jax.verify.selection import RULES, RuleConfig
+from asps_jax.verify.tokenlevel import (
+    importance_sampling,
+    sample_outcome,
+    specinfer,
+    specinfer_without_replacement,
+    spectr,
+)
+
+IS_DEFAULTS = {"rule": "truncated_lp", "s": 5, "alphabet": 40, "lp_iters": 1000, "tol": 1e-5}
+OPTIMAL_DEFAULTS = {"alphabet": 16, "lp_iters": 1000, "tol": 1e-5}
+
+
+def verify_tree(
+    node_fn, key, draft_tokens, draft_logprobs, target_logprobs, draft_length, *, root_fn=None
+) -> Verdict:
+    """Apply ``node_fn(p[V], q[K, V], x[K], alive[K]) -> NodeOutcome`` along K chains.
+
+    Args:
+      node_fn: the token-level scheme; ``root_fn`` (default ``node_fn``) is used at depth 0.
+      draft_tokens: int32[K, n]; draft_logprobs: [K, n, V]; target_logprobs: [K, n+1, V];
+      draft_length: int32[K] in [0, n].
+    """
+    num_drafts, n = draft_tokens.shape
+    root_fn = node_fn if root_fn is None else root_fn
+    key_nodes, key_bonus = jax.random.split(key)
+
+    def step(carry, d):
+        matched, done, num_tokens, index, emitted, bonus_depth, fallbacks = carry
+        alive = matched & (draft_length > d) & ~done
+        any_alive = jnp.any(alive)
+        first_alive = jnp.argmax(alive)
+        p = jnp.exp(target_logprobs[first_alive, d])  # [V], the target at the emitted prefix
+        q = jnp.exp(draft_logprobs[:, d])  # [K, V]
+        x = draft_tokens[:, d]  # [K]
+        # A dead node (done, or nothing alive) still runs on a harmless alive mask: fixed shapes.
+        mask = jnp.where(any_alive, alive, jnp.arange(num_drafts) == 0)
+        if root_fn is node_fn:
+            outcome = node_fn(p, q, x, mask)
+        else:
+            outcome = jax.lax.cond(d == 0, root_fn, node_fn, p, q, x, mask)
+        y = sample_outcome(jax.random.fold_in(key_nodes, d), outcome, x)
+        survivors = alive & (x == y)
+        emit = ~done & any_alive
+        needs_bonus = ~done & ~any_alive  # the matched chains ended before depth n
+        stop = emit & ~jnp.any(survivors)
+        emitted = emitted.at[d].set(jnp.where(emit, y, emitted[d]))
+        num_tokens = jnp.where(stop, d + 1, num_tokens)
+        # On a stop the first alive chain carries the emitted prefix; on a bonus any matched one.
+        index = jnp.where(stop, first_alive, jnp.where(needs_bonus, jnp.argmax(matched), index))
+        bonus_depth = jnp.where(needs_bonus, d, bonus_depth)
+        fallbacks = fallbacks + jnp.where(emit, outcome.num_fallbacks, 0)
+        matched = jnp.where(emit & ~stop, survivors, matched)
+        return (
+            matched,
+            done | stop | needs_bonus,
+            num_tokens,
+            index,
+            emitted,
+            bonus_depth,
+            fallbacks,
+        ), None
+
+    init = (
+        jnp.ones((num_drafts,), bool),
+        jnp.array(False),
+        jnp.zeros((), jnp.int32),
+        jnp.zeros((), jnp.int32),
+        jnp.full((n + 1,), -1, jnp.int32),
+        jnp.full((), -1, jnp.int32),
+        jnp.zeros((), jnp.int32),
+    )
+    carry, _ = jax.lax.scan(step, init, jnp.arange(n))
+    matched, done, num_tokens, index, emitted, bonus_depth, fallbacks = carry
+    # Never stopped: every surviving chain reached depth n, the bonus comes from its last row.
+    bonus_depth = jnp.where(done, bonus_depth, n)
+    index = jnp.where(done, index, jnp.argmax(matched))
+    has_bonus = bonus_depth >= 0
+    bonus = jax.random.categorical(key_bonus, target_logprobs[index, jnp.maximum(bonus_depth, 0)])
+    emitted = jnp.where(
+        has_bonus & (jnp.arange(n + 1) == bonus_depth), bonus.astype(jnp.int32), emitted
+    )
+    num_tokens = jnp.where(has_bonus, bonus_depth + 1, num_tokens)
+    return make_verdict(emitted, num_tokens, index, fallbacks)
+
+
+def _reject_options(method: str, options: dict) -> None:
+    if options:
+        raise ValueError(f"verify_drafts: method {method!r} takes no options, got {options}")
+
+
+def _pick(method: str, options: dict, defaults: dict) -> dict:
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ValueError(
+            f"verify_drafts: unknown option(s) {unknown} for method {method!r}; "
+            f"allowed: {sorted(defaults)}"
+        )
+    return {**defaults, **options}
+
+
+def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
+    """Validate ``options`` (plain Python values) into a static :class:`RuleConfig`."""
+    if method == "optimal":
+        opts = _pick(method, options, OPTIMAL_DEFAULTS)
+        rule = "truncated_lp"
+    else:
+        opts = _pick(method, options, IS_DEFAULTS)
+        rule = opts["rule"]
+        if rule not in RULES:
+            raise ValueError(f"verify_drafts: unknown rule={rule!r}; choose one of {RULES}")
+    alphabet = opts["alphabet"]
+    if not isinstance(alphabet, int) or alphabet < 1:
+        raise ValueError(f"verify_drafts: alphabet must be a positive int, got {alphabet!r}")
+    if "alphabet" in options and alphabet > vocab:
+        raise ValueError(
+            f"verify_drafts: alphabet={alphabet} is larger than the vocabulary V={vocab}"
+        )
+    alphabet = min(alphabet, vocab)
+    if method == "optimal" or rule == "sir":
+        block = alphabet
+    elif rule == "fixed_order":
+        block = 1
+    else:
+        block = opts["s"]
+        if not isinstance(block, int) or block < 1:
+            raise ValueError(f"verify_drafts: s must be a positive int, got {block!r}")
+        if "s" in options and block > alphabet:
+            raise ValueError(f"verify_drafts: s={block} is larger than the alphabet ({alphabet})")
+        block = min(block, alphabet)
+    if "s" in options and rule != "truncated_lp":
+        raise ValueError(f"verify_drafts: s applies to rule='truncated_lp' only, not {rule!r}")
+    if not isinstance(opts["lp_iters"], int) or opts["lp_iters"] < 0:
+        raise ValueError(f"verify_drafts: lp_iters must be an int >= 0, got {opts['lp_iters']!r}")
+    return RuleConfig(
+        rule=rule, block=block, alphabet=alphabet, lp_iters=opts["lp_iters"], tol=float(opts["tol"])
+    )
+
+
+def verify_specinfer(key, tokens, lq, lp, draft_length, **options) -> Verdict:
+    """SpecInfer: recursive rejection sampling with replacement at every node (§3.2)."""
+    _reject_options("specinfer", options)
+    return verify_tree(specinfer, key, tokens, lq, lp, draft_length)
+
+
+def verify_specinfer_wor(key, tokens, lq, lp, draft_length, **options) -> Verdict:
+    """RRS without replacement at the root (§3.3), for root tokens drawn by
+    :func:`sample_without_replacement`; deeper nodes (independent continuations) use RRS."""
+    _reject_options("specinfer_wor", options)
+    return verify_tree(
+        specinfer, key, tokens, lq, lp, draft_length, root_fn=specinfer_without_replacement
+    )
+
+
+def verify_spectr(key, tokens, lq, lp, draft_length, **options) -> Verdict:
+    """SpecTr k-sequential selection with the smallest feasible division factor (§3.4)."""
+    _reject_options("spectr", options)
+    return verify_tree(spectr, key, tokens, lq, lp, draft_length)
+
+
+def verify_is(key, tokens, lq, lp, draft_length, **options) -> Verdict:
+    """IS selection + SpS against the exact induced law (§3.6). Options: ``rule`` in
+    ``"truncated_lp"`` (default; ``s`` = 5 LP positions), ``"fixed_order"``, ``"sir"``; ``alphabet``
+    (40, ranked tokens), ``lp_iters`` (1000), ``tol`` (1e-5, certified LP gap)."""
+    cfg = _rule_config("is", lp.shape[-1], options)
+    return verify_tree(
+        functools.partial(importance_sampling, cfg=cfg), key, tokens, lq, lp, draft_length
+    )
+
+
+def verify_optimal(key, tokens, lq, lp, draft_length, **options) -> Verdict:
+    """LP-optimal pairwise IS weights on the top ``alphabet`` (16) tokens, then SpS against q_I.
+
+    Optimal among all token-level schemes for K = 2 when ``alphabet >= V`` (every IS rule for two
+    drafts is pairwise, §3.8); for K > 2 it is the tournament of pairwise-optimal rounds.
+    """
+    cfg = _rule_config("optimal", lp.shape[-1], options)
+    return verify_tree(
+        functools.partial(importance_sampling, cfg=cfg), key, tokens, lq, lp, draft_length
+    )
+
+
+def sample_without_replacement(key: jax.Array, draft_logprobs: jax.Array, num_drafts: int):
+    """K distinct root tokens by Gumbel-top-k: sequential sampling without replacement from q.
+
+    Args:
+      draft_logprobs: [V] log q at the root; num_drafts: K <= V (static).
+
+    Returns:
+      int32[K]; draw k is distributed as q restricted to the tokens not drawn before it. If q has
+      fewer than K tokens of positive mass the last draws are zero-mass tokens, which
+      ``"specinfer_wor"`` never accepts.
+    """
+    vocab = draft_logprobs.shape[-1]
+    if not 1 <= num_drafts <= vocab:
+        raise ValueError(
+            f"sample_without_replacement: num_drafts must be in [1, V={vocab}], got {num_drafts}"
+        )
+    perturbed = draft_logprobs + jax.random.gumbel(key, draft_logprobs.shape, draft_logprobs.dtype)
+    return jax.lax.top_k(perturbed, num_drafts)[1].astype(jnp.int32)
+
+
+METHODS = {
+    "specinfer": verify_specinfer,
+    "spectr": verify_spectr,
+    "is": verify_is,
+    "optimal": verify_optimal,
+    "specinfer_wor": verify_specinfer_wor,
+}

@@ -1,0 +1,178 @@
+"""Importance-sampling (IS) selection rules for K drafts and their exact induced laws.
+
+Khisti et al., "Multi-Draft Speculative Sampling: Canonical Architectures and Theoretical Limits"
+(arXiv 2410.18234), Theorem 1: any selection of one of the draft tokens followed by single-draft SpS
+against the *induced* law ``q_I`` of the selected token is exact. So the rules here may be anything
+-- heuristic, solver-proposed, or a fallback -- as long as ``q_I`` is computed exactly for the rule
+actually applied. That is what this module guarantees (ALGORITHMS.md §3.6, §3.8).
+
+Pairwise rules (two drafts with laws ``qa``, ``qb``): tokens are ranked by ``p - qa * qb``
+(descending) on a truncated alphabet of the top ``M`` tokens; all other tokens rank below them in
+token-id order. On the top ``s`` positions (the *block*) a weight matrix ``W[r, r']`` = P(keep the
+first draft's token | the second draft shows another token) decides; every pair touching a token
+outside the block keeps the higher-ranked token (the fixed-order rule). Rules:
+
+* ``"fixed_order"``: no block (s = 1), O(V + M log M);
+* ``"truncated_lp"``: W maximises ``sum_block min(p, q_I)`` (lp.py); if the solver's certified gap
+  exceeds ``tol`` the fixed-order weights are used instead and the event is counted;
+* ``"sir"``: self-normalised weights ``w_r / (w_r + w_r')``, ``w = p / ((qa + qb) / 2)``, s = M.
+
+K > 2 drafts: a tournament (§3.8.5). The winner so far (law ``q_W``) meets the next alive draft; the
+pairwise rule for ``(q_W, q_k)`` picks one and ``q_W <- q_I``. The winner is independent of the next
+draft, so ``q_W`` stays exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from asps_jax.verify.lp import selection_load, solve_pairwise_lp
+
+RULES = ("truncated_lp", "fixed_order", "sir")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleConfig:
+    """Static description of a pairwise rule (hashable: it shapes the traced computation)."""
+
+    rule: str = "truncated_lp"
+    block: int = 5  # s: size of the weighted block (1 = fixed order everywhere)
+    alphabet: int = 40  # M: ranked alphabet; the rest follows token-id order
+    lp_iters: int = 1000
+    tol: float = 1e-5
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PairwiseRule:
+    """A concrete pairwise rule: the ranking and the block weights actually used."""
+
+    order: jax.Array  # int32[M]: token ids of the ranked alphabet, best first
+    weights: jax.Array  # [s, s]: W[r, r'] = P(keep first | first at r, second at r')
+
+
+def _rev_exclusive_cumsum(x: jax.Array) -> jax.Array:
+    """``out[i] = sum_{j > i} x[j]`` along the last axis."""
+    return jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1) - x
+
+
+def build_pairwise(
+    p: jax.Array, qa: jax.Array, qb: jax.Array, cfg: RuleConfig
+) -> tuple[PairwiseRule, jax.Array, jax.Array]:
+    """Pairwise rule for first draft ~ ``qa``, second ~ ``qb`` and its exact induced law.
+
+    Args:
+      p, qa, qb: [V] probabilities (target, first and second draft).
+      cfg: the static rule configuration.
+
+    Returns:
+      ``(rule, q_I [V], fell_back bool[])``.
+    """
+    vocab = p.shape[-1]
+    m, s = cfg.alphabet, cfg.block
+    dtype = p.dtype
+    _, order = jax.lax.top_k(p - qa * qb, m)  # [M]
+    in_top = jnp.zeros((vocab,), bool).at[order].set(True)
+    # --- Fixed-order law: q_I(i) = qa qb + qa T_b + T_a qb, T = mass ranked below i ---
+    qa_rest = jnp.where(in_top, 0.0, qa)
+    qb_rest = jnp.where(in_top, 0.0, qb)
+    law_rest = qa * qb + qa * _rev_exclusive_cumsum(qb_rest) + _rev_exclusive_cumsum(qa_rest) * qb
+    qa_top, qb_top, p_top = qa[order], qb[order], p[order]  # [M]
+    below_a = jnp.sum(qa_rest) + _rev_exclusive_cumsum(qa_top)  # [M]
+    below_b = jnp.sum(qb_rest) + _rev_exclusive_cumsum(qb_top)
+    law_top = qa_top * qb_top + qa_top * below_b + below_a * qb_top
+    # --- Block: pairs inside the top-s positions follow W ---
+    qa_s, qb_s = qa_top[:s], qb_top[:s]
+    coupling = jnp.outer(qa_s, qb_s) * (1.0 - jnp.eye(s, dtype=dtype))  # A [s, s]
+    base = qa_s * qb_s + qa_s * below_b[s - 1] + below_a[s - 1] * qb_s + jnp.sum(coupling, 0)
+    fixed = jnp.triu(jnp.ones((s, s), dtype), 1)  # higher-ranked (smaller position) keeps
+    fell_back = jnp.array(False)
+    if cfg.rule == "truncated_lp" and s > 1:
+        sol = solve_pairwise_lp(
+            p_top[:s], base, coupling, fixed, num_iters=cfg.lp_iters, tol=cfg.tol
+        )
+        weights = jnp.where(sol.converged, jnp.clip(sol.weights, 0.0, 1.0), fixed)
+        fell_back = ~sol.converged
+    elif cfg.rule == "sir":
+        # A tiny floor keeps w finite (p <= 1) where both drafts give the token zero mass.
+        w = p_top[:s] / ((qa_s + qb_s) / 2 + jnp.asarray(1e-30, dtype))
+        tot = w[:, None] + w[None, :]
+        weights = jnp.where(tot > 0, w[:, None] / jnp.where(tot > 0, tot, 1.0), 0.5)
+    else:
+        weights = fixed
+    law_top = law_top.at[:s].set(base + selection_load(weights, coupling))
+    law = jnp.where(in_top, 0.0, law_rest).at[order].set(law_top)
+    return PairwiseRule(order=order, weights=weights), law, fell_back
+
+
+def keep_first(rule: PairwiseRule, a: jax.Array, b: jax.Array) -> jax.Array:
+    """P(the rule keeps the first draft's token ``a`` when the second shows ``b``)."""
+    m = rule.order.shape[0]
+    s = rule.weights.shape[0]
+
+    def position(v):
+        hit = rule.order == v
+        return jnp.where(jnp.any(hit), jnp.argmax(hit), m + v)
+
+    ra, rb = position(a), position(b)
+    in_block = (ra < s) & (rb < s)
+    w = rule.weights[jnp.clip(ra, 0, s - 1), jnp.clip(rb, 0, s - 1)]
+    one = jnp.ones((), rule.weights.dtype)
+    return jnp.where(a == b, one, jnp.where(in_block, w, (ra < rb).astype(one.dtype)))
+
+
+def tournament_rules(
+    p: jax.Array, q: jax.Array, alive: jax.Array, cfg: RuleConfig
+) -> tuple[PairwiseRule, jax.Array, jax.Array, jax.Array]:
+    """The rules of an IS tournament over the alive drafts and the exact law of its winner.
+
+    The rules depend on the laws and the alive set only, never on the tokens, so they are built
+    once per node (and once for all token tuples in an enumeration).
+
+    Args:
+      p: [V] target probabilities; q: [K, V] draft probabilities; alive: bool[K], one or more true.
+      cfg: pairwise rule configuration.
+
+    Returns:
+      ``(rules, rounds, q_sel, num_fallbacks)``: ``rules`` stacked over the K-1 rounds, ``rounds``
+      int32[K-1] the draft met in each round, ``q_sel`` [V] the law of the selected token.
+    """
+    num_drafts = q.shape[0]
+    first = jnp.argmax(alive)
+    # Visit the other drafts cyclically after the first alive one: the order depends only on the
+    # alive set, never on the tokens, which is all the tournament's exactness needs.
+    rounds = (first + jnp.arange(1, num_drafts)) % num_drafts  # [K-1]
+
+    def play(carry, k):
+        q_win, fallbacks = carry
+        rule, q_new, fell_back = build_pairwise(p, q_win, q[k], cfg)
+        carry = (
+            jnp.where(alive[k], q_new, q_win),
+            fallbacks + (alive[k] & fell_back).astype(jnp.int32),
+        )
+        return carry, rule
+
+    (q_sel, fallbacks), rules = jax.lax.scan(play, (q[first], jnp.zeros((), jnp.int32)), rounds)
+    return rules, rounds, q_sel, fallbacks
+
+
+def tournament_selection(
+    rules: PairwiseRule, rounds: jax.Array, x: jax.Array, alive: jax.Array
+) -> jax.Array:
+    """``sel [K]``: P(the tournament selects draft k's token | tokens ``x`` int32[K])."""
+    num_drafts = x.shape[0]
+    dtype = rules.weights.dtype
+    sel0 = jax.nn.one_hot(jnp.argmax(alive), num_drafts, dtype=dtype)
+
+    def play(sel, inputs):
+        rule, k = inputs
+        keep = jax.vmap(lambda xj: keep_first(rule, xj, x[k]))(x)  # [K]
+        moved = jnp.sum(sel * (1.0 - keep))
+        played = sel * keep + moved * jax.nn.one_hot(k, num_drafts, dtype=dtype)
+        return jnp.where(alive[k], played, sel), None
+
+    sel, _ = jax.lax.scan(play, sel0, (rules, rounds))
+    return sel
