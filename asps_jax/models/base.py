@@ -1,0 +1,83 @@
+"""The model-family registry, the ``Model`` record, and the target/draft compatibility check.
+
+A family is a module exposing ``MODEL_TYPE``, ``CONFIG_CLASS``, ``config_from_hf(dict)``,
+``init_params``, ``param_shapes``, ``param_axes``, ``forward(config, params, tokens, positions,
+mask, cache)``, ``HF_TENSORS`` (and optionally ``HF_IGNORED``). Adding OPT or GPT-2 means one more
+module and one more entry in ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from asps_jax.models import llama
+
+FAMILIES = {llama.MODEL_TYPE: llama}
+
+
+def family_for_type(model_type: str | None, where: str = "config"):
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"{where}: model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)}"
+        )
+    return FAMILIES[model_type]
+
+
+def family_for_config(config):
+    for family in FAMILIES.values():
+        if isinstance(config, family.CONFIG_CLASS):
+            return family
+    raise ValueError(f"config: no model family for {type(config).__name__}")
+
+
+def forward_for(config):
+    """``forward(params, tokens, positions, mask, cache)`` with the static config bound."""
+    return functools.partial(family_for_config(config).forward, config)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    name: str  # the alias, repo id or path it was loaded as
+    path: str  # the checkpoint folder
+    config: Any  # a family config, e.g. LlamaConfig
+    params: Any  # pytree of arrays
+    tokenizer: Any = None  # a transformers tokenizer, or None
+
+    @property
+    def family(self):
+        return family_for_config(self.config)
+
+    @property
+    def forward(self):
+        """Pure ``forward(params, tokens, positions, mask, cache) -> (logits, new_kv)``."""
+        return forward_for(self.config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+
+class IncompatibleModelsError(ValueError):
+    """Target and draft cannot be paired (different vocabularies)."""
+
+
+def check_compatible(target: Model, draft: Model) -> None:
+    """Raise unless the draft proposes tokens in the target's vocabulary with the same meaning."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise IncompatibleModelsError(
+            f"target {target.name!r} has vocab_size {tv} but draft {draft.name!r} has {dv}; "
+            "speculative sampling needs one shared vocabulary"
+        )
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is None or dt is None:
+        return  # nothing more to compare; equal sizes is all we can check
+    t_vocab, d_vocab = tt.get_vocab(), dt.get_vocab()
+    if t_vocab != d_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])[:5]
+        raise IncompatibleModelsError(
+            f"target {target.name!r} and draft {draft.name!r} have different tokenizers "
+            f"({len(t_vocab)} vs {len(d_vocab)} entries; first differences: {differ})"
+        )

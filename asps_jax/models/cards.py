@@ -1,0 +1,198 @@
+"""Model cards (``<repo>/models/<alias>/card.json``) and where a checkpoint is looked for.
+
+A card names an alias's Hugging Face repo id and the architecture numbers its config must have.
+``resolve`` finds the checkpoint folder, in this order:
+
+1. ``name_or_path`` itself when it is a directory;
+2. ``$ASPS_MODELS_DIR/<alias>``;
+3. the bundled checkpoint ``<repo>/models/<alias>/`` (card.json next to config.json + weights);
+4. the local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub``, ``~/.cache/huggingface/hub``;
+   ``models--org--name/snapshots/<rev>/``, the revision ``refs/main`` points at first);
+5. ``huggingface_hub.snapshot_download`` when ``HF_HUB_OFFLINE`` is unset and the Hub is reachable.
+
+Nothing found raises ``MissingWeightsError`` listing every place searched and the command that
+fetches the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+from pathlib import Path
+
+import asps_jax
+
+MODELS_DIR = Path(asps_jax.__file__).resolve().parents[1] / "models"
+CARD_FILE = "card.json"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+class MissingWeightsError(FileNotFoundError):
+    """No checkpoint files where they were looked for; the message says how to get them."""
+
+
+class UnknownModelError(ValueError):
+    """Not an alias, not a directory, not a Hugging Face repo id."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    name: str
+    path: Path
+    card: dict | None
+
+
+def known_aliases() -> list[str]:
+    if not MODELS_DIR.is_dir():
+        return []
+    return sorted(p.parent.name for p in MODELS_DIR.glob(f"*/{CARD_FILE}"))
+
+
+def read_card(alias: str) -> dict | None:
+    path = MODELS_DIR / alias / CARD_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / "config.json").is_file() and any((path / w).is_file() for w in _WEIGHTS)
+
+
+def hf_cache_roots() -> list[Path]:
+    roots = []
+    if os.environ.get("HF_HUB_CACHE"):
+        roots.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        roots.append(Path(os.environ["HF_HOME"]) / "hub")
+    roots.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return list(dict.fromkeys(roots))
+
+
+def find_in_hf_cache(repo_id: str, roots: list[Path]) -> Path | None:
+    """The snapshot folder of ``repo_id`` (``refs/main`` first, then the newest complete one)."""
+    folder = "models--" + repo_id.replace("/", "--")
+    for root in roots:
+        repo = root / folder
+        ref = repo / "refs" / "main"
+        if ref.is_file():
+            snap = repo / "snapshots" / ref.read_text().strip()
+            if is_checkpoint(snap):
+                return snap
+        snaps = [s for s in (repo / "snapshots").glob("*") if is_checkpoint(s)]
+        if snaps:
+            return max(snaps, key=lambda s: s.stat().st_mtime)
+    return None
+
+
+def _online() -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("", "0", "false", "no"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def _download(repo_id: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+
+    text = ["*.json", "tokenizer*", "*.model"]
+    path = Path(snapshot_download(repo_id, allow_patterns=text + ["*.safetensors"]))
+    if not is_checkpoint(path):  # repos that ship only PyTorch .bin weights
+        path = Path(snapshot_download(repo_id, allow_patterns=text + ["pytorch_model*.bin"]))
+    return path if is_checkpoint(path) else None
+
+
+def fetch_command(repo_id: str | None, card: dict | None) -> str:
+    if card and card.get("fetch_command"):
+        return card["fetch_command"]
+    return f"hf download {repo_id}" if repo_id else "(no download source is known)"
+
+
+def resolve(name_or_path: str | os.PathLike) -> Resolved:
+    """Find the checkpoint folder for an alias, a directory or a cached repo id."""
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise MissingWeightsError(f"{path} has no config.json; it is not a checkpoint folder")
+        if not is_checkpoint(path):
+            raise MissingWeightsError(
+                f"{path} has a config.json but no weights (looked for {', '.join(_WEIGHTS)})"
+            )
+        return Resolved(name, path, None)
+    card = read_card(name) if re.fullmatch(r"[\w.-]+", name) else None
+    if card is not None:
+        repo_id = card.get("repo_id")
+    elif _REPO_ID.fullmatch(name):
+        repo_id = name
+    else:
+        raise UnknownModelError(
+            f"unknown model {name!r}: not a directory, not a Hugging Face repo id (org/name), and "
+            f"not one of the known aliases {known_aliases()} (cards in {MODELS_DIR})"
+        )
+    searched = []
+    alias = name if card is not None else repo_id.replace("/", "--")
+    if os.environ.get("ASPS_MODELS_DIR"):
+        candidate = Path(os.environ["ASPS_MODELS_DIR"]).expanduser() / alias
+        searched.append(f"$ASPS_MODELS_DIR/{alias} = {candidate}")
+        if is_checkpoint(candidate):
+            return Resolved(name, candidate, card)
+    else:
+        searched.append("$ASPS_MODELS_DIR/<alias> (ASPS_MODELS_DIR is not set)")
+    if card is not None:
+        searched.append(f"bundled checkpoint {MODELS_DIR / name}")
+        if is_checkpoint(MODELS_DIR / name):
+            return Resolved(name, MODELS_DIR / name, card)
+    if repo_id:
+        roots = hf_cache_roots()
+        searched += [
+            f"Hugging Face cache {r / ('models--' + repo_id.replace('/', '--'))}" for r in roots
+        ]
+        found = find_in_hf_cache(repo_id, roots)
+        if found is not None:
+            return Resolved(name, found, card)
+        if _online():
+            found = _download(repo_id)
+            if found is not None:
+                return Resolved(name, found, card)
+            searched.append(f"download of {repo_id} from the Hugging Face Hub (no weights there)")
+        else:
+            searched.append(
+                "download skipped (HF_HUB_OFFLINE is set or huggingface.co unreachable)"
+            )
+    where = "\n  - ".join(searched)
+    raise MissingWeightsError(
+        f"no weights for {name!r}"
+        + (f" ({repo_id})" if repo_id and repo_id != name else "")
+        + f". Looked in:\n  - {where}\nFetch them with:\n  {fetch_command(repo_id, card)}\n"
+        + "(or put a checkpoint folder at $ASPS_MODELS_DIR/"
+        + f"{alias}, or pass its path)"
+    )
+
+
+def check_card(card: dict | None, hf_config: dict, path: Path) -> None:
+    """The loaded config must have the architecture numbers the card promises."""
+    if not card:
+        return
+    bad = {
+        k: (v, hf_config.get(k))
+        for k, v in card.get("architecture", {}).items()
+        if hf_config.get(k) != v
+    }
+    if bad:
+        detail = ", ".join(f"{k}: card {v[0]}, checkpoint {v[1]}" for k, v in bad.items())
+        raise ValueError(
+            f"checkpoint {path} does not match the card of {card.get('alias')!r} ({detail})"
+        )

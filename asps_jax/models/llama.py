@@ -1,0 +1,308 @@
+"""Llama in JAX: pure functions over a plain dict of stacked parameters.
+
+The forward takes the caller's positions, attention mask and KV cache, and returns the new keys and
+values instead of writing them, which is what tree scoring needs (STYLE.md, "Models"): the decode
+loop scores a whole draft tree in one call and commits only the accepted path.
+
+Layout choices:
+* layers are stacked on a leading ``L`` axis; the forward is one ``lax.scan`` (one compiled layer);
+* projections are stored ``[in, out]`` (``x @ W``) with the head axes split out, e.g.
+  ``wq [L, E, NH, H]``; HF's ``nn.Linear`` stores ``[out, in]`` and computes ``x @ W.T``, so every
+  HF projection is transposed once at load (``HF_TENSORS``, kind ``"linear"``);
+* RoPE in HF's split-half layout (``rope.py``), so q/k weights need no permutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from asps_jax.kv_cache import KVBlock, KVCache
+from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
+
+MODEL_TYPE = "llama"
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int  # V
+    hidden_size: int  # E
+    intermediate_size: int  # F
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # NH
+    num_key_value_heads: int  # KVH
+    head_dim: int  # H
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+    pad_token_id: int | None = None
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> LlamaConfig:
+        """From ``config.json``: v4 ``rope_theta``/``rope_scaling`` or v5 ``rope_parameters``."""
+        if d.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+            raise ValueError(f"config: model_type must be 'llama', got {d.get('model_type')!r}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config: hidden_act {d['hidden_act']!r} unsupported (only 'silu')")
+        for flag in ("attention_bias", "mlp_bias"):
+            if d.get(flag):
+                raise ValueError(f"config: {flag}=true is not supported by this port")
+        max_pos = int(d.get("max_position_embeddings", 2048))
+        rope_params = d.get("rope_parameters")
+        if isinstance(rope_params, dict) and rope_params:
+            theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))
+        else:
+            theta = d.get("rope_theta", 10000.0)
+            rope_params = d.get("rope_scaling")
+        heads = int(d["num_attention_heads"])
+        eos = d.get("eos_token_id", 2)
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=RopeScaling.from_hf(rope_params, max_pos),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id", 1),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            pad_token_id=d.get("pad_token_id"),
+            initializer_range=float(d.get("initializer_range", 0.02)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A ``config.json`` dict for transformers (both the v5 and the v4 RoPE keys)."""
+        rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_parameters.update(self.rope_scaling.to_hf())
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        return {
+            "model_type": MODEL_TYPE,
+            "architectures": [ARCHITECTURE],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_hf(),
+            "rope_parameters": rope_parameters,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "pad_token_id": self.pad_token_id,
+            "initializer_range": self.initializer_range,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+
+
+CONFIG_CLASS = LlamaConfig
+config_from_hf = LlamaConfig.from_hf
+
+
+# --- Parameters -------------------------------------------------------------------------------
+
+
+def param_shapes(config: LlamaConfig) -> dict:
+    """Shapes and logical axes of every parameter: ``{name: (shape, axes)}``, nested like params."""
+    c = config
+    L, E, F, V = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    NH, KVH, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    shapes = {
+        "embed": ((V, E), ("vocab", "embed")),
+        "layers": {
+            "attn_norm": ((L, E), ("layers", "embed")),
+            "wq": ((L, E, NH, H), ("layers", "embed", "heads", "head_dim")),
+            "wk": ((L, E, KVH, H), ("layers", "embed", "kv_heads", "head_dim")),
+            "wv": ((L, E, KVH, H), ("layers", "embed", "kv_heads", "head_dim")),
+            "wo": ((L, NH, H, E), ("layers", "heads", "head_dim", "embed")),
+            "mlp_norm": ((L, E), ("layers", "embed")),
+            "w_gate": ((L, E, F), ("layers", "embed", "mlp")),
+            "w_up": ((L, E, F), ("layers", "embed", "mlp")),
+            "w_down": ((L, F, E), ("layers", "mlp", "embed")),
+        },
+        "final_norm": ((E,), ("embed",)),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = ((E, V), ("embed", "vocab"))
+    return shapes
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
+
+
+def param_axes(config: LlamaConfig) -> dict:
+    """Same structure as the params; each leaf a tuple of logical axis names."""
+    return jax.tree.map(lambda s: s[1], param_shapes(config), is_leaf=_is_spec)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """HF-style init: weights ~ N(0, initializer_range), norm scales = 1 (one compiled call)."""
+    specs = param_shapes(config)
+    flat, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]]
+    is_norm = [str(path[-1].key).endswith("norm") for path in paths]
+    sizes = [math.prod(shape) for (shape, _), norm in zip(flat, is_norm, strict=True) if not norm]
+    # One RNG draw sliced into every weight: XLA compiles one threefry, not one per weight.
+    noise = config.initializer_range * jax.random.normal(key, (sum(sizes),), jnp.float32)
+    leaves, offset = [], 0
+    for (shape, _), norm in zip(flat, is_norm, strict=True):
+        if norm:
+            leaves.append(jnp.ones(shape, dtype))
+        else:
+            size = math.prod(shape)
+            leaves.append(noise[offset : offset + size].reshape(shape).astype(dtype))
+            offset += size
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# HF tensor name <-> our parameter. "copy": same layout. "linear": HF nn.Linear stores [out, in]
+# and computes x @ W.T, we store [in, out(, split into heads)] so x @ W needs no transpose at run
+# time: ours = W.T reshaped. "{i}" is the layer index; those go to slot i of the stacked L axis.
+HF_TENSORS = (
+    ("model.embed_tokens.weight", "embed", "copy"),
+    ("model.layers.{i}.input_layernorm.weight", "layers/attn_norm", "copy"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers/wq", "linear"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers/wk", "linear"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers/wv", "linear"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers/wo", "linear"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers/mlp_norm", "copy"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers/w_gate", "linear"),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers/w_up", "linear"),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers/w_down", "linear"),
+    ("model.norm.weight", "final_norm", "copy"),
+    ("lm_head.weight", "lm_head", "linear"),
+)
+# Non-parameter buffers some older checkpoints carry; recomputed from the config.
+HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+
+
+# --- Forward ----------------------------------------------------------------------------------
+
+
+def _rms_norm(x_BTE: jax.Array, scale_E: jax.Array, eps: float) -> jax.Array:
+    # Like HF: normalise in float32, cast back to the activation dtype, then scale.
+    x = x_BTE.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return scale_E[None, None, :] * x.astype(x_BTE.dtype)
+
+
+def _check_inputs(config, tokens, positions, mask, cache):
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    B, T = tokens.shape
+    if positions.shape != (B, T):
+        raise ValueError(f"positions must have shape {(B, T)}, got {positions.shape}")
+    S = 0 if cache is None else cache.k.shape[2]
+    if mask.shape != (B, T, S + T) or mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be bool[{B}, {T}, {S + T}], got {mask.dtype}{mask.shape}")
+    if cache is not None:
+        want = (config.num_hidden_layers, B, S, config.num_key_value_heads, config.head_dim)
+        if cache.k.shape != want:
+            raise ValueError(f"cache.k must have shape {want}, got {cache.k.shape}")
+
+
+def forward(
+    config: LlamaConfig,
+    params: dict,
+    tokens: jax.Array,  # int32[B, T]
+    positions: jax.Array,  # int32[B, T]
+    mask: jax.Array,  # bool[B, T, S+T] (cache slots, then the new tokens) or bool[B, T, T]
+    cache: KVCache | None,
+) -> tuple[jax.Array, KVBlock]:
+    """``(logits float32[B, T, V], new_kv)``; ``new_kv.k/v [L, B, T, KVH, H]`` (k after RoPE)."""
+    _check_inputs(config, tokens, positions, mask, cache)
+    c = config
+    dtype = params["embed"].dtype
+    B, T = tokens.shape
+    G = c.num_attention_heads // c.num_key_value_heads  # query heads per kv head
+    cos, sin = rope_tables(
+        c.rope_theta, c.head_dim, c.rope_scaling, c.max_position_embeddings, positions
+    )
+    # Scores are float32; finfo.min (not -inf) keeps fully masked rows finite.
+    mask_B11TS = mask[:, None, None, :, :]
+    scale = c.head_dim**-0.5
+
+    def layer(x_BTE, xs):
+        p, cache_k, cache_v = xs
+        h = _rms_norm(x_BTE, p["attn_norm"], c.rms_norm_eps)
+        q = apply_rope(jnp.einsum("bte,enh->btnh", h, p["wq"]), cos, sin)
+        k = apply_rope(jnp.einsum("bte,ekh->btkh", h, p["wk"]), cos, sin)
+        v = jnp.einsum("bte,ekh->btkh", h, p["wv"])
+        keys, values = k, v
+        if cache_k is not None:
+            keys = jnp.concatenate([cache_k.astype(dtype), k], axis=1)  # [B, S+T, KVH, H]
+            values = jnp.concatenate([cache_v.astype(dtype), v], axis=1)
+        q_BTKGH = q.reshape(B, T, c.num_key_value_heads, G, c.head_dim)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, keys, preferred_element_type=jnp.float32)
+        scores = jnp.where(mask_B11TS, scores * scale, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        attn = jnp.einsum("bkgts,bskh->btkgh", probs, values)
+        attn = attn.reshape(B, T, c.num_attention_heads, c.head_dim)
+        x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"])
+        h = _rms_norm(x_BTE, p["mlp_norm"], c.rms_norm_eps)
+        gate = jax.nn.silu(jnp.einsum("bte,ef->btf", h, p["w_gate"]))
+        up = jnp.einsum("bte,ef->btf", h, p["w_up"])
+        x_BTE = x_BTE + jnp.einsum("btf,fe->bte", gate * up, p["w_down"])
+        return x_BTE, (k, v)
+
+    x = params["embed"][tokens]  # [B, T, E]
+    xs = (params["layers"], None, None) if cache is None else (params["layers"], cache.k, cache.v)
+    x, (new_k, new_v) = jax.lax.scan(layer, x, xs)
+    x = _rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    if c.tie_word_embeddings:
+        logits = jnp.einsum("bte,ve->btv", x, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("bte,ev->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits.astype(jnp.float32), KVBlock(k=new_k, v=new_v)

@@ -1,0 +1,312 @@
+"""Hugging Face checkpoint I/O: read and write ``config.json`` + weights in HF names and layouts.
+
+Reading streams one tensor at a time (safetensors through a read-only memory map, ``.bin`` through
+``torch.load(mmap=True)``) into one preallocated array per stacked parameter, so a checkpoint never
+needs two full copies in host memory and bfloat16 stays bfloat16 unless a dtype is asked for.
+Each model family's ``HF_TENSORS`` table is the single name/layout mapping, used both ways.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_FILE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+WEIGHT_FILES = (SAFETENSORS_INDEX, SAFETENSORS_FILE, BIN_INDEX, BIN_FILE)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+_ST_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_TORCH_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose files do not match its config (names, shapes, missing tensors)."""
+
+
+def as_dtype(dtype) -> np.dtype | None:
+    """None, a name ('float32', 'bf16', ...) or a NumPy/JAX dtype -> a NumPy dtype."""
+    if dtype is None:
+        return None
+    aliases = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "fp16": "float16"}
+    if isinstance(dtype, str):
+        dtype = aliases.get(dtype, dtype)
+        if dtype == "bfloat16":
+            return np.dtype(ml_dtypes.bfloat16)
+    try:
+        out = np.dtype(jnp.dtype(dtype))
+    except TypeError as e:
+        raise ValueError(f"dtype: unknown dtype {dtype!r}") from e
+    if out.kind != "f" and out != np.dtype(ml_dtypes.bfloat16):
+        raise ValueError(f"dtype must be a floating dtype, got {dtype!r}")
+    return out
+
+
+# --- Tensor streams ---------------------------------------------------------------------------
+
+
+def _read_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(name, array)`` views of a memory-mapped safetensors file (no copy)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        yield name, data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _read_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    try:
+        import torch
+    except ImportError as e:
+        raise CheckpointError(
+            f"{path} is a PyTorch .bin checkpoint; install torch to read it, or convert it to "
+            "safetensors"
+        ) from e
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    for name in list(state):
+        t = state.pop(name)
+        if t.dtype == torch.bfloat16:  # NumPy has no bfloat16; reinterpret the bits
+            yield name, t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        else:
+            yield name, t.numpy()
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint folder, in the order they are read (may be empty)."""
+    for index in (SAFETENSORS_INDEX, BIN_INDEX):
+        if (path / index).is_file():
+            weight_map = json.loads((path / index).read_text())["weight_map"]
+            return [path / f for f in sorted(set(weight_map.values()))]
+    for single in (SAFETENSORS_FILE, BIN_FILE):
+        if (path / single).is_file():
+            return [path / single]
+    return []
+
+
+def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    files = weight_files(path)
+    if not files:
+        raise CheckpointError(f"{path}: no weights found (looked for {', '.join(WEIGHT_FILES)})")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{path}: shard {f.name} named in the index is missing")
+        yield from (_read_safetensors(f) if f.suffix == ".safetensors" else _read_bin(f))
+
+
+# --- Name mapping -----------------------------------------------------------------------------
+
+
+def _tensor_table(family, config) -> dict[str, tuple[tuple[str, ...], int | None, str]]:
+    """``{hf_name: (our path, layer index or None, kind)}`` for this config."""
+    table = {}
+    has_lm_head = not config.tie_word_embeddings
+    for template, path, kind in family.HF_TENSORS:
+        keys = tuple(path.split("/"))
+        if keys == ("lm_head",) and not has_lm_head:
+            continue
+        if "{i}" in template:
+            for i in range(config.num_hidden_layers):
+                table[template.format(i=i)] = (keys, i, kind)
+        else:
+            table[template] = (keys, None, kind)
+    return table
+
+
+def _n_in(keys: tuple[str, ...]) -> int:
+    # Input axes of a [in..., out...] projection; only the attention output has two (heads, H).
+    return 2 if keys[-1] == "wo" else 1
+
+
+def _hf_shape(shape: tuple[int, ...], kind: str, n_in: int) -> tuple[int, ...]:
+    if kind == "copy":
+        return shape
+    return (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
+
+
+def _get(tree: dict, keys):
+    for k in keys:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree: dict, keys, value):
+    for k in keys[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[keys[-1]] = value
+
+
+def load_params(path: Path, config, family, dtype=None) -> dict:
+    """Read every tensor of the checkpoint at ``path`` into our stacked layout."""
+    want_dtype = as_dtype(dtype)
+    table = _tensor_table(family, config)
+    shapes = family.param_shapes(config)
+    ignored = [re.compile(p) for p in getattr(family, "HF_IGNORED", ())]
+    buffers: dict[tuple[str, ...], np.ndarray] = {}
+    seen: set[str] = set()
+    errors: list[str] = []
+    for name, array in iter_tensors(path):
+        if any(p.fullmatch(name) for p in ignored):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding is the head; some exporters write both
+        if name not in table:
+            errors.append(f"unexpected tensor {name!r} {tuple(array.shape)}")
+            continue
+        keys, layer, kind = table[name]
+        shape = _get(shapes, keys)[0]
+        inner = shape[1:] if layer is not None else shape
+        n_in = _n_in(keys)
+        expected = _hf_shape(inner, kind, n_in)
+        if tuple(array.shape) != expected:
+            errors.append(f"tensor {name!r}: shape {tuple(array.shape)}, config expects {expected}")
+            continue
+        if keys not in buffers:
+            buffers[keys] = np.empty(shape, want_dtype or array.dtype)
+        dest = buffers[keys][layer] if layer is not None else buffers[keys]
+        if kind == "copy":
+            dest[...] = array
+        else:
+            # HF nn.Linear is [out, in]; we store [in..., out...] (see the family's HF_TENSORS).
+            dest.reshape(expected[1], expected[0])[...] = array.T
+        seen.add(name)
+    missing = sorted(set(table) - seen)
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" ... ({len(missing)} in all)" if len(missing) > 8 else ""
+        )
+        errors.append(f"missing tensors: {shown}")
+    if errors:
+        raise CheckpointError(
+            f"checkpoint {path} does not match its config.json:\n  " + "\n  ".join(errors[:20])
+        )
+    params: dict = {}
+    for keys in list(buffers):
+        _set(params, keys, jnp.asarray(buffers.pop(keys)))  # one host copy freed per parameter
+    return params
+
+
+# --- Writing ----------------------------------------------------------------------------------
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> None:
+    """Write tensors one by one (the header needs only their shapes and dtypes)."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, a in tensors:
+        header[name] = {
+            "dtype": _ST_NAMES[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
+        offset += a.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # 8-byte alignment of the data section
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, a in tensors:
+            f.write(np.ascontiguousarray(a).tobytes())
+
+
+def hf_tensors(config, params, family) -> list[tuple[str, np.ndarray]]:
+    """Our params as ``(HF name, HF-layout array)`` (lazy-ish: views where possible)."""
+    shapes = family.param_shapes(config)
+    out = []
+    for name, (keys, layer, kind) in _tensor_table(family, config).items():
+        try:
+            full = np.asarray(_get(params, keys))
+        except KeyError as e:
+            raise ValueError(f"params: missing parameter {'/'.join(keys)}") from e
+        if full.shape != _get(shapes, keys)[0]:
+            raise ValueError(
+                f"params: {'/'.join(keys)} has shape {full.shape}, "
+                f"config expects {_get(shapes, keys)[0]}"
+            )
+        a = full[layer] if layer is not None else full
+        if kind != "copy":
+            n_in = _n_in(keys)
+            a = a.reshape(int(np.prod(a.shape[:n_in])), -1).T
+        out.append((name, a))
+    return out
+
+
+def save_checkpoint(path, config, params, tokenizer=None, family=None) -> Path:
+    """Write an HF-layout checkpoint (config.json, model.safetensors, tokenizer files)."""
+    from asps_jax.models.base import family_for_config
+
+    family = family or family_for_config(config)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = hf_tensors(config, params, family)
+    dtypes = {a.dtype for _, a in tensors}
+    dtype_name = str(jnp.dtype(next(iter(dtypes)))) if len(dtypes) == 1 else "float32"
+    hf_config = dict(config.to_hf(), torch_dtype=dtype_name, dtype=dtype_name)
+    (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    _write_safetensors(path / SAFETENSORS_FILE, tensors)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+def read_config(path: Path, family_for_type) -> tuple[object, object]:
+    """``(family, config)`` from ``path/config.json``."""
+    try:
+        d = json.loads((Path(path) / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path / CONFIG_FILE} is not valid JSON: {e}") from e
+    family = family_for_type(d.get("model_type"), where=str(path / CONFIG_FILE))
+    return family, family.config_from_hf(d)
+
+
+def load_tokenizer(path: Path):
+    """``transformers.AutoTokenizer`` from the folder, or None when it holds no tokenizer files."""
+    if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(name_or_path, *, dtype=None):
+    """Load an alias, a checkpoint folder or a cached HF repo id (API.md §2) as a ``Model``."""
+    from asps_jax.models import cards
+    from asps_jax.models.base import Model, family_for_type
+
+    found = cards.resolve(name_or_path)
+    family, config = read_config(found.path, family_for_type)
+    cards.check_card(found.card, config.to_hf(), found.path)
+    params = load_params(found.path, config, family, dtype=dtype)
+    tokenizer = load_tokenizer(found.path)
+    return Model(
+        name=found.name, path=str(found.path), config=config, params=params, tokenizer=tokenizer
+    )
