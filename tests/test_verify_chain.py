@@ -30,6 +30,11 @@ def _batched_outcome(method):
     return jax.jit(jax.vmap(OUTCOME[method], in_axes=(0, 0, 0, None)))
 
 
+@functools.cache
+def _jit_outcome(method):
+    return jax.jit(OUTCOME[method])
+
+
 def code_outcome(method, drafts, q_rows, p_rows, draft_length):
     """The library's outcome law for every draft, in float64, as probabilities."""
     with jax.enable_x64(True):
@@ -270,3 +275,209 @@ def test_statistical_test_tells_the_methods_apart():
         observed = np.bincount(index, minlength=size)
         impossible = observed[law == 0].sum() > 0
         assert impossible or _chi_square_pvalue(index, size, law) < 1e-6
+
+
+# --- Properties ---
+
+
+def _random_chain(rng, vocab, n, zeros=0.0):
+    """A draft drawn from q, and float32 log-laws; ``zeros`` is the fraction of -inf entries."""
+
+    def law(rows):
+        probs = rng.dirichlet(np.ones(vocab), rows)
+        probs = np.where(rng.random(probs.shape) < zeros, 0.0, probs)
+        probs[np.arange(rows), rng.integers(0, vocab, rows)] += 0.1  # keep each row non-empty
+        return probs / probs.sum(-1, keepdims=True)
+
+    q, p = law(n), law(n + 1)
+    x = np.array([rng.choice(vocab, p=row) for row in q], np.int32)
+    with np.errstate(divide="ignore"):
+        return x, np.log(q).astype(np.float32), np.log(p).astype(np.float32)
+
+
+@functools.cache
+def _runner(method):
+    def run(keys, x, lq, lp, length):
+        fn = functools.partial(asps_jax.verify_chain, method=method, draft_length=length)
+        return jax.vmap(lambda k: fn(k, x, lq, lp))(keys)
+
+    return jax.jit(run)
+
+
+def _run_keys(method, x, lq, lp, num_keys=256, seed=0, draft_length=None):
+    keys = jax.random.split(jax.random.key(seed), num_keys)
+    length = jnp.int32(len(x) if draft_length is None else draft_length)
+    out = _runner(method)(keys, x, lq, lp, length)
+    return np.asarray(out.tokens), np.asarray(out.num_tokens)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_equal_laws_accept_everything_plus_bonus(method):
+    rng = np.random.default_rng(4)
+    vocab, n = 7, 4
+    x, _, lp = _random_chain(rng, vocab, n, zeros=0.3)
+    lq = lp[:n]
+    x = np.array([rng.choice(vocab, p=np.exp(row)) for row in lq], np.int32)
+    tokens, num = _run_keys(method, x, lq, lp, num_keys=2048)
+    assert np.all(num == n + 1)
+    np.testing.assert_array_equal(tokens[:, :n], np.broadcast_to(x, (2048, n)))
+    assert np.all(np.isfinite(lp[n][tokens[:, n]]))  # the bonus follows p_{n+1}'s support
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_same_key_same_output(method):
+    rng = np.random.default_rng(5)
+    x, lq, lp = _random_chain(rng, 6, 4)
+    a = _run_keys(method, x, lq, lp, seed=3)
+    b = _run_keys(method, x, lq, lp, seed=3)
+    c = _run_keys(method, x, lq, lp, seed=4)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    assert not np.array_equal(a[0], c[0])
+    # Outside any batch (no vmap), key 7 of the batch gives that row's result.
+    single = jax.jit(functools.partial(asps_jax.verify_chain, method=method))
+    alone = single(jax.random.split(jax.random.key(3), 256)[7], x, lq, lp)
+    np.testing.assert_array_equal(alone.tokens, a[0][7])
+
+
+def test_asps_table_sums_to_one_in_float32():
+    rng = np.random.default_rng(6)
+    for zeros in (0.0, 0.5):
+        x, lq, lp = _random_chain(rng, 50, 8, zeros)
+        for length in (0, 3, 8):
+            stop, full = _jit_outcome("asps")(x, lq, lp, jnp.int32(length))
+            assert stop.dtype == jnp.float32
+            total = float(jnp.exp(stop).sum() + jnp.exp(full))
+            assert total == pytest.approx(1.0, abs=1e-5)
+
+
+NEG = -np.inf
+EDGE_CASES = {
+    # name: (draft tokens, draft probs, target probs, expected tokens or None, expected num)
+    "point-masses-agree": (
+        [2, 0],
+        [[0, 0, 1], [1, 0, 0]],
+        [[0, 0, 1], [1, 0, 0], [0, 1, 0]],
+        [2, 0, 1],
+        3,
+    ),
+    "target-zero-at-draft": (
+        [0, 1],
+        [[1, 0, 0], [0, 1, 0]],
+        [[0, 0, 1], [0, 1, 0], [1, 0, 0]],
+        [2],
+        1,
+    ),
+    "residual-all-zero": ([0], [[0.5, 0.5, 0]], [[0.25, 0.5, 0], [0, 0, 1]], None, None),
+    "draft-length-zero": (
+        [1, 1],
+        [[0, 1, 0], [0, 1, 0]],
+        [[0, 0, 1], [1, 0, 0], [1, 0, 0]],
+        [2],
+        1,
+    ),
+    "n-equals-one": ([1], [[0.2, 0.8, 0]], [[0.5, 0.5, 0], [0, 0, 1]], None, None),
+}
+
+
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+@pytest.mark.parametrize("method", METHODS)
+def test_edge_cases_never_nan(method, name):
+    x, q, p, want_tokens, want_num = EDGE_CASES[name]
+    x = np.asarray(x, np.int32)
+    with np.errstate(divide="ignore"):
+        lq, lp = np.log(np.asarray(q, np.float32)), np.log(np.asarray(p, np.float32))
+    length = 0 if name == "draft-length-zero" else len(x)
+    stop, full = _jit_outcome(method)(x, lq, lp, jnp.int32(length))
+    assert not np.isnan(np.asarray(stop)).any() and not np.isnan(float(full))
+    tokens, num = _run_keys(method, x, lq, lp, num_keys=4096, draft_length=length)
+    assert np.all((num >= 1) & (num <= length + 1))
+    last = tokens[np.arange(len(num)), num - 1]
+    assert np.all((last >= 0) & (last < lq.shape[1]))
+    # The last token always lies in the support of the target row it was drawn for.
+    assert np.all(np.isfinite(lp[np.minimum(num - 1, length), last]))
+    if want_tokens is not None:
+        assert np.all(num == want_num)
+        np.testing.assert_array_equal(
+            tokens[:, :want_num], np.broadcast_to(want_tokens, (4096, want_num))
+        )
+    if name == "residual-all-zero" and method == "sps":
+        # p(x) < q(x) rejects half the time; the residual (p - q)_+ is empty (p is unnormalised,
+        # as rounding can make it) and the fallback recovers from p: tokens 0 and 1 as 1 : 2.
+        # (ASpS meets the same event as an all-zero stop row and keeps the draft; any law is
+        # exact for an event of probability zero, ALGORITHMS.md §1.)
+        rejected = num == 1
+        assert 0.45 < rejected.mean() < 0.55
+        assert 0.28 < (tokens[rejected, 0] == 0).mean() < 0.39
+
+
+def test_empty_chain_emits_one_target_token():
+    with np.errstate(divide="ignore"):
+        lp = np.log(np.array([[0.0, 1.0, 0.0]], np.float32))
+    x, lq = np.zeros(0, np.int32), np.zeros((0, 3), np.float32)
+    for method in METHODS:
+        tokens, num = _run_keys(method, x, lq, lp, num_keys=8)
+        assert np.all(num == 1) and np.all(tokens[:, 0] == 1)
+
+
+# --- Bad input ---
+
+GOOD = (
+    np.zeros(3, np.int32),
+    np.full((3, 4), np.log(0.25), np.float32),
+    np.full((4, 4), np.log(0.25), np.float32),
+)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(draft_tokens=np.zeros((1, 3), np.int32)), "draft_tokens"),
+        (dict(draft_logprobs=np.zeros((2, 4), np.float32)), "draft_logprobs"),
+        (dict(draft_logprobs=np.zeros((3,), np.float32)), "draft_logprobs"),
+        (dict(target_logprobs=np.zeros((3, 4), np.float32)), "target_logprobs"),
+        (dict(target_logprobs=np.zeros((4, 5), np.float32)), "target_logprobs"),
+        (dict(method="tmc"), "method"),
+        (dict(draft_length=-1), "draft_length"),
+        (dict(draft_length=4), "draft_length"),
+        (dict(draft_length=np.array([1, 2])), "draft_length"),
+    ],
+)
+def test_bad_input_raises(change, match):
+    args = dict(zip(("draft_tokens", "draft_logprobs", "target_logprobs"), GOOD, strict=True))
+    args.update(change)
+    kwargs = {k: args.pop(k) for k in ("method", "draft_length") if k in args}
+    with pytest.raises(ValueError, match=match):
+        asps_jax.verify_chain(jax.random.key(0), *args.values(), **kwargs)
+
+
+def test_bad_draft_length_under_jit_raises():
+    fn = jax.jit(lambda n: asps_jax.verify_chain(jax.random.key(0), *GOOD, draft_length=n))
+    with pytest.raises(ValueError, match="draft_length"):
+        fn(np.zeros(2, np.int32))
+
+
+# --- metrics ---
+
+
+def test_mean_and_stderr_literal():
+    mean, se = metrics.mean_and_stderr(np.array([1, 2, 3, 4]))
+    assert float(mean) == pytest.approx(2.5)
+    assert float(se) == pytest.approx(np.sqrt(5.0 / 3.0 / 4.0), rel=1e-6)
+    keys = jax.random.split(jax.random.key(0), 8)
+    verdicts = jax.jit(jax.vmap(lambda k: asps_jax.verify_chain(k, *GOOD)))(keys)
+    np.testing.assert_array_equal(metrics.emitted_lengths(verdicts), np.full(8, 4))  # q == p
+    assert float(metrics.tokens_per_step(verdicts)[0]) == 4.0
+    with pytest.raises(ValueError, match="lengths"):
+        metrics.mean_and_stderr(np.zeros(0))
+
+
+def test_expected_length_bad_input():
+    target, draft = _model(4, 2, "dense", "close", seed=0)
+    with pytest.raises(ValueError, match="target_laws"):
+        metrics.expected_length_sps(target[:1], draft)
+    with pytest.raises(ValueError, match=r"draft_laws\[1\]"):
+        metrics.expected_length_asps(target, [draft[0], draft[0]])
+    with pytest.raises(ValueError, match="vocabulary"):
+        metrics.expected_length_sps([np.full((5,), 0.2), np.full((5, 5), 0.2)], draft)
+    assert metrics.expected_length_sps(target, draft[:0]) == 1.0
