@@ -60,6 +60,7 @@ def hf_model(case: str, seed: int = 0):
         rope_parameters=dict(rope),
         rms_norm_eps=1e-5,
     )
+    cfg._attn_implementation = "eager"  # sdpa is ~50x slower on CPU at these tiny sizes
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # norms start at 1; randomise them so their loading is checked too
         for name, p in model.named_parameters():
@@ -167,7 +168,9 @@ def test_save_checkpoint_loads_in_transformers(tmp_path):
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["model_type"] == "llama" and written["architectures"] == ["LlamaForCausalLM"]
     assert written["torch_dtype"] == "float32"
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager"
+    ).eval()
     assert model.config.rope_parameters["rope_type"] == "linear"
     tokens = np.random.default_rng(4).integers(0, 96, (2, 9)).astype(np.int32)
     pos = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))

@@ -32,8 +32,13 @@ def family_for_config(config):
     raise ValueError(f"config: no model family for {type(config).__name__}")
 
 
+@functools.lru_cache(maxsize=64)
 def forward_for(config):
-    """``forward(params, tokens, positions, mask, cache)`` with the static config bound."""
+    """``forward(params, tokens, positions, mask, cache)`` with the static config bound.
+
+    Cached, so equal configs give the *same* function object: passing it as a static argument of
+    ``jax.jit`` then hits the compilation cache instead of recompiling per call.
+    """
     return functools.partial(family_for_config(config).forward, config)
 
 

@@ -1,0 +1,85 @@
+"""Target scoring of a whole padded token tree (or a chain) in one forward.
+
+Node ``i`` of row ``b`` sits at position ``lengths[b] + depth[i]`` and attends to every committed
+cache slot plus its valid tree ancestors (itself included), so its logits are exactly those of
+decoding its root path after the cached prefix. Padded nodes attend only to themselves: their
+logits are junk but finite, and no valid node ever sees them. The forward returns the new keys and
+values without writing them; ``kv_cache.commit`` later appends only the accepted path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from asps_jax.kv_cache import KVBlock, KVCache, cache_mask
+from asps_jax.trees import Tree, attention_mask
+
+
+def _check(name: str, x: jax.Array, shape: tuple[int, ...], kind: str) -> None:
+    if x.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+    ok = jnp.issubdtype(x.dtype, jnp.integer) if kind == "int" else x.dtype == jnp.bool_
+    if not ok:
+        raise ValueError(f"{name} must be {'an integer' if kind == 'int' else 'a bool'} array")
+
+
+def score_tree(
+    forward,
+    params,
+    cache: KVCache,
+    node_tokens: jax.Array,  # int32[B, N]
+    tree: Tree,
+    valid: jax.Array,  # bool[B, N]
+) -> tuple[jax.Array, KVBlock]:
+    """``(logits float32[B, N, V], new_kv [L, B, N, KVH, H])`` for every node of the tree.
+
+    ``forward(params, tokens, positions, mask, cache)`` has the model config bound.
+    """
+    if node_tokens.ndim != 2:
+        raise ValueError(f"node_tokens must be [B, N], got shape {node_tokens.shape}")
+    B, N = node_tokens.shape
+    if N != tree.num_nodes:
+        raise ValueError(f"node_tokens has {N} nodes but the tree has {tree.num_nodes}")
+    _check("node_tokens", node_tokens, (B, N), "int")
+    _check("valid", valid, (B, N), "bool")
+    _check("cache.lengths", cache.lengths, (B,), "int")
+    depth_N = jnp.asarray(tree.depth, jnp.int32)
+    positions_BN = cache.lengths[:, None] + depth_N[None, :]
+    mask_BNS = jnp.concatenate([cache_mask(cache, N), attention_mask(tree, valid)], axis=-1)
+    return forward(params, node_tokens.astype(jnp.int32), positions_BN, mask_BNS, cache)
+
+
+def chain_mask(valid: jax.Array) -> jax.Array:
+    """``bool[B, T, T]``: causal among valid tokens; a padded token attends only to itself."""
+    T = valid.shape[1]
+    causal = jnp.tril(jnp.ones((T, T), bool))[None]
+    eye = jnp.eye(T, dtype=bool)[None]
+    return jnp.where(valid[:, :, None], causal & valid[:, None, :], eye)
+
+
+def score_chain(
+    forward,
+    params,
+    cache: KVCache | None,
+    tokens: jax.Array,  # int32[B, T]
+    valid: jax.Array,  # bool[B, T]
+) -> tuple[jax.Array, KVBlock]:
+    """Prefill / chain scoring: token ``t`` at position ``lengths[b] + t``, causal over valid ones.
+
+    With ``cache=None`` the chain starts at position 0 and the mask is ``[B, T, T]``. Padding is
+    expected at the end of a row (``valid`` a prefix); commit ``valid.sum(1)`` tokens afterwards.
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    B, T = tokens.shape
+    _check("tokens", tokens, (B, T), "int")
+    _check("valid", valid, (B, T), "bool")
+    start_B = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths.astype(jnp.int32)
+    if cache is not None:
+        _check("cache.lengths", cache.lengths, (B,), "int")
+    positions_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    mask_BTT = chain_mask(valid)
+    if cache is not None:
+        mask_BTT = jnp.concatenate([cache_mask(cache, T), mask_BTT], axis=-1)
+    return forward(params, tokens.astype(jnp.int32), positions_BT, mask_BTT, cache)

@@ -1,0 +1,86 @@
+"""KV cache commit and mask against a NumPy loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asps_jax.kv_cache import CACHE_AXES, KVBlock, KVCache, cache_mask, commit, init_cache
+from asps_jax.models import LlamaConfig
+
+CONFIG = LlamaConfig(
+    vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=2,
+)  # fmt: skip
+
+
+def reference_commit(k, lengths, new_k, nodes, num):
+    k = k.copy()
+    S = k.shape[2]
+    for b in range(k.shape[1]):
+        for j in range(num[b]):
+            if lengths[b] + j < S:
+                k[:, b, lengths[b] + j] = new_k[:, b, nodes[b, j]]
+    return k, lengths + num
+
+
+def test_commit_matches_numpy_loop():
+    rng = np.random.default_rng(0)
+    L, B, S, T, P = 3, 4, 10, 6, 5
+    k = rng.normal(size=(L, B, S, 2, 2)).astype(np.float32)
+    v = rng.normal(size=(L, B, S, 2, 2)).astype(np.float32)
+    lengths = np.array([0, 3, 7, 8], np.int32)
+    new_k = rng.normal(size=(L, B, T, 2, 2)).astype(np.float32)
+    new_v = rng.normal(size=(L, B, T, 2, 2)).astype(np.float32)
+    nodes = rng.integers(0, T, (B, P)).astype(np.int32)
+    num = np.array([5, 0, 3, 4], np.int32)  # row 3 overflows: slot 10, 11 are dropped
+    cache = KVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths))
+    out = jax.jit(commit)(cache, KVBlock(jnp.asarray(new_k), jnp.asarray(new_v)), nodes, num)
+    want_k, want_len = reference_commit(k, lengths, new_k, nodes, num)
+    want_v, _ = reference_commit(v, lengths, new_v, nodes, num)
+    np.testing.assert_array_equal(np.asarray(out.k), want_k)
+    np.testing.assert_array_equal(np.asarray(out.v), want_v)
+    np.testing.assert_array_equal(np.asarray(out.lengths), want_len)
+    assert out.lengths.dtype == jnp.int32
+
+
+def test_init_cache_and_mask():
+    cache = init_cache(CONFIG, batch_size=2, max_len=5, dtype=jnp.bfloat16)
+    assert cache.k.shape == (3, 2, 5, 2, 2) == cache.v.shape and cache.k.dtype == jnp.bfloat16
+    assert len(CACHE_AXES) == cache.k.ndim and cache.max_len == 5
+    cache = KVCache(cache.k, cache.v, jnp.array([0, 3], jnp.int32))
+    mask = np.asarray(cache_mask(cache, 2))
+    assert mask.shape == (2, 2, 5)
+    np.testing.assert_array_equal(mask[0], False)
+    np.testing.assert_array_equal(mask[1], [[True, True, True, False, False]] * 2)
+    leaves = jax.tree.leaves(cache)  # a pytree: usable as a jit argument / donated state
+    assert len(leaves) == 3
+
+
+def test_commit_casts_to_cache_dtype():
+    cache = init_cache(CONFIG, 1, 4, jnp.bfloat16)
+    block = KVBlock(jnp.ones((3, 1, 2, 2, 2), jnp.float32), jnp.ones((3, 1, 2, 2, 2), jnp.float32))
+    out = commit(cache, block, jnp.array([[1, 0]], jnp.int32), jnp.array([2], jnp.int32))
+    assert out.k.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out.k[:, 0, :2], np.float32), 1.0)
+    np.testing.assert_array_equal(np.asarray(out.k[:, 0, 2:], np.float32), 0.0)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="batch_size"):
+        init_cache(CONFIG, 0, 4)
+    with pytest.raises(ValueError, match="max_len"):
+        init_cache(CONFIG, 1, 0)
+    cache = init_cache(CONFIG, 2, 4)
+    block = KVBlock(jnp.zeros((3, 2, 3, 2, 2)), jnp.zeros((3, 2, 3, 2, 2)))
+    with pytest.raises(ValueError, match="new_kv"):
+        commit(
+            cache,
+            KVBlock(block.k[:, :1], block.v[:, :1]),
+            jnp.zeros((2, 1), jnp.int32),
+            jnp.zeros(2, jnp.int32),
+        )
+    with pytest.raises(ValueError, match="nodes"):
+        commit(cache, block, jnp.zeros((3, 1), jnp.int32), jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="num"):
+        commit(cache, block, jnp.zeros((2, 1), jnp.int32), jnp.zeros(3, jnp.int32))
