@@ -94,14 +94,15 @@ def find_in_hf_cache(repo_id: str, roots: list[Path]) -> Path | None:
     return None
 
 
-def _online() -> bool:
+def _offline_reason() -> str | None:
+    """None when a download may be tried, else why not."""
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("", "0", "false", "no"):
-        return False
+        return "HF_HUB_OFFLINE is set"
     try:
         socket.create_connection(("huggingface.co", 443), timeout=3).close()
-        return True
+        return None
     except OSError:
-        return False
+        return "huggingface.co is unreachable"
 
 
 def _download(repo_id: str) -> Path | None:
@@ -163,15 +164,14 @@ def resolve(name_or_path: str | os.PathLike) -> Resolved:
         found = find_in_hf_cache(repo_id, roots)
         if found is not None:
             return Resolved(name, found, card)
-        if _online():
+        offline = _offline_reason()
+        if offline is None:
             found = _download(repo_id)
             if found is not None:
                 return Resolved(name, found, card)
             searched.append(f"download of {repo_id} from the Hugging Face Hub (no weights there)")
         else:
-            searched.append(
-                "download skipped (HF_HUB_OFFLINE is set or huggingface.co unreachable)"
-            )
+            searched.append(f"download from the Hugging Face Hub skipped: {offline}")
     where = "\n  - ".join(searched)
     raise MissingWeightsError(
         f"no weights for {name!r}"
