@@ -125,15 +125,14 @@ def sps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Ver
     num_accepted = jnp.where(jnp.any(stop_N), first_stop, n).astype(jnp.int32)
 
     # --- Step 2: the final token. J < draft_length: recovered from (p_J - q_J)_+; otherwise the
-    # bonus from p_J. Row J of the draft is padded with -inf so that lde(p_n, -inf) = p_n.
-    lq_pad_MV = jnp.concatenate(
-        [draft_logprobs, jnp.full((1, draft_logprobs.shape[1]), NEG_INF, draft_logprobs.dtype)]
-    )
-    lp_J = target_logprobs[num_accepted]
-    res_J = _residual(lp_J, lq_pad_MV[num_accepted])
-    recovered = jax.random.categorical(jax.random.fold_in(key, _RESIDUAL), res_J)
-    bonus = jax.random.categorical(jax.random.fold_in(key, _BONUS), lp_J)
-    last = jnp.where(num_accepted < draft_length, recovered, bonus).astype(jnp.int32)
+    # bonus from p_J, as the residual against an empty draft row (lde(p, -inf) = p). Row J of
+    # the draft may be padding (J = draft_length < n) and must then be ignored.
+    recovering = num_accepted < draft_length
+    lq_J = draft_logprobs[jnp.minimum(num_accepted, n - 1)] if n > 0 else NEG_INF
+    law_J = _residual(target_logprobs[num_accepted], jnp.where(recovering, lq_J, NEG_INF))
+    # One V-sized draw whose key still depends on its purpose (recovered vs bonus).
+    purpose = jnp.where(recovering, _RESIDUAL, _BONUS)
+    last = jax.random.categorical(jax.random.fold_in(key, purpose), law_J).astype(jnp.int32)
 
     tokens_M = jnp.concatenate([draft_tokens, jnp.full((1,), -1, jnp.int32)])
     tokens_M = tokens_M.at[num_accepted].set(last)
@@ -209,25 +208,29 @@ def asps_outcome_logweights(draft_tokens, draft_logprobs, target_logprobs, draft
 
 
 def asps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Verdict:
-    """Accelerated speculative sampling: one categorical draw over the outcome table.
+    """Accelerated speculative sampling: one draw of an outcome from the table.
 
     Shapes as :func:`sps`. The fully coupled outcome emits the ``draft_length`` valid draft tokens
     and a bonus token from ``target_logprobs[draft_length]``.
+
+    The outcome ``(t, y)`` is drawn in two stages, the row ``t`` from the n+1 row masses (the
+    fully coupled slot is row n), then ``y`` from row ``t`` (or the bonus law): the same law as one
+    categorical over the flattened n*V+1 table, but with n+1+V Gumbel variates instead of n*V+1,
+    which dominated the cost of the one-draw form.
     """
-    n, vocab = draft_logprobs.shape
+    n, _ = draft_logprobs.shape
     stop_NV, log_full = asps_outcome_logweights(
         draft_tokens, draft_logprobs, target_logprobs, draft_length
     )
     # The table sums to 1 up to rounding; categorical's implicit normalisation absorbs it.
-    flat = jnp.concatenate([stop_NV.reshape(-1), log_full[None]])
-    idx = jax.random.categorical(jax.random.fold_in(key, _OUTCOME), flat).astype(jnp.int32)
-    full = idx == n * vocab
-    stop_row = jnp.minimum(idx // vocab, n - 1) if n > 0 else jnp.zeros((), jnp.int32)
-    num_accepted = jnp.where(full, draft_length, stop_row).astype(jnp.int32)
-    bonus = jax.random.categorical(
-        jax.random.fold_in(key, _BONUS), target_logprobs[draft_length]
-    ).astype(jnp.int32)
-    last = jnp.where(full, bonus, idx % vocab)
+    row_mass_M = jnp.concatenate([_logsumexp(stop_NV), log_full[None]])
+    row = jax.random.categorical(jax.random.fold_in(key, _OUTCOME), row_mass_M).astype(jnp.int32)
+    full = row == n
+    num_accepted = jnp.where(full, draft_length, row).astype(jnp.int32)
+    bonus_law = target_logprobs[draft_length]
+    law = bonus_law if n == 0 else jnp.where(full, bonus_law, stop_NV[jnp.minimum(row, n - 1)])
+    purpose = jnp.where(full, _BONUS, _RESIDUAL)
+    last = jax.random.categorical(jax.random.fold_in(key, purpose), law).astype(jnp.int32)
 
     tokens_M = jnp.concatenate([draft_tokens, jnp.full((1,), -1, jnp.int32)])
     tokens_M = tokens_M.at[num_accepted].set(last)
