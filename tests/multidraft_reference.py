@@ -37,7 +37,7 @@ def string_prob(laws, z) -> float:
     return prob
 
 
-def tree_law(node_law, target, drafts, n: int, lengths=None, root_weights=None):
+def tree_law(node_law, target, drafts, n: int, lengths=None, root_weights=None, root_law=None):
     """Exact law of the emitted string of one verification step.
 
     Args:
@@ -46,7 +46,7 @@ def tree_law(node_law, target, drafts, n: int, lengths=None, root_weights=None):
       target: target laws of depth n+1; drafts: K draft models of depth n.
       lengths: per-chain draft lengths (default n).
       root_weights: optional ``fn(x[M, K]) -> [M]`` replacing the root's independent draft law
-        (drafts without replacement).
+        (drafts without replacement); root_law: the scheme used at the root (default node_law).
 
     Returns:
       ``(law, marginal_error)``: dict emitted string -> probability, and the largest deviation of a
@@ -75,7 +75,8 @@ def tree_law(node_law, target, drafts, n: int, lengths=None, root_weights=None):
             probs = np.ones(len(tuples))
             for k in range(num_drafts):
                 probs *= q[k][tuples[:, k]] if mask[k] else (tuples[:, k] == 0)
-        laws = np.asarray(node_law(p, q, tuples, mask), np.float64)
+        scheme = root_law if depth == 0 and root_law is not None else node_law
+        laws = np.asarray(scheme(p, q, tuples, mask), np.float64)
         worst[0] = max(worst[0], float(np.max(np.abs(probs @ laws - p))))
         children = defaultdict(float)
         for row in np.nonzero(probs > 0)[0]:

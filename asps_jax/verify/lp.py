@@ -68,7 +68,7 @@ def solve_pairwise_lp(
     coupling: jax.Array,
     init_weights: jax.Array,
     *,
-    num_iters: int = 400,
+    num_iters: int = 300,
     tol: float = 1e-5,
 ) -> PairwiseLPSolution:
     """Maximise ``sum_i min(p_i, c_i + (G W)_i)`` over ``W in [0, 1]^{s x s}`` (fixed iterations).

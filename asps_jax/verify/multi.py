@@ -31,7 +31,7 @@ from asps_jax.verify.tokenlevel import (
     spectr,
 )
 
-IS_DEFAULTS = {"rule": "truncated_lp", "s": 5, "alphabet": 40, "lp_iters": 1000, "tol": 1e-5}
+IS_DEFAULTS = {"rule": "truncated_lp", "s": 5, "alphabet": 40, "lp_iters": 300, "tol": 1e-5}
 OPTIMAL_DEFAULTS = {"alphabet": 16, "lp_iters": 1000, "tol": 1e-5}
 
 
@@ -185,7 +185,7 @@ def verify_spectr(key, tokens, lq, lp, draft_length, **options) -> Verdict:
 def verify_is(key, tokens, lq, lp, draft_length, **options) -> Verdict:
     """IS selection + SpS against the exact induced law (§3.6). Options: ``rule`` in
     ``"truncated_lp"`` (default; ``s`` = 5 LP positions), ``"fixed_order"``, ``"sir"``; ``alphabet``
-    (40, ranked tokens), ``lp_iters`` (1000), ``tol`` (1e-5, certified LP gap)."""
+    (40, ranked tokens), ``lp_iters`` (300), ``tol`` (1e-5, certified LP gap)."""
     cfg = _rule_config("is", lp.shape[-1], options)
     return verify_tree(
         functools.partial(importance_sampling, cfg=cfg), key, tokens, lq, lp, draft_length

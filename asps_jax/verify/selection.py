@@ -41,7 +41,7 @@ class RuleConfig:
     rule: str = "truncated_lp"
     block: int = 5  # s: size of the weighted block (1 = fixed order everywhere)
     alphabet: int = 40  # M: ranked alphabet; the rest follows token-id order
-    lp_iters: int = 1000
+    lp_iters: int = 300
     tol: float = 1e-5
 
 

@@ -99,7 +99,7 @@ def spectr_division_factor(p, q, alive, num_iters: int = 24) -> jax.Array:
     m = jnp.sum(alive).astype(p.dtype)
 
     def feasible(rho):
-        beta = jnp.sum(jnp.minimum(q, p / rho), axis=-1)  # [K]
+        beta = jnp.sum(jnp.minimum(q, p[None] / rho), axis=-1)  # [K]
         w = jnp.cumprod(jnp.where(alive, 1.0 - beta, 1.0))
         w = jnp.concatenate([jnp.ones((1,), p.dtype), w[:-1]])
         return jnp.sum(jnp.where(alive, w, 0.0)) <= rho
@@ -121,7 +121,7 @@ def spectr(p, q, x, alive) -> NodeOutcome:
     comes from ``p - sum_k w_k min(q_k, p / rho)``, whose mass is ``prod_k (1 - beta_k)``.
     """
     rho = spectr_division_factor(p, q, alive)
-    capped = jnp.minimum(q, p / rho)  # [K, V]
+    capped = jnp.minimum(q, p[None] / rho)  # [K, V]
     beta = jnp.sum(capped, axis=-1)
     w = jnp.cumprod(jnp.where(alive, 1.0 - beta, 1.0))
     w = jnp.where(alive, jnp.concatenate([jnp.ones((1,), p.dtype), w[:-1]]), 0.0)

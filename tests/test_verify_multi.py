@@ -1,0 +1,461 @@
+"""Multi-draft verification: exact enumeration, statistical tests through verify_drafts, the
+paper's three-letter example, optimal_acceptance, the efficiency ordering and bad input."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from multidraft_reference import (
+    brute_force_acceptance,
+    continuation_error,
+    mean_length,
+    ot_lp_optimum,
+    random_laws,
+    string_prob,
+    tree_law,
+    without_replacement_weights,
+)
+from scipy import stats
+
+import asps_jax
+from asps_jax.verify import multi, tokenlevel
+from asps_jax.verify.acceptance import optimal_acceptance, sorted_prefix_acceptance
+from asps_jax.verify.selection import RuleConfig
+
+# --- Node laws pi(y | x) of each scheme, vmapped over token tuples (dtype of the inputs) ---
+# Compiling dominates these tests (dozens of small programs) and the programs run in microseconds,
+# so they are compiled without XLA's backend optimisations.
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _law_fn(scheme):
+    def law(p, q, xs, alive):
+        return jax.vmap(lambda x: tokenlevel.outcome_law(scheme(p, q, x, alive), x))(xs)
+
+    return jax.jit(law, compiler_options=_FAST_COMPILE)
+
+
+def _is_law_fn(cfg):
+    def law(p, q, xs, alive):
+        prepared = tokenlevel.importance_sampling_rules(p, q, alive, cfg)
+        outcome = lambda x: tokenlevel.importance_sampling_outcome(prepared, p, q, x, alive)  # noqa: E731
+        return jax.vmap(lambda x: tokenlevel.outcome_law(outcome(x), x))(xs)
+
+    return jax.jit(law, compiler_options=_FAST_COMPILE)
+
+
+def _is_cfg(rule, block, alphabet, lp_iters=1000):
+    return lambda vocab: RuleConfig(rule, min(block, vocab), min(alphabet, vocab), lp_iters)
+
+
+SCHEMES = {
+    "specinfer": lambda vocab: _law_fn(tokenlevel.specinfer),
+    "spectr": lambda vocab: _law_fn(tokenlevel.spectr),
+    # "optimal" on V <= 16 is also the "is" default (s = 5, alphabet 40) for V <= 5. The LP's
+    # iteration count changes efficiency only: few iterations mix LP and fallback weights.
+    "is_lp_s2_m3": lambda vocab: _is_law_fn(_is_cfg("truncated_lp", 2, 3, 300)(vocab)),
+    "is_fixed_order_m3": lambda vocab: _is_law_fn(_is_cfg("fixed_order", 1, 3)(vocab)),
+    "is_sir_m3": lambda vocab: _is_law_fn(_is_cfg("sir", 3, 3)(vocab)),
+    "optimal": lambda vocab: _is_law_fn(_is_cfg("truncated_lp", 16, 16)(vocab)),
+    "is_lp_no_iters": lambda vocab: _is_law_fn(_is_cfg("truncated_lp", 5, 40, 0)(vocab)),
+}
+_LAW_CACHE = {}
+
+
+def node_law(name, vocab):
+    if (name, vocab) not in _LAW_CACHE:
+        _LAW_CACHE[(name, vocab)] = SCHEMES[name](vocab)
+    fn = _LAW_CACHE[(name, vocab)]
+
+    def call(p, q, xs, alive):
+        with jax.enable_x64(True):
+            return np.asarray(fn(*(jnp.asarray(a) for a in (p, q, xs, alive))))
+
+    return call
+
+
+def _models(seed, num_drafts, vocab, n, identical, sparse=0.0):
+    rng = np.random.default_rng(seed)
+    target = random_laws(rng, vocab, n + 1, sparse=sparse)
+    first = random_laws(rng, vocab, n, alpha=0.7)
+    drafts = [
+        first if identical else random_laws(rng, vocab, n, alpha=0.7, sparse=sparse)
+        for _ in range(num_drafts)
+    ]
+    drafts[0] = first
+    return target, drafts
+
+
+CONFIGS = [
+    (k, v, n, ident) for k in (2, 3) for v in (3, 4, 5) for n in (1, 2) for ident in (True, False)
+]
+
+
+FULL_GRID = ("specinfer", "spectr", "optimal", "is_lp_s2_m3")
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_exact_enumeration(name):
+    """For every scheme: law of the emitted string continued by the target == p (float64).
+
+    The main schemes run the whole grid; the other IS rules (same code paths, other weights) run
+    the V = 5 part of it.
+    """
+    for i, (num_drafts, vocab, n, identical) in enumerate(CONFIGS):
+        if name not in FULL_GRID and vocab != 5:
+            continue
+        target, drafts = _models(100 + i, num_drafts, vocab, n, identical, sparse=0.25 * (i % 2))
+        lengths = [n] * num_drafts
+        if n == 2 and not identical:
+            lengths[-1] = 1  # a chain that ended early (EOS)
+        law, marginal = tree_law(node_law(name, vocab), target, drafts, n, lengths)
+        assert abs(sum(law.values()) - 1.0) < 1e-12
+        assert marginal <= 1e-12, (num_drafts, vocab, n, identical, marginal)
+        err = continuation_error(law, target, n)
+        assert err <= 1e-12, (num_drafts, vocab, n, identical, err)
+
+
+def test_exact_enumeration_without_replacement():
+    for i, (num_drafts, vocab, n) in enumerate(
+        (k, v, n) for k in (2, 3) for v in (3, 4, 5) for n in (1, 2)
+    ):
+        target, drafts = _models(300 + i, num_drafts, vocab, n, identical=i % 2 == 0)
+        q_root = drafts[0][0]
+        for d in drafts:  # one root law, drawn without replacement; continuations independent
+            d[0] = q_root
+        wor, rrs = node_law_wor(vocab), node_law("specinfer", vocab)
+        law, marginal = tree_law(
+            rrs,
+            target,
+            drafts,
+            n,
+            root_law=wor,
+            root_weights=without_replacement_weights(q_root, num_drafts),
+        )
+        assert marginal <= 1e-12
+        assert continuation_error(law, target, n) <= 1e-12
+
+
+def node_law_wor(vocab):
+    key = ("wor", vocab)
+    if key not in _LAW_CACHE:
+        _LAW_CACHE[key] = _law_fn(tokenlevel.specinfer_without_replacement)
+    fn = _LAW_CACHE[key]
+
+    def call(p, q, xs, alive):
+        with jax.enable_x64(True):
+            return np.asarray(fn(*(jnp.asarray(a) for a in (p, q, xs, alive))))
+
+    return call
+
+
+# --- Statistical tests through the public API, vmapped over 10^5 keys ---
+
+STAT_K, STAT_N, STAT_V, STAT_KEYS = 3, 2, 4, 100_000
+STAT_LENGTHS = np.array([2, 2, 1], np.int32)  # chain 2 ended after one token
+
+
+def _stat_models(without_replacement=False):
+    target, drafts = _models(7, STAT_K, STAT_V, STAT_N, identical=False)
+    if without_replacement:
+        for d in drafts:
+            d[0] = drafts[0][0]
+    return target, drafts
+
+
+def _sample_drafts(key, drafts, target, without_replacement):
+    """Draft chains (root draws i.i.d. or without replacement), with their laws and the target."""
+    key_root, key_next = jax.random.split(key)
+    q0 = jnp.log(jnp.asarray(np.stack([d[0] for d in drafts]), jnp.float32))  # [K, V]
+    q1 = jnp.log(jnp.asarray(np.stack([d[1] for d in drafts]), jnp.float32))  # [K, V, V]
+    if without_replacement:
+        x0 = multi.sample_without_replacement(key_root, q0[0], STAT_K)
+    else:
+        x0 = jax.random.categorical(key_root, q0)
+    lq1 = q1[jnp.arange(STAT_K), x0]  # [K, V]
+    x1 = jax.random.categorical(key_next, lq1)
+    p0, p1, p2 = (jnp.log(jnp.asarray(t, jnp.float32)) for t in target)
+    lp = jnp.stack([jnp.broadcast_to(p0, (STAT_K, STAT_V)), p1[x0], p2[x0, x1]], axis=1)
+    return jnp.stack([x0, x1], 1), jnp.stack([q0, lq1], 1), lp
+
+
+def _run_statistical(method, options, without_replacement=False):
+    target, drafts = _stat_models(without_replacement)
+
+    def one(key):
+        key_draft, key_verify = jax.random.split(key)
+        tokens, lq, lp = _sample_drafts(key_draft, drafts, target, without_replacement)
+        if method in asps_jax.verify.DRAFTS_METHODS:
+            verdict = asps_jax.verify_drafts(
+                key_verify, tokens, lq, lp, method=method, draft_length=STAT_LENGTHS, **options
+            )
+        else:  # not (yet) routed by verify_drafts: call the registered verifier directly
+            verdict = multi.METHODS[method](
+                key_verify, tokens, lq, lp, jnp.asarray(STAT_LENGTHS), **options
+            )
+        return verdict, tokens
+
+    keys = jax.random.split(jax.random.key(2024), STAT_KEYS)
+    verdict, tokens = jax.jit(jax.vmap(one))(keys)
+    out = np.asarray(verdict.tokens)
+    length = np.asarray(verdict.num_tokens)
+    index = np.asarray(verdict.draft_index)
+    tokens = np.asarray(tokens)
+    # Structure: 1 <= L <= length of the committed chain + 1, the prefix follows that chain.
+    assert np.all((length >= 1) & (length <= STAT_LENGTHS[index] + 1))
+    assert np.all(out[np.arange(STAT_N + 1) >= length[:, None]] == -1)
+    for depth in range(STAT_N):
+        rows = length > depth + 1
+        assert np.all(out[rows, depth] == tokens[rows, index[rows], depth])
+    # Continue every emitted string with the target (NumPy) and compare with p by chi-square.
+    rng = np.random.default_rng(5)
+    full = out.copy()
+    for depth in range(STAT_N + 1):
+        rows = length <= depth
+        laws = target[depth][tuple(full[rows, :depth].T)] if depth else target[0][None]
+        cum = np.cumsum(np.broadcast_to(laws, (rows.sum(), STAT_V)), axis=1)
+        draws = (rng.random((rows.sum(), 1)) > cum).sum(1)
+        full[rows, depth] = np.minimum(draws, STAT_V - 1)
+    codes = np.ravel_multi_index(full.T, (STAT_V,) * (STAT_N + 1))
+    counts = np.bincount(codes, minlength=STAT_V ** (STAT_N + 1))
+    strings = itertools.product(range(STAT_V), repeat=STAT_N + 1)
+    expected = STAT_KEYS * np.array([string_prob(target, z) for z in strings])
+    pvalue = stats.chisquare(counts, expected).pvalue
+    assert pvalue > 1e-4, (method, options, pvalue)
+    return length, np.asarray(verdict.num_fallbacks)
+
+
+# Few LP iterations here: the solves are vmapped 10^5 times, and a mix of LP weights and counted
+# fallbacks is exactly what must stay unbiased. At V = 4 "is" (s = 5, alphabet 40) and "optimal"
+# (alphabet 16) both solve the full pairwise LP, i.e. the scheme "stat_lp" of the enumeration.
+SCHEMES["stat_lp"] = lambda vocab: _is_law_fn(_is_cfg("truncated_lp", 16, 16, 60)(vocab))
+STAT_METHODS = [
+    ("specinfer", {}, "specinfer"),
+    ("spectr", {}, "spectr"),
+    ("is", {"lp_iters": 60}, "stat_lp"),
+    ("optimal", {"lp_iters": 60}, "stat_lp"),
+]
+
+
+@pytest.mark.parametrize("method,options,law_name", STAT_METHODS)
+def test_statistical_verify_drafts(method, options, law_name):
+    """10^5 vmapped calls: emitted strings continued by the target follow p (chi-square), and the
+    mean emitted length matches the exact E[L] of the same scheme by enumeration."""
+    length, fallbacks = _run_statistical(method, options)
+    if method in ("is", "optimal"):
+        assert 0 < fallbacks.mean() < 2  # both paths taken
+    target, drafts = _stat_models()
+    law, _ = tree_law(node_law(law_name, STAT_V), target, drafts, STAT_N, STAT_LENGTHS)
+    sem = length.std() / np.sqrt(STAT_KEYS)
+    assert abs(length.mean() - mean_length(law)) < 5 * sem, (length.mean(), mean_length(law))
+
+
+def test_statistical_without_replacement():
+    length, _ = _run_statistical("specinfer_wor", {}, without_replacement=True)
+    assert length.mean() > 1.0
+
+
+# --- Acceptance probabilities (exact, float64) ---
+
+
+def root_acceptance(name, p, qs, alive=None):
+    """P(Y in {X_k : alive}) at one node, exactly, for scheme ``name``."""
+    num_drafts, vocab = qs.shape
+    alive = np.ones(num_drafts, bool) if alive is None else np.asarray(alive)
+    xs = np.array(list(itertools.product(range(vocab), repeat=num_drafts)), np.int64)
+    laws = node_law(name, vocab)(p, qs, xs, alive)
+    probs = np.ones(len(xs))
+    for k in range(num_drafts):
+        probs *= qs[k][xs[:, k]] if alive[k] else xs[:, k] == 0
+    hit = np.zeros_like(laws, bool)
+    for k in np.nonzero(alive)[0]:
+        hit[np.arange(len(xs)), xs[:, k]] = True
+    return float(np.sum(probs[:, None] * laws * hit))
+
+
+_optimal_acceptance = jax.jit(optimal_acceptance)
+
+
+def _optimal_acceptance64(p, qs):
+    with jax.enable_x64(True):
+        return float(_optimal_acceptance(jnp.log(jnp.asarray(p)), jnp.log(jnp.asarray(qs))))
+
+
+@pytest.mark.parametrize("q2,expected", [(0.1, 0.8567), (0.2, 1.0), (0.3, 1.0), (0.45, 1.0)])
+def test_three_letter_example_optimal(q2, expected):
+    """Khisti et al.'s example: uniform target, q = [1/3, q2, 2/3 - q2], K = 2, n = 1."""
+    p = np.full(3, 1 / 3)
+    q = np.array([1 / 3, q2, 2 / 3 - q2])
+    qs = np.stack([q, q])
+    assert root_acceptance("optimal", p, qs) == pytest.approx(expected, abs=5e-5)
+    assert _optimal_acceptance64(p, qs) == pytest.approx(expected, abs=5e-5)
+
+
+def test_three_letter_example_spectr_specinfer():
+    p = np.full(3, 1 / 3)
+    q = np.array([1 / 3, 0.2, 2 / 3 - 0.2])
+    qs = np.stack([q, q])
+    assert root_acceptance("spectr", p, qs) == pytest.approx(0.9224, abs=5e-5)
+    assert root_acceptance("specinfer", p, qs) == pytest.approx(0.8933, abs=5e-5)
+
+
+def test_single_alive_draft_is_sps():
+    """With one alive draft every scheme is single-draft SpS (accept min(1, p/q), else (p-q)_+)."""
+    rng = np.random.default_rng(4)
+    p, q0, q1 = (rng.dirichlet(np.ones(5)) for _ in range(3))
+    qs = np.stack([q0, q1])
+    xs = np.array(list(itertools.product(range(5), repeat=2)), np.int64)
+    residual = np.maximum(p - q1, 0) / np.maximum(p - q1, 0).sum()
+    acc = np.minimum(1, p / q1)
+    expected = (1 - acc[xs[:, 1]])[:, None] * residual
+    expected[np.arange(len(xs)), xs[:, 1]] += acc[xs[:, 1]]
+    for name in FULL_GRID:
+        laws = node_law(name, 5)(p, qs, xs, np.array([False, True]))
+        np.testing.assert_allclose(laws, expected, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("num_drafts", [2, 3])
+def test_optimal_acceptance_matches_lp_and_brute_force(num_drafts):
+    rng = np.random.default_rng(num_drafts)
+    for vocab in (3, 4, 5):
+        for identical in (True, False):
+            p = rng.dirichlet(np.ones(vocab))
+            q = rng.dirichlet(np.full(vocab, 0.6))
+            qs = np.stack(
+                [q if identical else rng.dirichlet(np.ones(vocab)) for _ in range(num_drafts)]
+            )
+            qs[0] = q
+            value = _optimal_acceptance64(p, qs)
+            assert value == pytest.approx(brute_force_acceptance(p, list(qs)), abs=1e-9)
+            assert value == pytest.approx(ot_lp_optimum(p, list(qs)), abs=1e-9)
+
+
+def test_sorted_prefix_is_exact_for_identical_drafts():
+    """The O(V log V) prefix form against all 2^V subsets (V = 12), and vs HiGHS at V = 40."""
+    from multidraft_reference import pairwise_lp_optimum
+
+    rng = np.random.default_rng(9)
+    for num_drafts in (2, 3, 4):
+        p, q = rng.dirichlet(np.full(12, 0.5)), rng.dirichlet(np.full(12, 0.5))
+        q[3] = 0.0  # a token the draft never proposes
+        q /= q.sum()
+        qs = np.stack([q] * num_drafts)
+        with jax.enable_x64(True):
+            args = (jnp.log(jnp.asarray(p)), jnp.log(jnp.asarray(qs)))
+            value = float(jax.jit(sorted_prefix_acceptance)(*args))
+        assert value == pytest.approx(brute_force_acceptance(p, list(qs)), abs=1e-12)
+    p, q = rng.dirichlet(np.ones(40)), rng.dirichlet(np.ones(40))
+    coupling = np.outer(q, q) * (1 - np.eye(40))
+    expected = pairwise_lp_optimum(p, q * q + coupling.sum(0), coupling)
+    assert _optimal_acceptance64(p, np.stack([q, q])) == pytest.approx(expected, abs=1e-9)
+    # Batched leading axes, float32.
+    uniform = jnp.full((2, 3, 2, 40), 1 / 40)
+    batch = _optimal_acceptance(jnp.log(uniform[:, :, 0]), jnp.log(uniform))
+    assert batch.shape == (2, 3)
+    np.testing.assert_allclose(np.asarray(batch), 1.0, atol=1e-6)
+
+
+def test_acceptance_ordering_on_random_nodes(capsys):
+    """200 random K = 2 identical-draft nodes: optimal >= IS(truncated LP) >= SpecTr >= SpecInfer
+    >= single-draft SpS on average, and no scheme above the closed-form optimum."""
+    rng = np.random.default_rng(2025)
+    vocab = 8
+    names = ["optimal", "is_default", "spectr", "specinfer"]
+    SCHEMES["is_default"] = lambda v: _is_law_fn(multi._rule_config("is", v, {}))
+    table = {name: [] for name in names + ["sps", "bound"]}
+    for _ in range(200):
+        p, q = rng.dirichlet(np.ones(vocab)), rng.dirichlet(np.ones(vocab))
+        qs = np.stack([q, q])
+        for name in names:
+            table[name].append(root_acceptance(name, p, qs))
+        table["sps"].append(np.minimum(p, q).sum())
+        table["bound"].append(_optimal_acceptance64(p, qs))
+    table = {k: np.array(v) for k, v in table.items()}
+    with capsys.disabled():
+        print("\n| scheme (K=2, identical, V=8, 200 nodes) | mean acceptance |")
+        print("|---|---|")
+        for name in ["bound"] + names + ["sps"]:
+            print(f"| {name} | {table[name].mean():.4f} |")
+    means = [table[name].mean() for name in names + ["sps"]]
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(means)), means
+    for name in names + ["sps"]:
+        assert np.all(table[name] <= table["bound"] + 1e-9), name
+    assert np.mean(np.abs(table["optimal"] - table["bound"]) <= 1e-6) >= 0.98
+
+
+# --- Bad input and the solver fallback ---
+
+
+def _small_inputs(num_drafts=2, n=2, vocab=5):
+    rng = np.random.default_rng(0)
+    lq = np.log(rng.dirichlet(np.ones(vocab), size=(num_drafts, n))).astype(np.float32)
+    lp = np.log(rng.dirichlet(np.ones(vocab), size=(num_drafts, n + 1))).astype(np.float32)
+    tokens = rng.integers(0, vocab, size=(num_drafts, n)).astype(np.int32)
+    return tokens, lq, lp
+
+
+@pytest.mark.parametrize(
+    "method,options,match",
+    [
+        ("is", {"rule": "greedy"}, "rule"),
+        ("is", {"s": 6, "alphabet": 5}, "larger than the alphabet"),
+        ("is", {"s": 4, "alphabet": 3}, "larger than the alphabet"),
+        ("is", {"alphabet": 6}, "larger than the vocabulary"),
+        ("is", {"alphabet": 0}, "alphabet"),
+        ("is", {"s": 0}, "s must be"),
+        ("is", {"rule": "sir", "s": 2}, "s applies"),
+        ("is", {"lp_iters": -1}, "lp_iters"),
+        ("is", {"temperature": 1.0}, "unknown option"),
+        ("optimal", {"s": 3}, "unknown option"),
+        ("specinfer", {"rule": "sir"}, "takes no options"),
+        ("spectr", {"s": 2}, "takes no options"),
+    ],
+)
+def test_bad_options(method, options, match):
+    tokens, lq, lp = _small_inputs()
+    with pytest.raises(ValueError, match=match):
+        asps_jax.verify_drafts(jax.random.key(0), tokens, lq, lp, method=method, **options)
+
+
+def test_bad_shapes():
+    tokens, lq, lp = _small_inputs()
+    with pytest.raises(ValueError, match="K >= 1"):
+        asps_jax.verify_drafts(jax.random.key(0), tokens[:0], lq[:0], lp[:0], method="is")
+    with pytest.raises(ValueError, match="num_drafts"):
+        multi.sample_without_replacement(jax.random.key(0), jnp.zeros(3), 4)
+    with pytest.raises(ValueError, match="draft_logprobs"):
+        optimal_acceptance(jnp.zeros((2, 5)), jnp.zeros((3, 2, 5)))
+
+
+def test_lp_fallback_is_counted_and_uses_the_fixed_order_law():
+    """A solve that does not converge (here: zero iterations) falls back to the fixed-order rule,
+    counted in num_fallbacks; the law is then exactly the fixed-order law (and exact, see the
+    enumeration of ``is_lp_no_iters``)."""
+    tokens, lq, lp = _small_inputs()
+    run = jax.jit(
+        jax.vmap(lambda key: asps_jax.verify_drafts(key, tokens, lq, lp, method="is", lp_iters=0))
+    )
+    verdict = run(jax.random.split(jax.random.key(1), 64))
+    assert np.all(np.asarray(verdict.num_fallbacks) >= 1)
+    rng = np.random.default_rng(12)
+    p, q = rng.dirichlet(np.ones(5)), rng.dirichlet(np.ones(5))
+    qs = np.stack([q, q])
+    xs = np.array(list(itertools.product(range(5), repeat=2)), np.int64)
+    alive = np.ones(2, bool)
+    fell_back = node_law("is_lp_no_iters", 5)(p, qs, xs, alive)
+    fixed = node_law("is_fixed_order_m3", 5)(p, qs, xs, alive)
+    with jax.enable_x64(True):
+        cfg = _is_cfg("truncated_lp", 5, 40, 0)(5)
+        prepared = tokenlevel.importance_sampling_rules(
+            jnp.asarray(p), jnp.asarray(qs), jnp.asarray(alive), cfg
+        )
+        n_fb = prepared[3]
+    assert int(n_fb) == 1
+    # Both are fixed-order rules over the same ranking when the alphabet covers V.
+    SCHEMES["is_fixed_order_m5"] = lambda v: _is_law_fn(_is_cfg("fixed_order", 1, 5)(v))
+    np.testing.assert_allclose(
+        fell_back, node_law("is_fixed_order_m5", 5)(p, qs, xs, alive), atol=1e-14
+    )
+    assert fixed.shape == fell_back.shape
