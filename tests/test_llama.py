@@ -242,6 +242,11 @@ def test_init_params_and_axes():
     np.testing.assert_array_equal(np.asarray(params["layers"]["attn_norm"], np.float32), 1.0)
     std = float(jnp.std(params["embed"].astype(jnp.float32)))
     assert 0.015 < std < 0.025
+    derived = LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    assert derived.head_dim == 4 and derived == config
 
 
 def test_forward_rejects_bad_inputs():

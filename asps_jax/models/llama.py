@@ -37,7 +37,7 @@ class LlamaConfig:
     num_hidden_layers: int  # L
     num_attention_heads: int  # NH
     num_key_value_heads: int  # KVH
-    head_dim: int  # H
+    head_dim: int | None = None  # H; None: hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -49,6 +49,8 @@ class LlamaConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self):
+        if self.head_dim is None and self.num_attention_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         for name in (
             "vocab_size",
             "hidden_size",
