@@ -39,7 +39,6 @@ _ST_DTYPES = {
     "BOOL": np.dtype(np.bool_),
 }
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-_TORCH_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 class CheckpointError(ValueError):
@@ -239,19 +238,22 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> Non
 
 
 def hf_tensors(config, params, family) -> list[tuple[str, np.ndarray]]:
-    """Our params as ``(HF name, HF-layout array)`` (lazy-ish: views where possible)."""
+    """Our params as ``(HF name, HF-layout array)``: views of one host copy of each parameter."""
     shapes = family.param_shapes(config)
+    host: dict[tuple[str, ...], np.ndarray] = {}
     out = []
     for name, (keys, layer, kind) in _tensor_table(family, config).items():
-        try:
-            full = np.asarray(_get(params, keys))
-        except KeyError as e:
-            raise ValueError(f"params: missing parameter {'/'.join(keys)}") from e
-        if full.shape != _get(shapes, keys)[0]:
-            raise ValueError(
-                f"params: {'/'.join(keys)} has shape {full.shape}, "
-                f"config expects {_get(shapes, keys)[0]}"
-            )
+        if keys not in host:
+            try:
+                host[keys] = np.asarray(_get(params, keys))
+            except KeyError as e:
+                raise ValueError(f"params: missing parameter {'/'.join(keys)}") from e
+            if host[keys].shape != _get(shapes, keys)[0]:
+                raise ValueError(
+                    f"params: {'/'.join(keys)} has shape {host[keys].shape}, "
+                    f"config expects {_get(shapes, keys)[0]}"
+                )
+        full = host[keys]
         a = full[layer] if layer is not None else full
         if kind != "copy":
             n_in = _n_in(keys)
