@@ -199,6 +199,8 @@ def load_params(path: Path, config, family, dtype=None) -> dict:
             # HF nn.Linear is [out, in]; we store [in..., out...] (see the family's HF_TENSORS).
             dest.reshape(expected[1], expected[0])[...] = array.T
         seen.add(name)
+    # Drop the last views: they keep the memory map (and a stacked buffer) alive.
+    array = dest = None
     missing = sorted(set(table) - seen)
     if missing:
         shown = ", ".join(missing[:8]) + (
