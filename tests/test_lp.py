@@ -65,9 +65,8 @@ def test_zero_iterations_is_not_converged():
     fixed = np.broadcast_to(np.triu(np.ones((5, 5)), 1), coupling.shape)
     with jax.enable_x64(True):
         args = (jnp.asarray(x) for x in (target, base, coupling, fixed))
-        sol = jax.vmap(lambda t, b, a, w: solve_pairwise_lp(t, b, a, w, num_iters=0, tol=1e-9))(
-            *args
-        )
+        solve = jax.jit(jax.vmap(lambda t, b, a, w: solve_pairwise_lp(t, b, a, w, num_iters=0)))
+        sol = solve(*args)
         assert not np.all(np.asarray(sol.converged))
         np.testing.assert_array_equal(np.asarray(sol.weights), fixed)
 
@@ -83,10 +82,15 @@ def test_induced_law_matches_pair_enumeration(rule, block, alphabet):
     p, qa, qb = (rng.dirichlet(np.full(vocab, 0.8)) for _ in range(3))
     cfg = RuleConfig(rule=rule, block=block, alphabet=alphabet)
     with jax.enable_x64(True):
-        rule_, law, _ = build_pairwise(jnp.asarray(p), jnp.asarray(qa), jnp.asarray(qb), cfg)
         pairs = jnp.asarray([(a, b) for a in range(vocab) for b in range(vocab)])
-        keep = np.asarray(jax.vmap(lambda ab: keep_first(rule_, ab[0], ab[1]))(pairs))
-        law = np.asarray(law)
+
+        @jax.jit
+        def run(p, qa, qb):
+            rule_, law, _ = build_pairwise(p, qa, qb, cfg)
+            keep = jax.vmap(lambda ab: keep_first(rule_, ab[0], ab[1]))(pairs)
+            return rule_.order, law, keep
+
+        order, law, keep = (np.asarray(a) for a in run(*(jnp.asarray(a) for a in (p, qa, qb))))
     expected = np.zeros(vocab)
     for (a, b), k in zip(pairs.tolist(), keep):
         expected[a] += qa[a] * qb[b] * k
@@ -94,7 +98,6 @@ def test_induced_law_matches_pair_enumeration(rule, block, alphabet):
     assert np.all((keep >= 0) & (keep <= 1))
     np.testing.assert_allclose(law, expected, atol=1e-14)
     # The ranking puts the alphabet first: outside it the higher-ranked token (lower id) wins.
-    order = np.asarray(rule_.order)
     rest = [v for v in range(vocab) if v not in order]
     for a in rest:
         for b in rest:

@@ -55,8 +55,10 @@ class PairwiseRule:
 
 
 def _rev_exclusive_cumsum(x: jax.Array) -> jax.Array:
-    """``out[i] = sum_{j > i} x[j]`` along the last axis."""
-    return jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1) - x
+    """``out[i] = sum_{j > i} x[j]`` along the last axis (shifted, not ``inclusive - x``, so that
+    tail masses carry no cancellation error and are never negative)."""
+    inclusive = jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1)
+    return jnp.concatenate([inclusive[1:], jnp.zeros((1,), x.dtype)])
 
 
 def build_pairwise(
