@@ -42,6 +42,15 @@ SHAPE = dict(
     num_key_value_heads=12,
     max_position_embeddings=2048,
 )
+# --smoke: a tiny shape so that tests can run the whole script in seconds.
+SMOKE_SHAPE = dict(
+    SHAPE,
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
@@ -111,6 +120,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--torch-attn", default="sdpa", choices=["sdpa", "eager"], help="transformers attention"
     )
+    parser.add_argument("--smoke", action="store_true", help="tiny model (a quick self-test)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.prefix < 9 or args.batch_size < 1 or args.repeats < 1:
@@ -120,11 +130,12 @@ def main(argv=None) -> int:
     import transformers
 
     torch.manual_seed(args.seed)
-    hf_config = transformers.LlamaConfig(**SHAPE)
+    shape = SMOKE_SHAPE if args.smoke else SHAPE
+    hf_config = transformers.LlamaConfig(**shape)
     hf_config._attn_implementation = args.torch_attn
     hf = transformers.LlamaForCausalLM(hf_config).eval()
     rng = np.random.default_rng(args.seed)
-    tokens = rng.integers(0, SHAPE["vocab_size"], (args.batch_size, args.prefix)).astype(np.int32)
+    tokens = rng.integers(0, shape["vocab_size"], (args.batch_size, args.prefix)).astype(np.int32)
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
         model = load_model(tmp)
@@ -148,7 +159,8 @@ def main(argv=None) -> int:
             )
         )
     print(
-        f"llama-68m shape, float32, batch {args.batch_size}, prefix {args.prefix}; "
+        f"{'smoke' if args.smoke else 'llama-68m'} shape, float32, batch {args.batch_size}, "
+        f"prefix {args.prefix}; "
         f"jax {jax.__version__} on {jax.default_backend()}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads, {args.torch_attn} attention), "
         f"{platform.processor() or platform.machine()}"

@@ -267,3 +267,19 @@ def test_forward_rejects_bad_inputs():
         fwd(params, tok, pos, causal(1, 3), cache)
     logits, _ = fwd(params, tok, pos, jnp.ones((1, 3, 8), bool), cache)
     assert logits.shape == (1, 3, 20)
+
+
+def test_bench_model_smoke(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_model.py"
+    spec = importlib.util.spec_from_file_location("bench_model", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--smoke", "--prefix", "12", "--repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["prefill", "decode", "chain9"]
+    assert all(r["ours_tok_s"] > 0 and r["torch_tok_s"] > 0 for r in rows)
+    assert "| chain9 | 9 |" in capsys.readouterr().out
