@@ -459,3 +459,18 @@ def test_lp_fallback_is_counted_and_uses_the_fixed_order_law():
         fell_back, node_law("is_fixed_order_m5", 5)(p, qs, xs, alive), atol=1e-14
     )
     assert fixed.shape == fell_back.shape
+
+
+def test_sample_without_replacement_law():
+    """Gumbel-top-k: ordered pairs follow q(a) q(b) / (1 - q(a)) (chi-square, 10^5 keys)."""
+    q = np.array([0.1, 0.2, 0.3, 0.4])
+    draw = jax.jit(jax.vmap(lambda k: multi.sample_without_replacement(k, jnp.log(q), 2)))
+    pairs = np.asarray(draw(jax.random.split(jax.random.key(3), 100_000)))
+    assert np.all(pairs[:, 0] != pairs[:, 1])
+    counts = np.bincount(pairs[:, 0] * 4 + pairs[:, 1], minlength=16)
+    expected = np.array(
+        [q[a] * q[b] / (1 - q[a]) if a != b else 0.0 for a in range(4) for b in range(4)]
+    )
+    off = expected > 0
+    assert np.all(counts[~off] == 0)
+    assert stats.chisquare(counts[off], 100_000 * expected[off]).pvalue > 1e-4
