@@ -220,6 +220,11 @@ def test_checkpoint_errors_name_the_problem(hf_dir, tmp_path, offline):
     (lost / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="shard model-00001-of-00001.safetensors .* missing"):
         load_model(lost)
+    broken_tok = tmp_path / "broken_tokenizer"
+    shutil.copytree(single, broken_tok)
+    (broken_tok / "tokenizer.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="could not load the tokenizer"):
+        assert load_model(broken_tok).tokenizer is None
     for bad in ("int8", "nonsense"):
         with pytest.raises(ValueError, match="dtype"):
             load_model(single, dtype=bad)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -298,7 +299,17 @@ def load_tokenizer(path: Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (ImportError, ValueError, OSError) as e:
+        # The weights are usable without it (token ids in, token ids out); say what is missing,
+        # e.g. `sentencepiece` for checkpoints that ship only tokenizer.model.
+        warnings.warn(
+            f"could not load the tokenizer in {path} ({type(e).__name__}: {e}); the model is "
+            "loaded without one (pip install sentencepiece if it ships only tokenizer.model)",
+            stacklevel=3,
+        )
+        return None
 
 
 def load_model(name_or_path, *, dtype=None):
