@@ -116,7 +116,9 @@ def _dynamic_inv_freq(
     """``float32[B, 1, H/2]``: NTK base growth from each row's current length.
 
     HF takes ``max(position_ids) + 1`` over the whole batch; we take it per row so that a row's
-    logits never depend on which other rows share its batch (identical for batch size 1).
+    logits never depend on which other rows share its batch (identical for batch size 1). The
+    positions of padded tokens count too, as in HF; this only matters past
+    ``max_position_embeddings``.
     """
     seq_len = jnp.maximum(jnp.max(positions_BT, axis=1) + 1, max_pos).astype(jnp.float32)  # [B]
     base = theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (head_dim / (head_dim - 2))
