@@ -153,7 +153,7 @@ def test_commit_accepted_path_then_decode_matches_scratch(models):
     _, kv = tree_scorer(m, tree)(m.params, cache, jnp.asarray(toks), valid)
     chosen = np.array([1, 0, 1], np.int32)  # accepted chain per row
     accepted = np.array([2, 0, 4], np.int32)  # accepted draft tokens per row
-    # vmap: path_nodes broadcasts [B, 1] against [n], which rank-promotion='raise' forbids.
+    # Per row (vmap over the scalar chain index): robust to how path_nodes broadcasts.
     nodes = jax.vmap(lambda k: path_nodes(tree, k))(jnp.asarray(chosen))
     cache2 = COMMIT(cache, kv, nodes, jnp.asarray(accepted + 1))  # root + accepted tokens
     np.testing.assert_array_equal(np.asarray(cache2.lengths - cache.lengths), accepted + 1)
