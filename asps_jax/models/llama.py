@@ -282,16 +282,32 @@ def forward(
         q = apply_rope(jnp.einsum("bte,enh->btnh", h, p["wq"]), cos, sin)
         k = apply_rope(jnp.einsum("bte,ekh->btkh", h, p["wk"]), cos, sin)
         v = jnp.einsum("bte,ekh->btkh", h, p["wv"])
-        keys, values = k, v
-        if cache_k is not None:
-            keys = jnp.concatenate([cache_k.astype(dtype), k], axis=1)  # [B, S+T, KVH, H]
-            values = jnp.concatenate([cache_v.astype(dtype), v], axis=1)
         q_BTKGH = q.reshape(B, T, c.num_key_value_heads, G, c.head_dim)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, keys, preferred_element_type=jnp.float32)
+        # The cache and the new tokens are attended separately and only the (small) scores are
+        # concatenated: concatenating keys/values would copy the whole cache every step.
+        parts = (
+            [(k, v)]
+            if cache_k is None
+            else [(cache_k.astype(dtype), cache_v.astype(dtype)), (k, v)]
+        )
+        scores = jnp.concatenate(
+            [
+                jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, keys, preferred_element_type=jnp.float32)
+                for keys, _ in parts
+            ],
+            axis=-1,
+        )  # [B, KVH, G, T, S+T]
         scores = jnp.where(mask_B11TS, scores * scale, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        attn = jnp.einsum("bkgts,bskh->btkgh", probs, values)
-        attn = attn.reshape(B, T, c.num_attention_heads, c.head_dim)
+        attn, start = 0, 0
+        for keys, values in parts:
+            width = keys.shape[1]
+            p_part = probs[..., start : start + width]
+            attn = attn + jnp.einsum(
+                "bkgts,bskh->btkgh", p_part, values, preferred_element_type=jnp.float32
+            )
+            start += width
+        attn = attn.astype(dtype).reshape(B, T, c.num_attention_heads, c.head_dim)
         x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"])
         h = _rms_norm(x_BTE, p["mlp_norm"], c.rms_norm_eps)
         gate = jax.nn.silu(jnp.einsum("bte,ef->btf", h, p["w_gate"]))
