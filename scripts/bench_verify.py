@@ -37,7 +37,7 @@ class Case:
 
 
 def _chain_inputs(key, case: Case):
-    """Random draft/target laws and drafts drawn from the draft law: ``[B, n]``, ``[B, n(+1), V]``."""
+    """Random laws and drafts drawn from them: ``[B, n]``, ``[B, n, V]``, ``[B, n+1, V]``."""
     k_q, k_p, k_x = jax.random.split(key, 3)
     shape = (case.batch,)
     # Logits with a realistic spread so that acceptance is neither ~0 nor ~1.

@@ -168,17 +168,21 @@ def asps_continuation_logweights(draft_tokens, draft_logprobs, target_logprobs, 
     return jnp.concatenate([jnp.zeros((1,), dtype), log_a_N])
 
 
-def asps_outcome_logweights(draft_tokens, draft_logprobs, target_logprobs, draft_length):
-    """Exact outcome law of ASpS for one draft: the table of ALGORITHMS.md §2.2 in closed form.
+def _log_abs_diff(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``log|e^a - e^b|``: ``-inf`` where ``a == b`` (incl. both ``-inf``), never NaN.
 
-    ``stop_NV[t, y] = r_t(y) * prod_{j=t}^{L-1} s_j`` with ``r_t = (a_t p_t - q_t)_+`` and
-    ``s_j = c_j(x_j) / (C_j q_j(x_j))``, ``c_j = (q_j - a_j p_j)_+``, ``C_j = sum c_j``
-    (``s_j = 1`` when ``C_j = 0``); entries ``(t, x_t)`` and rows ``t >= L`` are ``-inf``;
-    ``log_full = log a_L``. O(n V) work; weights sum to 1 without normalisation (§2.2).
-
-    Returns:
-      ``(stop_NV, log_full)`` as :func:`sps_outcome_logweights`.
+    Both ``(e^a - e^b)_+`` and ``(e^b - e^a)_+`` are this value on one side of ``a > b``, so ASpS
+    gets the draft excess and the stop weights from one ``expm1`` and one ``log`` per entry.
     """
+    hi, lo = jnp.maximum(a, b), jnp.minimum(a, b)
+    differ = hi > lo
+    hi_safe = jnp.where(differ, hi, 0.0)
+    lo_safe = jnp.where(differ, lo, NEG_INF)
+    return jnp.where(differ, hi_safe + jnp.log(-jnp.expm1(lo_safe - hi_safe)), NEG_INF)
+
+
+def _asps_table(draft_tokens, draft_logprobs, target_logprobs, draft_length):
+    """``(stop_NV, row_mass_N, log_full)``; ``row_mass_N`` = logsumexp of each row of stop_NV."""
     n, vocab = draft_logprobs.shape
     dtype = draft_logprobs.dtype
     log_a_M = asps_continuation_logweights(
@@ -186,9 +190,12 @@ def asps_outcome_logweights(draft_tokens, draft_logprobs, target_logprobs, draft
     )
     valid_N = jnp.arange(n) < draft_length
     scaled_target_NV = log_a_M[:n, None] + target_logprobs[:n]
+    diff_NV = _log_abs_diff(scaled_target_NV, draft_logprobs)
+    target_above_NV = scaled_target_NV > draft_logprobs
+    is_draft_NV = jnp.arange(vocab)[None, :] == draft_tokens[:, None]
 
     # --- Step 1: rescaling factors s_t (importance weight of x_t under the draft-excess law) ---
-    lc_NV = log_minus_exp(draft_logprobs, scaled_target_NV)
+    lc_NV = jnp.where(target_above_NV, NEG_INF, diff_NV)  # c_t = (q_t - a_t p_t)_+
     lC_N = _logsumexp(lc_NV)
     lc_x = jnp.take_along_axis(lc_NV, draft_tokens[:, None], axis=-1)[:, 0]
     lq_x = jnp.take_along_axis(draft_logprobs, draft_tokens[:, None], axis=-1)[:, 0]
@@ -200,11 +207,28 @@ def asps_outcome_logweights(draft_tokens, draft_logprobs, target_logprobs, draft
     # --- Step 2: suffix products prod_{j>=t} s_j as a reversed cumulative sum (never +inf) ---
     suffix_N = jnp.flip(jnp.cumsum(jnp.flip(ls_N)))
 
-    # --- Step 3: stop-and-emit weights; (t, x_t) is the consumed continuation entry ---
-    stop_NV = log_minus_exp(scaled_target_NV, draft_logprobs) + suffix_N[:, None]
-    is_draft_NV = jnp.arange(vocab)[None, :] == draft_tokens[:, None]
-    stop_NV = jnp.where(is_draft_NV | ~valid_N[:, None], NEG_INF, stop_NV)
-    return stop_NV, log_a_M[n]
+    # --- Step 3: stop-and-emit weights r_t = (a_t p_t - q_t)_+ scaled by the suffix; (t, x_t) is
+    # the consumed continuation entry. Masking before the row sums keeps them consistent. ---
+    lr_NV = jnp.where(target_above_NV & ~is_draft_NV, diff_NV, NEG_INF)
+    row_ok_N = valid_N & (suffix_N > NEG_INF)
+    stop_NV = jnp.where(row_ok_N[:, None], lr_NV + suffix_N[:, None], NEG_INF)
+    row_mass_N = jnp.where(row_ok_N, _logsumexp(lr_NV) + suffix_N, NEG_INF)
+    return stop_NV, row_mass_N, log_a_M[n]
+
+
+def asps_outcome_logweights(draft_tokens, draft_logprobs, target_logprobs, draft_length):
+    """Exact outcome law of ASpS for one draft: the table of ALGORITHMS.md §2.2 in closed form.
+
+    ``stop_NV[t, y] = r_t(y) * prod_{j=t}^{L-1} s_j`` with ``r_t = (a_t p_t - q_t)_+`` and
+    ``s_j = c_j(x_j) / (C_j q_j(x_j))``, ``c_j = (q_j - a_j p_j)_+``, ``C_j = sum c_j``
+    (``s_j = 1`` when ``C_j = 0``); entries ``(t, x_t)`` and rows ``t >= L`` are ``-inf``;
+    ``log_full = log a_L``. O(n V) work; weights sum to 1 without normalisation (§2.2).
+
+    Returns:
+      ``(stop_NV, log_full)`` as :func:`sps_outcome_logweights`.
+    """
+    stop_NV, _, log_full = _asps_table(draft_tokens, draft_logprobs, target_logprobs, draft_length)
+    return stop_NV, log_full
 
 
 def asps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Verdict:
@@ -219,11 +243,11 @@ def asps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Ve
     which dominated the cost of the one-draw form.
     """
     n, _ = draft_logprobs.shape
-    stop_NV, log_full = asps_outcome_logweights(
+    stop_NV, row_mass_N, log_full = _asps_table(
         draft_tokens, draft_logprobs, target_logprobs, draft_length
     )
     # The table sums to 1 up to rounding; categorical's implicit normalisation absorbs it.
-    row_mass_M = jnp.concatenate([_logsumexp(stop_NV), log_full[None]])
+    row_mass_M = jnp.concatenate([row_mass_N, log_full[None]])
     row = jax.random.categorical(jax.random.fold_in(key, _OUTCOME), row_mass_M).astype(jnp.int32)
     full = row == n
     num_accepted = jnp.where(full, draft_length, row).astype(jnp.int32)
