@@ -59,6 +59,9 @@ def _inputs(key, case: Case):
     noise = jax.random.normal(k_p, shape + (case.n + 1, case.V))
     lq_ext = jnp.concatenate([lq, lq[..., -1:, :]], axis=-2)
     lp = jax.nn.log_softmax(lq_ext + noise, axis=-1)
+    # All chains start at the same root: one draft law and one target law there (API.md §1).
+    lq = lq.at[:, :, 0].set(jnp.broadcast_to(lq[:, :1, 0], lq[:, :, 0].shape))
+    lp = lp.at[:, :, 0].set(jnp.broadcast_to(lp[:, :1, 0], lp[:, :, 0].shape))
     x = jax.random.categorical(k_x, lq, axis=-1).astype(jnp.int32)
     return x, lq, lp
 
