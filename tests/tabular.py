@@ -12,6 +12,7 @@ continuation entry), vectorised over a batch of drafts.
 from __future__ import annotations
 
 import numpy as np
+from scipy import stats
 
 TARGET_STYLES = ("dense", "peaked", "sparse")
 DRAFT_STYLES = ("close", "far", "sparse", "partly_equal", "independent")
@@ -197,3 +198,51 @@ def draft_enumeration(target, draft, n: int):
     p_rows = rows_along(target, drafts, n + 1) if n + 1 <= len(target) else None
     weight = np.prod(np.take_along_axis(q_rows, drafts[..., None], axis=-1)[..., 0], axis=-1)
     return drafts, weight, q_rows, p_rows
+
+
+def exact_emitted_law(method, target, draft, n, lengths):
+    """Law of the emitted string (flattened over lengths 1..n+1) from the float64 references."""
+    drafts, weight, q_rows, p_rows = draft_enumeration(target, draft, n)
+    total = None
+    for length in lengths:
+        stop, full = REF_OUTCOME[method](drafts, q_rows, p_rows, length)
+        law = np.concatenate(emitted_law(stop, full, weight, drafts, p_rows[:, length], length))
+        total = law if total is None else total + law
+    return total / len(lengths)
+
+
+def string_index(tokens, num, vocab):
+    """Index of each emitted string ``tokens[b, :num[b]]`` among all strings of 1..n+1 tokens."""
+    offsets = np.cumsum([0] + [vocab ** (m + 1) for m in range(tokens.shape[1])])
+    codes = np.zeros(tokens.shape[0], np.int64)
+    for j in range(tokens.shape[1]):
+        codes = np.where(j < num, codes * vocab + tokens[:, j], codes)
+    return offsets[num - 1] + codes, offsets[-1]
+
+
+def chi_square_pvalue(index, size, law):
+    """Chi-square p-value of observed string indices against ``law``; bins under 5 are pooled."""
+    observed = np.bincount(index, minlength=size).astype(np.float64)
+    expected = law * index.shape[0]
+    assert observed[law == 0].sum() == 0, "emitted a string of probability zero"
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    exp = exp[keep] * obs[keep].sum() / exp[keep].sum()
+    return stats.chisquare(obs[keep], exp).pvalue
+
+
+def random_chain(rng, vocab, n, zeros=0.0):
+    """A draft drawn from q, and float32 log-laws; ``zeros`` is the fraction of -inf entries."""
+
+    def law(rows):
+        probs = rng.dirichlet(np.ones(vocab), rows)
+        probs = np.where(rng.random(probs.shape) < zeros, 0.0, probs)
+        probs[np.arange(rows), rng.integers(0, vocab, rows)] += 0.1  # keep each row non-empty
+        return probs / probs.sum(-1, keepdims=True)
+
+    q, p = law(n), law(n + 1)
+    x = np.array([rng.choice(vocab, p=row) for row in q], np.int32)
+    with np.errstate(divide="ignore"):
+        return x, np.log(q).astype(np.float32), np.log(p).astype(np.float32)

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tabular as tab
-from scipy import stats
 
 import asps_jax
 from asps_jax import metrics
@@ -215,47 +214,16 @@ def _simulation(name, method):
     return np.asarray(tokens), np.asarray(num), target, draft
 
 
-def _exact_emitted_law(method, target, draft, n, lengths):
-    """Law of the emitted string (flattened over lengths 1..n+1) from the float64 references."""
-    drafts, weight, q_rows, p_rows = tab.draft_enumeration(target, draft, n)
-    total = None
-    for length in lengths:
-        stop, full = tab.REF_OUTCOME[method](drafts, q_rows, p_rows, length)
-        law = np.concatenate(tab.emitted_law(stop, full, weight, drafts, p_rows[:, length], length))
-        total = law if total is None else total + law
-    return total / len(lengths)
-
-
-def _string_index(tokens, num, vocab):
-    offsets = np.cumsum([0] + [vocab ** (m + 1) for m in range(tokens.shape[1])])
-    codes = np.zeros(tokens.shape[0], np.int64)
-    for j in range(tokens.shape[1]):
-        codes = np.where(j < num, codes * vocab + tokens[:, j], codes)
-    return offsets[num - 1] + codes, offsets[-1]
-
-
-def _chi_square_pvalue(index, size, law):
-    observed = np.bincount(index, minlength=size).astype(np.float64)
-    expected = law * index.shape[0]
-    assert observed[law == 0].sum() == 0, "emitted a string of probability zero"
-    small = expected < 5
-    obs = np.append(observed[~small], observed[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    exp = exp[keep] * obs[keep].sum() / exp[keep].sum()
-    return stats.chisquare(obs[keep], exp).pvalue
-
-
 @pytest.mark.parametrize("name", list(STAT_CONFIGS))
 @pytest.mark.parametrize("method", METHODS)
 def test_statistical_law_and_length(method, name):
     vocab, n, *_, mode = STAT_CONFIGS[name]
     tokens, num, target, draft = _simulation(name, method)
     lengths = [n] if mode == "full" else list(range(n + 1))
-    law = _exact_emitted_law(method, target, draft, n, lengths)
+    law = tab.exact_emitted_law(method, target, draft, n, lengths)
     assert law.sum() == pytest.approx(1.0, abs=1e-12)
-    index, size = _string_index(tokens, num, vocab)
-    assert _chi_square_pvalue(index, size, law) > 1e-3
+    index, size = tab.string_index(tokens, num, vocab)
+    assert tab.chi_square_pvalue(index, size, law) > 1e-3
     # Mean emitted length within 4 standard errors of the exact E[L].
     string_len = np.repeat(np.arange(1, n + 2), [vocab ** (m + 1) for m in range(n + 1)])
     exact = float(np.dot(law, string_len))
@@ -270,29 +238,14 @@ def test_statistical_test_tells_the_methods_apart():
     vocab, n, *_ = STAT_CONFIGS["dense-close"]
     for sampled, other in (("asps", "sps"), ("sps", "asps")):
         tokens, num, target, draft = _simulation("dense-close", sampled)
-        law = _exact_emitted_law(other, target, draft, n, [n])
-        index, size = _string_index(tokens, num, vocab)
+        law = tab.exact_emitted_law(other, target, draft, n, [n])
+        index, size = tab.string_index(tokens, num, vocab)
         observed = np.bincount(index, minlength=size)
         impossible = observed[law == 0].sum() > 0
-        assert impossible or _chi_square_pvalue(index, size, law) < 1e-6
+        assert impossible or tab.chi_square_pvalue(index, size, law) < 1e-6
 
 
 # --- Properties ---
-
-
-def _random_chain(rng, vocab, n, zeros=0.0):
-    """A draft drawn from q, and float32 log-laws; ``zeros`` is the fraction of -inf entries."""
-
-    def law(rows):
-        probs = rng.dirichlet(np.ones(vocab), rows)
-        probs = np.where(rng.random(probs.shape) < zeros, 0.0, probs)
-        probs[np.arange(rows), rng.integers(0, vocab, rows)] += 0.1  # keep each row non-empty
-        return probs / probs.sum(-1, keepdims=True)
-
-    q, p = law(n), law(n + 1)
-    x = np.array([rng.choice(vocab, p=row) for row in q], np.int32)
-    with np.errstate(divide="ignore"):
-        return x, np.log(q).astype(np.float32), np.log(p).astype(np.float32)
 
 
 @functools.cache
@@ -315,7 +268,7 @@ def _run_keys(method, x, lq, lp, num_keys=256, seed=0, draft_length=None):
 def test_equal_laws_accept_everything_plus_bonus(method):
     rng = np.random.default_rng(4)
     vocab, n = 7, 4
-    x, _, lp = _random_chain(rng, vocab, n, zeros=0.3)
+    x, _, lp = tab.random_chain(rng, vocab, n, zeros=0.3)
     lq = lp[:n]
     x = np.array([rng.choice(vocab, p=np.exp(row)) for row in lq], np.int32)
     tokens, num = _run_keys(method, x, lq, lp, num_keys=2048)
@@ -327,7 +280,7 @@ def test_equal_laws_accept_everything_plus_bonus(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_same_key_same_output(method):
     rng = np.random.default_rng(5)
-    x, lq, lp = _random_chain(rng, 6, 4)
+    x, lq, lp = tab.random_chain(rng, 6, 4)
     a = _run_keys(method, x, lq, lp, seed=3)
     b = _run_keys(method, x, lq, lp, seed=3)
     c = _run_keys(method, x, lq, lp, seed=4)
@@ -343,7 +296,7 @@ def test_same_key_same_output(method):
 def test_asps_table_sums_to_one_in_float32():
     rng = np.random.default_rng(6)
     for zeros in (0.0, 0.5):
-        x, lq, lp = _random_chain(rng, 50, 8, zeros)
+        x, lq, lp = tab.random_chain(rng, 50, 8, zeros)
         for length in (0, 3, 8):
             stop, full = _jit_outcome("asps")(x, lq, lp, jnp.int32(length))
             assert stop.dtype == jnp.float32
@@ -351,7 +304,6 @@ def test_asps_table_sums_to_one_in_float32():
             assert total == pytest.approx(1.0, abs=1e-5)
 
 
-NEG = -np.inf
 EDGE_CASES = {
     # name: (draft tokens, draft probs, target probs, expected tokens or None, expected num)
     "point-masses-agree": (
