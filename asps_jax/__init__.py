@@ -1,10 +1,28 @@
 """asps_jax: exact speculative sampling for JAX.
 
-Public API (see API.md): :func:`verify_chain`, :func:`verify_drafts`, :class:`Verdict`,
-:func:`process_logits`.
+Public API (API.md): verification (:func:`verify_chain`, :func:`verify_drafts`,
+:func:`optimal_acceptance`), models (:func:`load_model`), sampling (:func:`sample`,
+:func:`stream`), and the shared logits processor (:func:`process_logits`).
 """
 
+from asps_jax.models import Model, check_compatible, load_model
 from asps_jax.processors import process_logits
+from asps_jax.sampler import NonFiniteLogitsError, SampleOutput, Session, sample, stream
 from asps_jax.verify import Verdict, verify_chain, verify_drafts
+from asps_jax.verify.acceptance import optimal_acceptance
 
-__all__ = ["Verdict", "process_logits", "verify_chain", "verify_drafts"]
+__all__ = [
+    "Model",
+    "NonFiniteLogitsError",
+    "SampleOutput",
+    "Session",
+    "Verdict",
+    "check_compatible",
+    "load_model",
+    "optimal_acceptance",
+    "process_logits",
+    "sample",
+    "stream",
+    "verify_chain",
+    "verify_drafts",
+]

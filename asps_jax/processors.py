@@ -84,10 +84,10 @@ def process_logits(
 
     # --- Greedy: point mass on the first argmax of the raw logits ---
     argmax = jnp.argmax(logits, axis=-1)
-    point = jnp.where(jnp.arange(vocab) == argmax[..., None], 0.0, NEG_INF)
+    point = jnp.where(jax.nn.one_hot(argmax, vocab, dtype=bool), 0.0, NEG_INF)
     return jnp.where(greedy, point, logprobs)
 
 
 def sample_token(key: jax.Array, logprobs_V: jax.Array) -> jax.Array:
-    """Draw one token per row from log-probabilities ``[..., V]`` (Gumbel-max; ``-inf`` never drawn)."""
+    """Draw one token per row from log-probs ``[..., V]`` (Gumbel-max; ``-inf`` is never drawn)."""
     return jax.random.categorical(key, logprobs_V, axis=-1).astype(jnp.int32)

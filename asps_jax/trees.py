@@ -90,8 +90,9 @@ def node_validity(tree: Tree, draft_lengths_BK: jax.Array) -> jax.Array:
 
 def path_nodes(tree: Tree, draft_index: jax.Array) -> jax.Array:
     """``int32[..., n+1]``: the root then every node of chain ``draft_index`` (root path order)."""
-    i = jnp.arange(tree.draft_len, dtype=jnp.int32)
-    chain = chain_node(jnp.asarray(draft_index, jnp.int32)[..., None], i, tree.draft_len)
+    draft_index = jnp.asarray(draft_index, jnp.int32)
+    i = jnp.arange(tree.draft_len, dtype=jnp.int32).reshape((1,) * draft_index.ndim + (-1,))
+    chain = chain_node(draft_index[..., None], i, tree.draft_len)
     root = jnp.zeros(chain.shape[:-1] + (1,), jnp.int32)
     return jnp.concatenate([root, chain.astype(jnp.int32)], axis=-1)
 

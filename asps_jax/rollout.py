@@ -1,0 +1,74 @@
+"""Draft rollout: n autoregressive draft tokens per chain, with the draft's own KV cache.
+
+The draft cache holds ``K`` replicas of every batch row (row ``b``, chain ``k`` lives at
+``b * K + k``), so K independent chains roll out as one batched ``lax.scan`` over depth that writes
+its keys/values in place. The rollout feeds ``n + 1`` tokens (the root and all n draft tokens): when
+every draft token is accepted the cache then already holds the whole accepted block, and rolling
+back is only a matter of resetting the per-row lengths (see step 5 of ``decode._spec_step``).
+
+Each drafted token is drawn through :func:`asps_jax.processors.process_logits`, and the log-law it
+was drawn from is returned: verification must compare against exactly that law.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from asps_jax import kv_cache, scoring
+from asps_jax.processors import sample_token
+
+
+def rollout(
+    forward,
+    params,
+    cache: kv_cache.KVCache,
+    root_R: jax.Array,
+    keys_R: jax.Array,
+    *,
+    draft_len: int,
+    sampling,
+):
+    """Roll out ``draft_len`` tokens for every cache row ``R = B * K``.
+
+    Args:
+      forward: the draft forward with its config bound.
+      cache: the draft cache (batch R); it is returned with ``draft_len + 1`` new slots written and
+        ``lengths`` advanced by ``draft_len + 1`` (the caller resets lengths after verification).
+      root_R: int32[R], the token every chain starts from (the last emitted token).
+      keys_R: typed PRNG keys [R], one per chain; depth ``i`` uses ``fold_in(key, i)``.
+      sampling: the rows' ``decode.SamplingParams`` (batch R); drafts use ``draft_temperature``.
+
+    Returns:
+      ``(cache, tokens int32[R, n], logprobs float32[R, n, V], logits_ok bool[R])``; ``logits_ok``
+      is False when some draft law had no finite entry (NaN/inf logits).
+    """
+    rows = root_R.shape[0]
+    ones_R = jnp.ones((rows,), jnp.int32)
+    zeros_R1 = jnp.zeros((rows, 1), jnp.int32)
+    valid_R1 = jnp.ones((rows, 1), bool)
+
+    def feed(cache, token_R, depth):
+        logits_R1V, new_kv = scoring.score_chain(forward, params, cache, token_R[:, None], valid_R1)
+        cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R)
+        logprobs_RV = sampling.process(logits_R1V[:, 0], draft=True)
+        depth_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, depth)
+        next_R = jax.vmap(sample_token)(depth_keys, logprobs_RV)
+        return cache, next_R, logprobs_RV
+
+    def body(carry, depth):
+        cache, token_R = carry
+        cache, next_R, logprobs_RV = feed(cache, token_R, depth)
+        return (cache, next_R), (next_R, logprobs_RV)
+
+    (cache, last_R), (tokens_DR, logprobs_DRV) = jax.lax.scan(
+        body, (cache, root_R), jnp.arange(draft_len)
+    )
+    # The (n+1)-th feed only stores x_n's keys/values; its law is never used.
+    logits_R1V, new_kv = scoring.score_chain(forward, params, cache, last_R[:, None], valid_R1)
+    del logits_R1V
+    cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R)
+    tokens_RD = jnp.swapaxes(tokens_DR, 0, 1)
+    logprobs_RDV = jnp.swapaxes(logprobs_DRV, 0, 1)
+    logits_ok = jnp.all(jnp.any(jnp.isfinite(logprobs_RDV), axis=-1), axis=-1)
+    return cache, tokens_RD, logprobs_RDV, logits_ok

@@ -1,0 +1,368 @@
+"""``asps_jax.sample`` and ``asps_jax.stream``: the host-side entry points (API.md §3).
+
+They validate everything that can be validated before compiling (methods, sampling parameters,
+prompts, context length, vocabularies), pad ragged prompts to a bucketed width so that calls with
+different prompt contents and lengths rarely recompile, derive one key per row, and run the jitted
+loop of :mod:`asps_jax.decode`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asps_jax import decode
+from asps_jax.models import check_compatible
+from asps_jax.processors import validate_sampling_args
+from asps_jax.verify.api import CHAIN_METHODS, DRAFTS_METHODS
+
+METHODS: tuple[str, ...] = ("ar",) + tuple(dict.fromkeys(CHAIN_METHODS + DRAFTS_METHODS))
+_PROMPT_BUCKET = 16
+_CACHE_BUCKET = 64
+_BATCH_BUCKET = 8
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """A model produced a law with no finite logit (NaN/inf logits). ``.output`` keeps the rows'
+    tokens generated before the failure, so nothing is lost."""
+
+    def __init__(self, message: str, output: SampleOutput):
+        super().__init__(message)
+        self.output = output
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    tokens: jax.Array  # int32[B, M], -1 after each row's end
+    lengths: jax.Array  # int32[B]
+    stats: dict  # on-device arrays, see ``summarize_stats``
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return int(math.ceil(max(x, 1) / multiple) * multiple)
+
+
+def _as_prompt_array(prompts, prompt_lengths, vocab_size: int):
+    if prompt_lengths is not None:
+        arr = np.asarray(prompts)
+        lengths = np.asarray(prompt_lengths, np.int64)
+        if arr.ndim != 2 or lengths.shape != (arr.shape[0],):
+            raise ValueError(
+                "prompts: with prompt_lengths, prompts must be int32[B, P] and prompt_lengths "
+                f"int32[B]; got shapes {arr.shape} and {lengths.shape}"
+            )
+        rows = [arr[b, : lengths[b]].tolist() for b in range(arr.shape[0])]
+        if np.any(lengths > arr.shape[1]):
+            raise ValueError("prompt_lengths: a length exceeds the prompt array width")
+    else:
+        if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:
+            rows = np.asarray(prompts).tolist()
+        elif isinstance(prompts, Sequence) and all(
+            isinstance(p, Sequence | np.ndarray) for p in prompts
+        ):
+            rows = [list(np.asarray(p).reshape(-1).tolist()) for p in prompts]
+        else:
+            raise ValueError("prompts must be a list of token-id lists or an int32[B, P] array")
+    if not rows:
+        raise ValueError("prompts: at least one prompt is required")
+    for b, row in enumerate(rows):
+        if len(row) == 0:
+            raise ValueError(f"prompts[{b}] is empty: every prompt needs at least one token")
+        bad = [t for t in row if not (0 <= int(t) < vocab_size)]
+        if bad:
+            raise ValueError(f"prompts[{b}] holds token ids outside [0, {vocab_size}): {bad[:5]}")
+    # Rows of length 0 pad the batch to a bucket (they start done): fewer shapes, fewer compiles.
+    padded_rows = _round_up(len(rows), _BATCH_BUCKET) if len(rows) > 1 else 1
+    lengths = np.zeros(padded_rows, np.int32)
+    lengths[: len(rows)] = [len(r) for r in rows]
+    width = _round_up(int(lengths.max()), _PROMPT_BUCKET)
+    out = np.zeros((padded_rows, width), np.int32)
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = row
+    return out, lengths, len(rows)
+
+
+def _row_keys(key, batch: int, padded: int) -> jax.Array:
+    """One key per row: ``fold_in(key, row)`` for a single key, or the given per-row keys."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    if key.shape == ():
+        return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(padded))
+    if key.shape == (batch,):
+        return jnp.concatenate([key, jnp.repeat(key[:1], padded - batch)])
+    raise ValueError(
+        f"key must be a single PRNG key or one key per prompt ([{batch}]), got {key.shape}"
+    )
+
+
+def _per_row(name: str, value, batch: int, padded: int):
+    """A scalar stays a scalar; one value per prompt is padded with the first row's value."""
+    if value is None:
+        return None
+    arr = np.asarray(value)
+    if arr.ndim == 0:
+        return arr
+    if arr.shape != (batch,):
+        raise ValueError(
+            f"{name} must be a scalar or have one value per prompt ({batch}), got {arr.shape}"
+        )
+    return np.concatenate([arr, np.repeat(arr[:1], padded - batch)])
+
+
+def _validate_sampling(temperature, top_k, top_p, draft_temperature) -> None:
+    for name, value in (
+        ("temperature", temperature),
+        ("draft_temperature", draft_temperature),
+        ("top_k", top_k),
+        ("top_p", top_p),
+    ):
+        if value is None:
+            continue
+        for v in np.atleast_1d(np.asarray(value, float)).tolist():
+            try:
+                validate_sampling_args(**{"temperature" if "temperature" in name else name: v})
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or int(value) != value or int(value) < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
+    """None -> the target config's EOS id(s); a negative int -> never stop; else those ids."""
+    if eos_token_id is None:
+        eos_token_id = getattr(target.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return ()
+    ids = tuple(int(i) for i in np.atleast_1d(eos_token_id))
+    return () if any(i < 0 for i in ids) else ids
+
+
+def _check_method(method, draft, target, num_drafts, options) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "ar":
+        if options:
+            raise ValueError(f"method 'ar' takes no options, got {sorted(options)}")
+        return
+    if draft is None:
+        raise ValueError(f"method {method!r} needs a draft model (draft=None is only for 'ar')")
+    check_compatible(target, draft)
+    if method in CHAIN_METHODS:
+        if num_drafts != 1:
+            multi = ", ".join(m for m in DRAFTS_METHODS if m not in CHAIN_METHODS)
+            raise ValueError(
+                f"method {method!r} verifies a single draft chain; use num_drafts=1 or a "
+                f"multi-draft method ({multi})"
+            )
+        if options:
+            raise ValueError(f"method {method!r} takes no options, got {sorted(options)}")
+
+
+def prepare(
+    target,
+    draft,
+    prompts,
+    *,
+    key,
+    max_new_tokens,
+    method="asps",
+    num_draft_tokens=8,
+    num_drafts=1,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    draft_temperature=None,
+    eos_token_id=None,
+    mesh=None,
+    prompt_lengths=None,
+    **options,
+):
+    """Validate the arguments of :func:`sample`; returns ``(batch, jitted-loop kwargs)``.
+
+    ``temperature``, ``top_k``, ``top_p`` and ``draft_temperature`` may also be given per prompt.
+    """
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    num_draft_tokens = _check_int("num_draft_tokens", num_draft_tokens, 1)
+    num_drafts = _check_int("num_drafts", num_drafts, 1)
+    _check_method(method, draft, target, num_drafts, options)
+    _validate_sampling(temperature, top_k, top_p, draft_temperature)
+    if mesh is not None:
+        raise NotImplementedError(
+            "mesh sharding is not implemented yet; run with mesh=None on the default device"
+        )
+    if method == "ar":
+        num_draft_tokens, num_drafts, draft = 1, 1, None
+    prompts_bp, lengths_b, batch = _as_prompt_array(prompts, prompt_lengths, target.vocab_size)
+    context = target.config.max_position_embeddings
+    if draft is not None:
+        context = min(context, draft.config.max_position_embeddings)
+    longest = int(lengths_b.max())
+    if longest + max_new_tokens > context:
+        raise ValueError(
+            f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model "
+            f"context of {context} positions; shorten the prompt or lower max_new_tokens"
+        )
+    padded = prompts_bp.shape[0]
+    spec = decode.SpecConfig(
+        method=method,
+        num_draft_tokens=num_draft_tokens,
+        num_drafts=num_drafts,
+        max_new_tokens=max_new_tokens,
+        options=tuple(sorted(options.items())),
+    )
+    sampling = decode.SamplingParams.make(
+        padded,
+        _per_row("temperature", temperature, batch, padded),
+        _per_row("top_k", top_k, batch, padded),
+        _per_row("top_p", top_p, batch, padded),
+        _per_row("draft_temperature", draft_temperature, batch, padded),
+        eos_ids=_eos_ids(target, eos_token_id),
+    )
+    cache_len = _round_up(
+        prompts_bp.shape[1] + max_new_tokens + num_draft_tokens + 2, _CACHE_BUCKET
+    )
+    return batch, dict(
+        target_config=target.config,
+        draft_config=None if draft is None else draft.config,
+        spec=spec,
+        cache_len=cache_len,
+        target_params=target.params,
+        draft_params=None if draft is None else draft.params,
+        sampling=sampling,
+        prompts_BP=jnp.asarray(prompts_bp),
+        prompt_lengths_B=jnp.asarray(lengths_b),
+        row_keys_B=_row_keys(key, batch, padded),
+    )
+
+
+def summarize_stats(state: decode.DecodeState, batch: int) -> dict:
+    """Per-row statistics (device arrays) of the first ``batch`` rows of a decode state.
+
+    ``target_calls``: target forwards after prefill; ``tokens_per_step``: tokens emitted per target
+    call (ATN / block efficiency); ``emitted_hist[b, L]``: steps that emitted L tokens;
+    ``acceptance``: accepted / verified draft tokens; ``fallbacks``: LP solves replaced by an exact
+    fallback rule.
+    """
+    s = jax.tree.map(lambda a: a[:batch], state.stats)
+    generated = state.num_generated[:batch]
+    return {
+        "target_calls": s.target_calls,
+        "tokens_per_step": generated / jnp.maximum(s.target_calls, 1),
+        "emitted_hist": s.emitted_hist,
+        "acceptance": s.accepted / jnp.maximum(s.decisions, 1),
+        "decisions": s.decisions,
+        "accepted": s.accepted,
+        "fallbacks": s.fallbacks,
+        "bad_logits": s.bad_logits,
+    }
+
+
+def _finish(state: decode.DecodeState, spec: decode.SpecConfig, batch: int) -> SampleOutput:
+    out = SampleOutput(
+        tokens=state.tokens[:batch, : spec.max_new_tokens],
+        lengths=state.num_generated[:batch],
+        stats=summarize_stats(state, batch),
+    )
+    bad = np.asarray(out.stats["bad_logits"])
+    if bad.any():
+        raise NonFiniteLogitsError(
+            f"rows {np.flatnonzero(bad).tolist()} met a target or draft law with no finite logit "
+            "(NaN or -inf logits: check the checkpoint and dtype); tokens generated so far are in "
+            "the exception's .output",
+            out,
+        )
+    return out
+
+
+def sample(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> SampleOutput:
+    """Sample ``max_new_tokens`` tokens per prompt with exactly the target's law (API.md §3).
+
+    ``target`` / ``draft`` are :class:`asps_jax.models.Model` (``draft`` may be None for
+    ``method="ar"``). See :func:`prepare` for the keyword arguments; extra keyword arguments are
+    method options (e.g. ``rule="fixed_order"`` for ``method="is"``).
+    """
+    batch, args = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
+    state = decode.generate(**args)
+    return _finish(state, args["spec"], batch)
+
+
+class Session:
+    """Step-wise decoding for streaming, with compilation timed apart from running.
+
+    ``Session(target, draft, prompts, key=..., max_new_tokens=..., **kwargs)`` takes the arguments
+    of :func:`sample`. ``compile()`` compiles prefill and the step ahead of time and returns the
+    seconds it took; ``steps()`` yields each row's new tokens after every compiled step;
+    ``result()`` gives the :class:`SampleOutput`.
+    """
+
+    def __init__(self, target, draft, prompts, *, key, max_new_tokens, **kwargs):
+        self.batch_size, args = prepare(
+            target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs
+        )
+        self.spec: decode.SpecConfig = args["spec"]
+        self._statics = {k: args[k] for k in ("target_config", "draft_config", "spec")}
+        self._params = {k: args[k] for k in ("target_params", "draft_params")}
+        self._prefill_args = {
+            "cache_len": args["cache_len"],
+            **self._params,
+            **{k: args[k] for k in ("prompts_BP", "prompt_lengths_B", "row_keys_B")},
+        }
+        self._sampling = args["sampling"]
+        self._prefill = functools.partial(decode.prefill, **self._statics)
+        self._step = functools.partial(decode.spec_step, **self._statics)
+        self._state: decode.DecodeState | None = None
+
+    def compile(self) -> float:
+        """Compile prefill and the step now; returns the wall seconds spent compiling."""
+        start = time.perf_counter()
+        statics = {**self._statics, "cache_len": self._prefill_args["cache_len"]}
+        prefill = decode.prefill.lower(
+            **statics, **{k: v for k, v in self._prefill_args.items() if k != "cache_len"}
+        ).compile()
+        state_shape = jax.eval_shape(lambda: self._prefill(**self._prefill_args))
+        step = decode.spec_step.lower(
+            **self._statics, **self._params, sampling=self._sampling, state=state_shape
+        ).compile()
+        self._prefill = lambda **kw: prefill(**{k: v for k, v in kw.items() if k != "cache_len"})
+        self._step = step
+        return time.perf_counter() - start
+
+    def steps(self) -> Iterator[list[list[int]]]:
+        state = self._prefill(**self._prefill_args)
+        seen = np.zeros(self.batch_size, np.int64)
+        while True:
+            state = self._step(**self._params, sampling=self._sampling, state=state)
+            self._state = state
+            generated = np.asarray(state.num_generated)[: self.batch_size]
+            tokens = np.asarray(state.tokens)
+            yield [tokens[b, seen[b] : generated[b]].tolist() for b in range(self.batch_size)]
+            seen = generated
+            if bool(np.all(np.asarray(state.done))):
+                return
+
+    def result(self) -> SampleOutput:
+        if self._state is None:
+            raise RuntimeError("Session.result(): run steps() to completion first")
+        return _finish(self._state, self.spec, self.batch_size)
+
+
+def stream(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> Iterator[list[list[int]]]:
+    """Like :func:`sample`, one compiled step at a time: yields each row's new tokens per step.
+
+    The generator's return value (``StopIteration.value``) is the :class:`SampleOutput`.
+    """
+    session = Session(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
+    yield from session.steps()
+    return session.result()

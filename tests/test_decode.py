@@ -1,0 +1,340 @@
+"""End-to-end tests of asps_jax.sample on tiny random Llama checkpoints written by transformers.
+
+Expected values come from transformers (PyTorch): the exact law of the first two tokens, and greedy
+decoding. One compile per method is shared by every test (same static shapes: n = 2, M = 6).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps_stats
+
+import asps_jax
+from asps_jax import decode
+from asps_jax.sampler import METHODS, NonFiniteLogitsError
+
+VOCAB = 12
+N_DRAFT = 2
+MAX_NEW = 6
+PROMPT = [1, 5, 3]
+ROWS = 10_000
+
+
+def _write_llama(path, seed, *, vocab=VOCAB, noise_from=None, nan=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.4,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    cfg._attn_implementation = "eager"  # far faster than sdpa for these tiny CPU forwards
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        if noise_from is not None:  # a draft correlated with the target
+            for (_, p), (_, q) in zip(model.named_parameters(), noise_from.named_parameters()):
+                p.copy_(q + 0.35 * q.std() * torch.randn_like(q))
+        if nan:
+            model.lm_head.weight.fill_(float("nan"))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    hf_target = _write_llama(root / "target", 0)
+    _write_llama(root / "draft", 1, noise_from=hf_target)
+    target = asps_jax.load_model(str(root / "target"))
+    draft = asps_jax.load_model(str(root / "draft"))
+    return hf_target, target, draft
+
+
+def _warp(logits, temperature, top_k, top_p):
+    """transformers' own warpers, in transformers' order: the independent reference law."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = logits[None].clone()
+    scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores[0].double(), -1).numpy()
+
+
+def _exact_two_token_law(hf_model, temperature, top_k, top_p):
+    with torch.no_grad():
+        first = hf_model(torch.tensor([PROMPT])).logits[0, -1]
+        p1 = _warp(first, temperature, top_k, top_p)
+        seqs = torch.tensor([PROMPT + [x] for x in range(VOCAB)])
+        second = hf_model(seqs).logits[:, -1]
+        p2 = np.stack([_warp(second[x], temperature, top_k, top_p) for x in range(VOCAB)])
+    return p1[:, None] * p2
+
+
+def _chi_square_pvalue(counts, expected_probs):
+    expected = expected_probs.reshape(-1) * counts.sum()
+    observed = counts.reshape(-1)
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    assert observed[expected == 0].sum() == 0, "a zero-probability string was emitted"
+    return sps_stats.chisquare(obs[keep], exp[keep]).pvalue
+
+
+# Fewer LP iterations keep the CPU run short; exactness never depends on the solver's accuracy.
+METHOD_OPTIONS = {"optimal": dict(lp_iters=100), "is": dict(lp_iters=100)}
+
+
+def _sample(target, draft, prompts, method, **kw):
+    kw.update(METHOD_OPTIONS.get(method, {}))
+    kw.setdefault("num_draft_tokens", N_DRAFT)
+    kw.setdefault("num_drafts", 1 if method in ("ar", "sps", "asps") else 2)
+    kw.setdefault("max_new_tokens", MAX_NEW)
+    kw.setdefault("eos_token_id", -1)
+    kw.setdefault("key", jax.random.key(0))
+    return asps_jax.sample(target, draft if method != "ar" else None, prompts, method=method, **kw)
+
+
+SETTINGS = [
+    dict(temperature=1.0, top_k=0, top_p=1.0, draft_temperature=1.0),
+    dict(temperature=0.8, top_k=8, top_p=0.9, draft_temperature=1.3),
+]
+
+
+def _sample_law(target, draft, method, eos_token_id=-1, seed=100):
+    """ROWS rows per setting in one call: the sampling parameters are per row (no recompile)."""
+    per_row = {
+        name: np.repeat([setting[name] for setting in SETTINGS], ROWS) for name in SETTINGS[0]
+    }
+    return _sample(
+        target,
+        draft,
+        [PROMPT] * (ROWS * len(SETTINGS)),
+        method,
+        key=jax.random.key(seed),
+        eos_token_id=eos_token_id,
+        **per_row,
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_first_two_tokens_follow_the_target_law(pair, method):
+    hf_target, target, draft = pair
+    out = _sample_law(target, draft, method)
+    assert np.all(np.asarray(out.lengths) == MAX_NEW)
+    tps = np.asarray(out.stats["tokens_per_step"])
+    assert np.all(tps >= 1.0) and np.all(tps <= N_DRAFT + 1)
+    for i, setting in enumerate(SETTINGS):
+        tokens = np.asarray(out.tokens[i * ROWS : (i + 1) * ROWS])
+        counts = np.zeros((VOCAB, VOCAB))
+        np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
+        law = _exact_two_token_law(
+            hf_target, setting["temperature"], setting["top_k"], setting["top_p"]
+        )
+        pvalue = _chi_square_pvalue(counts, law)
+        assert pvalue > 1e-3, f"{method} {setting}: chi-square p-value {pvalue:.2e}"
+
+
+def _hf_greedy(hf_model, prompt, max_new):
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),  # token 0 is a real token here, not padding
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_temperature_zero_is_the_target_greedy_decoding(pair, method):
+    hf_target, target, draft = pair
+    prompts = [PROMPT, [4, 7, 9, 1, 0, 11, 6], [2]]
+    out = _sample(target, draft, prompts, method, temperature=0.0)
+    for b, prompt in enumerate(prompts):
+        assert np.asarray(out.tokens[b]).tolist() == _hf_greedy(hf_target, prompt, MAX_NEW)
+
+
+@pytest.mark.parametrize("method", ["asps", "specinfer"])
+def test_row_output_does_not_depend_on_the_batch(pair, method):
+    _, target, draft = pair
+    key = jax.random.key(7)
+    alone = _sample(target, draft, [PROMPT], method, key=key)
+    batch = _sample(target, draft, [PROMPT, [3, 3, 3, 3, 3, 9, 1, 2], [5]], method, key=key)
+    np.testing.assert_array_equal(np.asarray(alone.tokens[0]), np.asarray(batch.tokens[0]))
+    # Per-row keys make the row position irrelevant too.
+    keys = jax.random.split(key, 3)
+    a = _sample(target, draft, [PROMPT, [5], [6, 6]], method, key=keys)
+    b = _sample(target, draft, [[6, 6], [5], PROMPT], method, key=keys[::-1])
+    np.testing.assert_array_equal(np.asarray(a.tokens[0]), np.asarray(b.tokens[2]))
+
+
+@pytest.mark.parametrize("method", ["ar", "sps", "asps", "is"])
+def test_eos_inside_an_accepted_block_ends_the_row(pair, method):
+    hf_target, target, draft = pair
+    greedy = _hf_greedy(hf_target, PROMPT, MAX_NEW)
+    eos = greedy[2]  # the third greedy token: inside a block whenever two tokens were accepted
+    cut = greedy.index(eos) + 1
+    out = _sample(target, draft, [PROMPT, [7]], method, temperature=0.0, eos_token_id=eos)
+    assert int(out.lengths[0]) == cut
+    assert np.asarray(out.tokens[0]).tolist() == greedy[:cut] + [-1] * (MAX_NEW - cut)
+
+
+@pytest.mark.parametrize("method", ["asps", "spectr"])
+def test_eos_law_is_exact(pair, method):
+    """With EOS on, the law of (x1, x2) — x2 absent after an EOS — is still the target's."""
+    hf_target, target, draft = pair
+    law = _exact_two_token_law(hf_target, 1.0, 0, 1.0)
+    eos = int(np.argmax(law.sum(1)))  # the likeliest first token, so rows often stop at once
+    out = _sample_law(target, draft, method, eos_token_id=eos, seed=3)
+    tokens, lengths = np.asarray(out.tokens[:ROWS]), np.asarray(out.lengths[:ROWS])
+    stopped = tokens[:, 0] == eos
+    assert np.all(lengths[stopped] == 1) and np.all(tokens[stopped, 1:] == -1)
+    for row, length in zip(tokens[~stopped], lengths[~stopped]):
+        hits = np.flatnonzero(row[:length] == eos)
+        assert length == MAX_NEW or (hits.size == 1 and hits[0] == length - 1)
+        assert np.all(row[length:] == -1)
+    counts = np.zeros((VOCAB, VOCAB + 1))
+    np.add.at(counts, (tokens[:, 0], np.where(stopped, VOCAB, tokens[:, 1])), 1)
+    expected = np.concatenate([law, np.zeros((VOCAB, 1))], axis=1)
+    expected[eos] = 0.0
+    expected[eos, VOCAB] = law[eos].sum()
+    assert _chi_square_pvalue(counts, expected) > 1e-3
+
+
+@pytest.mark.parametrize("max_new", [1, 5])
+def test_max_new_tokens_is_honoured_exactly(pair, max_new):
+    hf_target, target, draft = pair
+    out = _sample(
+        target,
+        draft,
+        [PROMPT, [7]],
+        "asps",
+        temperature=0.0,
+        max_new_tokens=max_new,
+        num_draft_tokens=4,
+    )
+    assert out.tokens.shape == (2, max_new)
+    np.testing.assert_array_equal(np.asarray(out.lengths), [max_new, max_new])
+    assert np.asarray(out.tokens[0]).tolist() == _hf_greedy(hf_target, PROMPT, max_new)
+
+
+def test_no_recompile_across_prompts_temperatures_and_keys(pair):
+    _, target, draft = pair
+    _sample(target, draft, [PROMPT, [4, 4]], "asps", key=jax.random.key(1))
+    before = decode.generate._cache_size()
+    _sample(target, draft, [[9, 8, 7], [1]], "asps", key=jax.random.key(2), temperature=0.5)
+    _sample(
+        target,
+        draft,
+        [[2, 2], [3, 3, 3, 3]],
+        "asps",
+        key=jax.random.key(3),
+        top_p=0.7,
+        top_k=3,
+        temperature=1.3,
+    )
+    assert decode.generate._cache_size() == before
+
+
+def test_stream_yields_the_same_tokens_as_sample(pair):
+    _, target, draft = pair
+    key = jax.random.key(11)
+    prompts = [PROMPT, [8, 1]]
+    full = _sample(target, draft, prompts, "asps", key=key)
+    gen = asps_jax.stream(
+        target,
+        draft,
+        prompts,
+        method="asps",
+        key=key,
+        max_new_tokens=MAX_NEW,
+        num_draft_tokens=N_DRAFT,
+        eos_token_id=-1,
+    )
+    rows = [[], []]
+    while True:
+        try:
+            for b, new in enumerate(next(gen)):
+                rows[b].extend(new)
+        except StopIteration as stop:
+            final = stop.value
+            break
+    for b in range(2):
+        assert rows[b] == np.asarray(full.tokens[b]).tolist()
+    np.testing.assert_array_equal(np.asarray(final.tokens), np.asarray(full.tokens))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(method="nope"), "unknown method"),
+        (dict(method="asps", num_drafts=2), "single draft chain"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(num_draft_tokens=0), "num_draft_tokens"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(prompts=[[]]), "empty"),
+        (dict(prompts=[[1, VOCAB]]), "outside"),
+        (dict(prompts=[list(range(VOCAB)) * 5]), "context"),
+        (dict(draft=None), "needs a draft"),
+    ],
+)
+def test_bad_input_is_a_clear_error(pair, kwargs, match):
+    _, target, draft = pair
+    args = dict(
+        target=target,
+        draft=draft,
+        prompts=[PROMPT],
+        key=jax.random.key(0),
+        max_new_tokens=MAX_NEW,
+        method="asps",
+    )
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        asps_jax.sample(**args)
+
+
+def test_mismatched_vocabularies_are_refused(pair, tmp_path):
+    _, target, _ = pair
+    _write_llama(tmp_path / "other", 3, vocab=VOCAB + 4)
+    other = asps_jax.load_model(str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="vocab"):
+        asps_jax.sample(target, other, [PROMPT], key=jax.random.key(0), max_new_tokens=2)
+
+
+def test_nan_logits_raise_and_keep_the_output(pair, tmp_path):
+    _, target, _ = pair
+    _write_llama(tmp_path / "nan", 4, nan=True)
+    broken = asps_jax.load_model(str(tmp_path / "nan"))
+    with pytest.raises(NonFiniteLogitsError) as info:
+        _sample(target, broken, [PROMPT, [7]], "asps")
+    assert info.value.output.tokens.shape == (2, MAX_NEW)
+
+
+def test_mesh_is_refused_until_supported(pair):
+    _, target, draft = pair
+    with pytest.raises(NotImplementedError, match="mesh"):
+        asps_jax.sample(
+            target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=2, mesh=object()
+        )
