@@ -474,3 +474,25 @@ def test_sample_without_replacement_law():
     off = expected > 0
     assert np.all(counts[~off] == 0)
     assert stats.chisquare(counts[off], 100_000 * expected[off]).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("method", ["specinfer", "spectr", "is", "optimal"])
+def test_edge_cases(method):
+    """p == q accepts every draft token; chains of length 0 (or n = 0) emit one bonus token."""
+    uniform = np.log(np.full((2, 3, 5), 0.2, np.float32))
+    tokens = np.array([[1, 2], [1, 4]], np.int32)
+    run = jax.jit(
+        lambda key, length: asps_jax.verify_drafts(
+            key, tokens, uniform[:, :2], uniform, method=method, draft_length=length
+        )
+    )
+    full = run(jax.random.key(0), np.array([2, 2], np.int32))
+    assert int(full.num_tokens) == 3
+    assert np.asarray(full.tokens)[:2].tolist() == tokens[int(full.draft_index)].tolist()
+    empty = run(jax.random.key(0), np.array([0, 0], np.int32))
+    assert int(empty.num_tokens) == 1 and np.asarray(empty.tokens)[1:].tolist() == [-1, -1]
+    if method == "specinfer":  # n = 0 never reaches a node: one method is enough
+        none = asps_jax.verify_drafts(
+            jax.random.key(0), tokens[:, :0], uniform[:, :0], uniform[:, :1], method=method
+        )
+        assert int(none.num_tokens) == 1 and 0 <= int(none.tokens[0]) < 5

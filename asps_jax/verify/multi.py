@@ -94,7 +94,8 @@ def verify_tree(
         jnp.full((), -1, jnp.int32),
         jnp.zeros((), jnp.int32),
     )
-    carry, _ = jax.lax.scan(step, init, jnp.arange(n))
+    # n == 0 (no draft tokens) is static: the step is just the bonus token at the root.
+    carry = jax.lax.scan(step, init, jnp.arange(n))[0] if n else init
     matched, done, num_tokens, index, emitted, bonus_depth, fallbacks = carry
     # Never stopped: every surviving chain reached depth n, the bonus comes from its last row.
     bonus_depth = jnp.where(done, bonus_depth, n)
