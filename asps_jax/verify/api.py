@@ -105,7 +105,8 @@ def verify_chain(
       target_logprobs: float32[n+1, V], the target laws; row n is the bonus law.
       method: ``"sps"`` (standard speculative sampling) or ``"asps"`` (accelerated).
       draft_length: int32[] in [0, n]: only the first ``draft_length`` draft tokens are real (the
-        rest is padding, e.g. after an EOS); the bonus law is then ``target_logprobs[draft_length]``.
+        rest is padding, e.g. after an EOS); the bonus law is then
+        ``target_logprobs[draft_length]``.
 
     Returns:
       A :class:`Verdict` with ``tokens`` int32[n+1] and ``1 <= num_tokens <= draft_length + 1``.
@@ -115,7 +116,9 @@ def verify_chain(
     draft_logprobs = jnp.asarray(draft_logprobs)
     target_logprobs = jnp.asarray(target_logprobs)
     if draft_tokens.ndim != 1:
-        raise ValueError(f"verify_chain: draft_tokens must be int32[n], got shape {draft_tokens.shape}")
+        raise ValueError(
+            f"verify_chain: draft_tokens must be int32[n], got shape {draft_tokens.shape}"
+        )
     n = draft_tokens.shape[0]
     if draft_logprobs.ndim != 2 or draft_logprobs.shape[0] != n:
         raise ValueError(
