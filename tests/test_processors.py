@@ -52,18 +52,21 @@ def assert_matches(got, want, atol=2e-5):
 
 
 @functools.cache
-def _jitted():
-    # Rows go through vmap one at a time: batched input hits a processors.py bug under
-    # jax_numpy_rank_promotion="raise" (see test_batched_input_under_rank_promotion_raise).
-    fn = jax.vmap(process_logits, in_axes=(0, None, None, None))
+def _jitted(per_row=False):
+    fn = jax.vmap(process_logits, in_axes=(0, None, None, None)) if per_row else process_logits
     return jax.jit(fn)
 
 
-def run(logits, temperature=1.0, top_k=None, top_p=None):
-    """process_logits under jit with traced sampling parameters (None stays static)."""
+def run(logits, temperature=1.0, top_k=None, top_p=None, per_row=False):
+    """process_logits under jit with traced sampling parameters (None stays static).
+
+    ``per_row`` maps single rows ``[V]`` with vmap instead of passing the batch ``[..., V]``.
+    """
     logits = jnp.asarray(logits, jnp.float32)
+    if not per_row:
+        return _jitted()(logits, temperature, top_k, top_p)
     rows = logits.reshape(-1, logits.shape[-1])
-    return _jitted()(rows, temperature, top_k, top_p).reshape(logits.shape)
+    return _jitted(True)(rows, temperature, top_k, top_p).reshape(logits.shape)
 
 
 def test_temperature():
@@ -173,16 +176,13 @@ def test_top_p_after_top_k_ties_matches_transformers():
     assert_matches(run(logits, 1.0, 3, 0.475)[0], reference(logits[0], 1.0, 3, 0.475))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="processors.py bug: the greedy point mass compares jnp.arange(V) [V] with "
-    "argmax[..., None] [B, 1] (line 87), which raises under jax_numpy_rank_promotion='raise' for "
-    "any input with a batch axis. Minimal case: process_logits(np.zeros((2, 4), np.float32)).",
-)
 def test_batched_input_under_rank_promotion_raise():
+    """Regression: batched input used to raise under jax_numpy_rank_promotion='raise'."""
     logits = np.random.default_rng(4).normal(size=(3, 2, 9)).astype(np.float32)
-    got = process_logits(logits, 0.8, 4, 0.9)
-    assert_matches(got, run(logits, 0.8, 4, 0.9), atol=1e-6)
+    for temperature in (0.8, 0.0):
+        got = process_logits(logits, temperature, 4, 0.9)
+        want = run(logits, temperature, 4, 0.9, per_row=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_sample_token_follows_the_law():
