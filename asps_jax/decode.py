@@ -26,6 +26,7 @@ from asps_jax import kv_cache, rollout, scoring, trees
 from asps_jax.models import forward_for
 from asps_jax.processors import process_logits, sample_token
 from asps_jax.verify import verify_chain, verify_drafts
+from asps_jax.verify.acceptance import optimal_acceptance
 from asps_jax.verify.api import CHAIN_METHODS
 
 _PURPOSE_DRAFT = 0
@@ -109,6 +110,9 @@ class DecodeStats:
     decisions: jax.Array  # int32[B], draft tokens verified (accept/reject decisions)
     accepted: jax.Array  # int32[B], draft tokens accepted
     fallbacks: jax.Array  # int32[B], LP solves replaced by an exact fallback rule
+    root_steps: jax.Array  # int32[B], steps with at least one draft token at the root
+    root_accepted: jax.Array  # int32[B], of those, steps whose first token is a root draft token
+    root_optimal: jax.Array  # float32[B], sum over those steps of optimal_acceptance at the root
     bad_logits: jax.Array  # bool[B], a target or draft law had no finite entry (NaN logits)
 
 
@@ -180,6 +184,9 @@ def prefill(
         decisions=zeros_B,
         accepted=zeros_B,
         fallbacks=zeros_B,
+        root_steps=zeros_B,
+        root_accepted=zeros_B,
+        root_optimal=jnp.zeros((batch,), jnp.float32),
         bad_logits=jnp.zeros((batch,), bool),
     )
     return DecodeState(
@@ -367,9 +374,18 @@ def _spec_step(target_config, draft_config, spec, target_params, draft_params, s
     target_ok = jnp.all(jnp.any(jnp.isfinite(target_lp_BKPV), -1), axis=(1, 2))
     draft_ok = jnp.all(draft_ok_R.reshape(batch, k), axis=1)
     calls_B = active_B.astype(jnp.int32)
+    # Token-level acceptance at the root, where all K drafts are alive, beside the best any exact
+    # token-level scheme could reach there (ALGORITHMS.md §3.5).
+    root_live_BK = lengths_BK >= 1
+    root_B = calls_B * jnp.any(root_live_BK, axis=1)
+    root_hit_B = jnp.any(root_live_BK & (drafts_BKD[:, :, 0] == verdict.tokens[:, :1]), axis=1)
+    root_opt_B = optimal_acceptance(target_lp_BKPV[:, 0, 0], draft_lp_BKDV[:, :, 0])
     stats = state.stats
     stats = dataclasses.replace(
         stats,
+        root_steps=stats.root_steps + root_B,
+        root_accepted=stats.root_accepted + root_B * root_hit_B,
+        root_optimal=stats.root_optimal + root_B * root_opt_B,
         target_calls=stats.target_calls + calls_B,
         emitted_hist=stats.emitted_hist
         + calls_B[:, None] * jax.nn.one_hot(num_B, n + 2, dtype=jnp.int32),

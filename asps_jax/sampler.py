@@ -253,7 +253,9 @@ def summarize_stats(state: decode.DecodeState, batch: int) -> dict:
     ``target_calls``: target forwards after prefill; ``tokens_per_step``: tokens emitted per target
     call (ATN / block efficiency); ``emitted_hist[b, L]``: steps that emitted L tokens;
     ``acceptance``: accepted / verified draft tokens; ``fallbacks``: LP solves replaced by an exact
-    fallback rule.
+    fallback rule; ``root_acceptance``: how often the first token of a step is one of the K root
+    draft tokens, beside ``root_optimal_acceptance``, the mean of ``optimal_acceptance`` over the
+    same steps (the theoretical limit of any exact token-level scheme there).
     """
     s = jax.tree.map(lambda a: a[:batch], state.stats)
     generated = state.num_generated[:batch]
@@ -265,6 +267,9 @@ def summarize_stats(state: decode.DecodeState, batch: int) -> dict:
         "decisions": s.decisions,
         "accepted": s.accepted,
         "fallbacks": s.fallbacks,
+        "root_steps": s.root_steps,
+        "root_acceptance": s.root_accepted / jnp.maximum(s.root_steps, 1),
+        "root_optimal_acceptance": s.root_optimal / jnp.maximum(s.root_steps, 1),
         "bad_logits": s.bad_logits,
     }
 
