@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from multidraft_laws import SCHEMES, is_cfg, is_law_fn, node_law, root_acceptance
 from multidraft_reference import (
     brute_force_acceptance,
     continuation_error,
@@ -22,58 +23,6 @@ from scipy import stats
 import asps_jax
 from asps_jax.verify import multi, tokenlevel
 from asps_jax.verify.acceptance import optimal_acceptance, sorted_prefix_acceptance
-from asps_jax.verify.selection import RuleConfig
-
-# --- Node laws pi(y | x) of each scheme, vmapped over token tuples (dtype of the inputs) ---
-# Compiling dominates these tests (dozens of small programs) and the programs run in microseconds,
-# so they are compiled without XLA's backend optimisations.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def _law_fn(scheme):
-    def law(p, q, xs, alive):
-        return jax.vmap(lambda x: tokenlevel.outcome_law(scheme(p, q, x, alive), x))(xs)
-
-    return jax.jit(law, compiler_options=_FAST_COMPILE)
-
-
-def _is_law_fn(cfg):
-    def law(p, q, xs, alive):
-        prepared = tokenlevel.importance_sampling_rules(p, q, alive, cfg)
-        outcome = lambda x: tokenlevel.importance_sampling_outcome(prepared, p, q, x, alive)  # noqa: E731
-        return jax.vmap(lambda x: tokenlevel.outcome_law(outcome(x), x))(xs)
-
-    return jax.jit(law, compiler_options=_FAST_COMPILE)
-
-
-def _is_cfg(rule, block, alphabet, lp_iters=1000):
-    return lambda vocab: RuleConfig(rule, min(block, vocab), min(alphabet, vocab), lp_iters)
-
-
-SCHEMES = {
-    "specinfer": lambda vocab: _law_fn(tokenlevel.specinfer),
-    "spectr": lambda vocab: _law_fn(tokenlevel.spectr),
-    # "optimal" on V <= 16 is also the "is" default (s = 5, alphabet 40) for V <= 5. The LP's
-    # iteration count changes efficiency only: few iterations mix LP and fallback weights.
-    "is_lp_s2_m3": lambda vocab: _is_law_fn(_is_cfg("truncated_lp", 2, 3, 300)(vocab)),
-    "is_fixed_order_m3": lambda vocab: _is_law_fn(_is_cfg("fixed_order", 1, 3)(vocab)),
-    "is_sir_m3": lambda vocab: _is_law_fn(_is_cfg("sir", 3, 3)(vocab)),
-    "optimal": lambda vocab: _is_law_fn(_is_cfg("truncated_lp", 16, 16)(vocab)),
-    "is_lp_no_iters": lambda vocab: _is_law_fn(_is_cfg("truncated_lp", 5, 40, 0)(vocab)),
-}
-_LAW_CACHE = {}
-
-
-def node_law(name, vocab):
-    if (name, vocab) not in _LAW_CACHE:
-        _LAW_CACHE[(name, vocab)] = SCHEMES[name](vocab)
-    fn = _LAW_CACHE[(name, vocab)]
-
-    def call(p, q, xs, alive):
-        with jax.enable_x64(True):
-            return np.asarray(fn(*(jnp.asarray(a) for a in (p, q, xs, alive))))
-
-    return call
 
 
 def _models(seed, num_drafts, vocab, n, identical, sparse=0.0):
@@ -94,9 +43,10 @@ CONFIGS = [
 
 
 FULL_GRID = ("specinfer", "spectr", "optimal", "is_lp_s2_m3")
+ENUMERATED = FULL_GRID + ("is_fixed_order_m3", "is_sir_m3", "is_lp_no_iters")
 
 
-@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("name", ENUMERATED)
 def test_exact_enumeration(name):
     """For every scheme: law of the emitted string continued by the target == p (float64).
 
@@ -125,7 +75,7 @@ def test_exact_enumeration_without_replacement():
         q_root = drafts[0][0]
         for d in drafts:  # one root law, drawn without replacement; continuations independent
             d[0] = q_root
-        wor, rrs = node_law_wor(vocab), node_law("specinfer", vocab)
+        wor, rrs = node_law("specinfer_wor", vocab), node_law("specinfer", vocab)
         law, marginal = tree_law(
             rrs,
             target,
@@ -136,19 +86,6 @@ def test_exact_enumeration_without_replacement():
         )
         assert marginal <= 1e-12
         assert continuation_error(law, target, n) <= 1e-12
-
-
-def node_law_wor(vocab):
-    key = ("wor", vocab)
-    if key not in _LAW_CACHE:
-        _LAW_CACHE[key] = _law_fn(tokenlevel.specinfer_without_replacement)
-    fn = _LAW_CACHE[key]
-
-    def call(p, q, xs, alive):
-        with jax.enable_x64(True):
-            return np.asarray(fn(*(jnp.asarray(a) for a in (p, q, xs, alive))))
-
-    return call
 
 
 # --- Statistical tests through the public API, vmapped over 10^5 keys ---
@@ -230,7 +167,6 @@ def _run_statistical(method, options, without_replacement=False):
 # Few LP iterations here: the solves are vmapped 10^5 times, and a mix of LP weights and counted
 # fallbacks is exactly what must stay unbiased. At V = 4 "is" (s = 5, alphabet 40) and "optimal"
 # (alphabet 16) both solve the full pairwise LP, i.e. the scheme "stat_lp" of the enumeration.
-SCHEMES["stat_lp"] = lambda vocab: _is_law_fn(_is_cfg("truncated_lp", 16, 16, 60)(vocab))
 STAT_METHODS = [
     ("specinfer", {}, "specinfer"),
     ("spectr", {}, "spectr"),
@@ -258,21 +194,6 @@ def test_statistical_without_replacement():
 
 
 # --- Acceptance probabilities (exact, float64) ---
-
-
-def root_acceptance(name, p, qs, alive=None):
-    """P(Y in {X_k : alive}) at one node, exactly, for scheme ``name``."""
-    num_drafts, vocab = qs.shape
-    alive = np.ones(num_drafts, bool) if alive is None else np.asarray(alive)
-    xs = np.array(list(itertools.product(range(vocab), repeat=num_drafts)), np.int64)
-    laws = node_law(name, vocab)(p, qs, xs, alive)
-    probs = np.ones(len(xs))
-    for k in range(num_drafts):
-        probs *= qs[k][xs[:, k]] if alive[k] else xs[:, k] == 0
-    hit = np.zeros_like(laws, bool)
-    for k in np.nonzero(alive)[0]:
-        hit[np.arange(len(xs)), xs[:, k]] = True
-    return float(np.sum(probs[:, None] * laws * hit))
 
 
 _optimal_acceptance = jax.jit(optimal_acceptance)
@@ -363,7 +284,6 @@ def test_acceptance_ordering_on_random_nodes(capsys):
     rng = np.random.default_rng(2025)
     vocab = 8
     names = ["optimal", "is_default", "spectr", "specinfer"]
-    SCHEMES["is_default"] = lambda v: _is_law_fn(multi._rule_config("is", v, {}))
     table = {name: [] for name in names + ["sps", "bound"]}
     for _ in range(200):
         p, q = rng.dirichlet(np.ones(vocab)), rng.dirichlet(np.ones(vocab))
@@ -447,14 +367,14 @@ def test_lp_fallback_is_counted_and_uses_the_fixed_order_law():
     fell_back = node_law("is_lp_no_iters", 5)(p, qs, xs, alive)
     fixed = node_law("is_fixed_order_m3", 5)(p, qs, xs, alive)
     with jax.enable_x64(True):
-        cfg = _is_cfg("truncated_lp", 5, 40, 0)(5)
+        cfg = is_cfg("truncated_lp", 5, 40, 0)(5)
         prepared = tokenlevel.importance_sampling_rules(
             jnp.asarray(p), jnp.asarray(qs), jnp.asarray(alive), cfg
         )
         n_fb = prepared[3]
     assert int(n_fb) == 1
     # Both are fixed-order rules over the same ranking when the alphabet covers V.
-    SCHEMES["is_fixed_order_m5"] = lambda v: _is_law_fn(_is_cfg("fixed_order", 1, 5)(v))
+    SCHEMES["is_fixed_order_m5"] = lambda v: is_law_fn(is_cfg("fixed_order", 1, 5)(v))
     np.testing.assert_allclose(
         fell_back, node_law("is_fixed_order_m5", 5)(p, qs, xs, alive), atol=1e-14
     )
