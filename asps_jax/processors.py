@@ -50,8 +50,10 @@ def process_logits(
     temperature = jnp.asarray(temperature, jnp.float32)
     greedy = temperature <= 0.0
 
-    # --- Step 1: temperature (guarded so the greedy branch never divides by zero) ---
+    # --- Step 1: temperature (guarded so the greedy branch never divides by zero; finite logits
+    # that overflow when divided stay finite, so the largest one keeps its mass) ---
     scaled = logits / jnp.where(greedy, 1.0, temperature)
+    scaled = jnp.minimum(scaled, jnp.finfo(jnp.float32).max)
 
     # --- Step 2: top-k; keep every logit >= the k-th largest (ties kept, as transformers) ---
     sorted_desc = -jnp.sort(-scaled, axis=-1)
@@ -62,7 +64,8 @@ def process_logits(
             sorted_desc, jnp.broadcast_to(k_eff - 1, sorted_desc.shape[:-1])[..., None], axis=-1
         )
         scaled = jnp.where(scaled < kth, NEG_INF, scaled)
-        sorted_desc = jnp.where(jnp.arange(vocab) < k_eff, sorted_desc, NEG_INF)
+        # Sorted, so this keeps exactly the survivors, ties at the k-th value included.
+        sorted_desc = jnp.where(sorted_desc < kth, NEG_INF, sorted_desc)
 
     # --- Step 3: top-p over the (top-k filtered) law; transformers removes a token when the
     # ascending cumulative mass up to and including it is <= 1 - top_p, always keeping the top one.

@@ -162,18 +162,18 @@ def test_matches_transformers_warpers(temperature, top_k, top_p):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="processors.py bug: top-p normalises over exactly k sorted values, dropping the "
-    "tokens that top-k kept as ties at the k-th value, so top-p cuts too much. Minimal case: "
-    "logits [2, 1.9, 0, 0], top_k=3, top_p=0.475 -> processors keeps {0}; transformers and the "
-    "reference keep {0, 1} (masses 0.525 / 0.475).",
-)
 def test_top_p_after_top_k_ties_matches_transformers():
+    """Regression: top-p must see every token top-k kept, ties at the k-th value included."""
     logits = np.array([[2.0, 1.9, 0.0, 0.0]], np.float32)
     want = _transformers(logits, 1.0, 3, 0.475)
     assert_matches(run(logits, 1.0, 3, 0.475), want)
     assert_matches(run(logits, 1.0, 3, 0.475)[0], reference(logits[0], 1.0, 3, 0.475))
+
+
+def test_overflowing_temperature_keeps_the_largest_logit():
+    logits = np.array([3e38, 1.0, -2.0], np.float32)
+    got = np.asarray(process_logits(logits, 0.5))
+    np.testing.assert_array_equal(np.exp(got), [1.0, 0.0, 0.0])
 
 
 def test_batched_input_under_rank_promotion_raise():
