@@ -1,0 +1,312 @@
+"""Sample text with exact speculative decoding (API.md §4).
+
+    python scripts/sample.py                                   # bundled tiny Shakespeare pair
+    python scripts/sample.py --method sps --num-draft-tokens 4
+    python scripts/sample.py --target llama7b --draft llama68m --prompt "Translate ..."
+
+Text streams to stdout as it is produced (row 0 of the batch); the statistics block follows.
+Errors in the arguments or the environment exit with a one-line explanation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEFAULT_TARGET = "tinyshakespeare-target"
+DEFAULT_DRAFT = "tinyshakespeare-draft"
+DEFAULT_PROMPT = "ROMEO:\nBut soft, what light"
+DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 0.0) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not (0.0 < value <= 1.0):
+        raise argparse.ArgumentTypeError(f"top-p must be in (0, 1], got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from asps_jax.sampler import METHODS
+
+    p = _Parser(
+        prog="sample.py",
+        description="Exact speculative sampling with a draft and a target model. With no "
+        "arguments it runs the bundled tiny Shakespeare pair on a default prompt.",
+    )
+    p.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help="target model: an alias from models/ (e.g. llama7b), a checkpoint "
+        f"directory, or a Hugging Face repo id in the local cache (default {DEFAULT_TARGET})",
+    )
+    p.add_argument(
+        "--draft",
+        default=DEFAULT_DRAFT,
+        help=f"draft model, same forms as --target (default {DEFAULT_DRAFT}); ignored "
+        "by --method ar",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="prompt text; repeat the flag for several prompts (default: a line of "
+        "Romeo and Juliet)",
+    )
+    p.add_argument(
+        "--method",
+        default="asps",
+        choices=METHODS,
+        help="verification method: ar = target alone; sps / asps = one draft chain; "
+        "specinfer / spectr / is / optimal = several drafts (default asps)",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=_positive_int,
+        default=8,
+        metavar="n",
+        help="draft tokens proposed per target call (default 8)",
+    )
+    p.add_argument(
+        "--num-drafts",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="independent draft chains per step, for multi-draft methods (default 1)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=_non_negative_float,
+        default=1.0,
+        metavar="T",
+        help="target sampling temperature; 0 = greedy (default 1.0)",
+    )
+    p.add_argument(
+        "--draft-temperature",
+        type=_non_negative_float,
+        default=None,
+        metavar="T",
+        help="temperature the draft samples at (default: --temperature); output law "
+        "stays the target's either way",
+    )
+    p.add_argument(
+        "--top-k",
+        type=_positive_int,
+        default=None,
+        metavar="k",
+        help="keep only the k most likely tokens (default: off)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=_top_p,
+        default=None,
+        metavar="p",
+        help="nucleus sampling mass in (0, 1] (default: off)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=200,
+        metavar="M",
+        help="tokens to generate per prompt (default 200)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=1,
+        metavar="B",
+        help="rows sampled together; prompts are repeated to fill it (default 1)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="f32",
+        help="parameter dtype: f32 or bf16 (default f32)",
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="data=D,model=M",
+        help="device mesh shape (not supported yet: rejected with an explanation)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (text, tokens and statistics) instead of streaming",
+    )
+    return p
+
+
+def _summary(session, out, args, compile_s, run_s, load_s) -> dict:
+    import numpy as np
+
+    stats = {k: np.asarray(v) for k, v in out.stats.items()}
+    lengths = np.asarray(out.lengths)
+    calls = stats["target_calls"]
+    per_step = lengths / np.maximum(calls, 1)
+    hist = stats["emitted_hist"].sum(0)
+    steps = hist.sum()
+    mean_l = float((hist * np.arange(hist.size)).sum() / max(steps, 1))
+    var_l = float((hist * (np.arange(hist.size) - mean_l) ** 2).sum() / max(steps - 1, 1))
+    return {
+        "method": args.method,
+        "num_draft_tokens": session.spec.num_draft_tokens if args.method != "ar" else 0,
+        "num_drafts": session.spec.num_drafts if args.method != "ar" else 0,
+        "batch_size": int(lengths.size),
+        "new_tokens": int(lengths.sum()),
+        "target_calls": int(calls.sum()),
+        "tokens_per_step": mean_l,
+        "tokens_per_step_stderr": (var_l / max(steps, 1)) ** 0.5,
+        "tokens_per_step_by_row": per_step.round(4).tolist(),
+        "acceptance": float(stats["accepted"].sum() / max(stats["decisions"].sum(), 1)),
+        "lp_fallbacks": int(stats["fallbacks"].sum()),
+        "load_seconds": round(load_s, 3),
+        "compile_seconds": round(compile_s, 3),
+        "run_seconds": round(run_s, 3),
+        "tokens_per_second": float(lengths.sum() / run_s) if run_s > 0 else float("nan"),
+    }
+
+
+def _print_summary(s: dict, stream) -> None:
+    rows = [
+        ("method", s["method"]),
+        ("draft tokens n / drafts K", f"{s['num_draft_tokens']} / {s['num_drafts']}"),
+        ("new tokens (batch)", f"{s['new_tokens']} ({s['batch_size']} rows)"),
+        ("target calls", s["target_calls"]),
+        ("tokens per step", f"{s['tokens_per_step']:.3f} ± {s['tokens_per_step_stderr']:.3f}"),
+        ("draft acceptance", f"{s['acceptance']:.3f}"),
+        ("tokens/s (run)", f"{s['tokens_per_second']:.1f}"),
+        (
+            "load / compile / run s",
+            f"{s['load_seconds']} / {s['compile_seconds']} / {s['run_seconds']}",
+        ),
+    ]
+    print("\n--- statistics ---", file=stream)
+    for name, value in rows:
+        print(f"{name:>26}: {value}", file=stream)
+
+
+def run(args) -> int:
+    import jax
+    import numpy as np
+
+    import asps_jax
+    from asps_jax.sampler import Session
+
+    if args.mesh is not None:
+        raise NotImplementedError("--mesh is not supported yet; run without it on one device")
+    start = time.perf_counter()
+    dtype = DTYPES[args.dtype]
+    target = asps_jax.load_model(args.target, dtype=dtype)
+    draft = asps_jax.load_model(args.draft, dtype=dtype) if args.method != "ar" else None
+    tokenizer = target.tokenizer
+    if tokenizer is None:
+        raise FileNotFoundError(f"{args.target}: no tokenizer files next to the checkpoint")
+    load_s = time.perf_counter() - start
+
+    texts = args.prompt or [DEFAULT_PROMPT]
+    # verbose=False: the length check below gives the error; no tokenizer warning first.
+    encoded = [tokenizer.encode(t, verbose=False) for t in texts]
+    prompts = [encoded[b % len(encoded)] for b in range(args.batch_size)]
+    num_drafts = args.num_drafts
+    session = Session(
+        target,
+        draft,
+        prompts,
+        key=jax.random.key(args.seed),
+        max_new_tokens=args.max_new_tokens,
+        method=args.method,
+        num_draft_tokens=args.num_draft_tokens,
+        num_drafts=num_drafts,
+        temperature=args.temperature,
+        draft_temperature=args.draft_temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
+    out_stream = sys.stdout
+    if not args.json:
+        print(
+            f"[compiling {args.method} for {args.target} / "
+            f"{args.draft if draft is not None else '-'} ...]",
+            file=sys.stderr,
+            flush=True,
+        )
+    compile_s = session.compile()
+    if not args.json:
+        print(texts[0], end="", file=out_stream, flush=True)
+    start = time.perf_counter()
+    row0: list[int] = []
+    shown = ""
+    step = 0
+    for new in session.steps():
+        step += 1
+        if args.json:
+            continue
+        row0.extend(new[0])
+        text = tokenizer.decode(row0, skip_special_tokens=True)
+        print(text[len(shown) :], end="", file=out_stream, flush=True)
+        shown = text
+        if step % 25 == 0 and args.batch_size > 1:
+            print(f"\n[step {step}]", file=sys.stderr, flush=True)
+    run_s = time.perf_counter() - start
+    out = session.result()
+    summary = _summary(session, out, args, compile_s, run_s, load_s)
+    if args.json:
+        tokens = np.asarray(out.tokens)
+        lengths = np.asarray(out.lengths)
+        rows = [tokens[b, : lengths[b]].tolist() for b in range(lengths.size)]
+        summary["prompts"] = [texts[b % len(texts)] for b in range(lengths.size)]
+        summary["tokens"] = rows
+        summary["texts"] = [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
+        print(json.dumps(summary))
+    else:
+        print(file=out_stream)
+        _print_summary(summary, out_stream)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError, NotImplementedError, FloatingPointError) as err:
+        message = " ".join(str(err).split())
+        print(f"sample.py: error: {message}", file=sys.stderr)
+        return 2 if not isinstance(err, FloatingPointError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

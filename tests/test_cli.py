@@ -1,0 +1,136 @@
+"""scripts/sample.py via main([...]) on the bundled pair, once as a subprocess, and its errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "sample.py"
+
+
+def _load_cli():
+    spec = importlib.util.spec_from_file_location("sample_cli", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cli = _load_cli()
+
+
+def test_default_run_streams_text_and_statistics(capsys):
+    assert cli.main(["--max-new-tokens", "12", "--num-draft-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(cli.DEFAULT_PROMPT)
+    body = out.split("--- statistics ---")[0][len(cli.DEFAULT_PROMPT) :]
+    assert len(body.strip()) > 0
+    for name in ("method", "tokens per step", "target calls", "tokens/s", "draft acceptance"):
+        assert name in out
+
+
+def test_every_flag_in_one_json_run(capsys):
+    code = cli.main(
+        [
+            "--target", "tinyshakespeare-target",
+            "--draft", str(ROOT / "models" / "tinyshakespeare-draft"),
+            "--prompt", "KING HENRY:", "--prompt", "JULIET:\nO Romeo",
+            "--method", "specinfer", "--num-draft-tokens", "3", "--num-drafts", "2",
+            "--temperature", "0.9", "--draft-temperature", "1.2", "--top-k", "50",
+            "--top-p", "0.95", "--max-new-tokens", "10", "--batch-size", "3", "--seed", "5",
+            "--dtype", "bf16", "--json",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["method"] == "specinfer" and result["num_drafts"] == 2
+    assert result["batch_size"] == 3 and len(result["texts"]) == 3
+    assert result["prompts"] == ["KING HENRY:", "JULIET:\nO Romeo", "KING HENRY:"]
+    assert all(1 <= len(t) <= 10 for t in result["tokens"])
+    assert 1.0 <= result["tokens_per_step"] <= 4.0
+    assert result["target_calls"] >= 3 and result["compile_seconds"] > 0
+
+
+def test_greedy_ar_and_asps_print_the_same_text(capsys):
+    args = ["--temperature", "0", "--max-new-tokens", "16", "--json"]
+    assert cli.main(args + ["--method", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--method", "asps", "--num-draft-tokens", "4"]) == 0
+    asps = json.loads(capsys.readouterr().out)
+    assert ar["tokens"] == asps["tokens"]
+    assert asps["target_calls"] <= ar["target_calls"]
+
+
+def test_runs_as_a_subprocess_without_network():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--max-new-tokens", "8", "--method", "sps"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--- statistics ---" in proc.stdout and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--method", "nope"], "invalid choice"),
+        (["--num-draft-tokens", "-2"], "positive integer"),
+        (["--top-p", "1.5"], "top-p"),
+        (["--top-p", "0"], "top-p"),
+        (["--temperature", "-1"], ">= 0"),
+        (["--dtype", "f16"], "invalid choice"),
+    ],
+)
+def test_bad_flags_exit_with_one_line(capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--target", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
+        (["--target", "no-such-alias"], "no-such-alias"),
+        (["--method", "asps", "--num-drafts", "2"], "single draft chain"),
+        (["--mesh", "data=2,model=1"], "mesh"),
+        (["--prompt", "x " * 3000], "context"),
+    ],
+)
+def test_bad_runs_exit_nonzero_with_one_line(capsys, argv, needle):
+    assert cli.main(argv + ["--max-new-tokens", "4"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
+
+
+def test_llama7b_without_weights_explains_where_it_looked(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setenv("ASPS_MODELS_DIR", str(tmp_path / "models"))
+    assert cli.main(["--target", "llama7b", "--draft", "llama68m"]) != 0
+    err = capsys.readouterr().err
+    assert "huggyllama/llama-7b" in err and "download" in err and str(tmp_path) in err
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for action in cli.build_parser()._actions:
+        for flag in action.option_strings:
+            assert flag in out
+        assert action.help
