@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import shlex
 import sys
 import time
@@ -297,18 +298,19 @@ def num_params(params) -> int:
 
 CARD_README = """# {alias}
 
-A tiny Llama-architecture {role} model ({parameters:,} parameters, {layers} layers, hidden {hidden})
-trained from scratch on `{data_path}` by `scripts/train_tiny.py` for asps_jax's demo and tests.
-Its {other} is `{other_alias}`; both share one tokenizer. A toy for demos, not a useful model.
+A tiny Llama-architecture {role} model: {parameters:,} parameters, {layers} layers, hidden {hidden}.
+Trained from scratch on `{data_path}` by `scripts/train_tiny.py`
+for asps_jax's demo and tests. Its {other} is `{other_alias}`; both share one tokenizer.
+A toy for demos, not a useful model.
 
 - Made by: `{command}`
-- Training: {steps} steps of batch {batch_size} x {seq_len} tokens, AdamW, {train_wall_time_s:.0f} s
-  on CPU{distill}.
+- Training: {steps} steps of {batch_size} x {seq_len} tokens, AdamW,
+  {train_wall_time_s:.0f} s on CPU{distill}.
 - Loss (nats per token): train {train_loss:.3f}, validation {val_loss:.3f} (perplexity
-  {val_perplexity:.1f}) on the tail of the text ({val_tokens} tokens), which neither the tokenizer
+  {val_perplexity:.1f}) on the tail of the text ({val_tokens} tokens) that neither the tokenizer
   nor the models saw.
-- Weights: {dtype}, Hugging Face layout; loads with `asps_jax.load_model("{alias}")` or
-  `transformers.AutoModelForCausalLM.from_pretrained(<this folder>)`.
+- Weights: {dtype}, Hugging Face layout. Load with `asps_jax.load_model("{alias}")` or
+  `transformers.AutoModelForCausalLM.from_pretrained("models/{alias}")`.
 
 See `card.json` for the exact figures.
 """
@@ -348,14 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="tinyshakespeare", help="writes NAME-target/, NAME-draft/")
     p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary incl. specials")
     p.add_argument("--seq-len", type=int, default=256, help="context length (tokens, incl. <s>)")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per optimizer step")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per optimizer step")
     p.add_argument("--val-fraction", type=float, default=0.1, help="held-out tail of the text")
     p.add_argument("--seed", type=int, default=0, help="seeds init and batch order")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps (then cosine)")
     p.add_argument("--weight-decay", type=float, default=0.05, help="AdamW decay of matrices")
     p.add_argument("--eval-every", type=int, default=50, help="steps between loss reports")
-    p.add_argument("--eval-batches", type=int, default=4, help="val batches per periodic report")
+    p.add_argument("--eval-batches", type=int, default=6, help="val batches per periodic report")
     p.add_argument(
         "--dtype",
         choices=["bfloat16", "float32"],
@@ -423,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
 
     # --- Step 1: tokenizer on the training text only; token ids of both splits --------------
     text = args.data.read_text(encoding="utf-8")
@@ -466,13 +468,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- Step 3: checkpoints and cards ---------------------------------------------------------
     made = {
-        "command": "python scripts/train_tiny.py " + shlex.join(argv),
+        "command": shlex.join(["python", "scripts/train_tiny.py", *argv]),
         "data": _data_info(args.data, text),
         "seed": args.seed,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "learning_rate": args.lr,
         "total_wall_time_s": round(time.perf_counter() - start, 1),
+        # CPU seconds of all threads: the machine-load-independent cost (wall time on a shared
+        # machine stretches with the other processes' load).
+        "total_cpu_time_s": round(time.process_time() - cpu_start, 1),
+        "cpus": os.cpu_count(),
         "jax": jax.__version__,
     }
     names = {r: f"{args.name}-{r}" for r in ("target", "draft")}
@@ -496,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         card["made_by"]["distill_weight"] = w
         write_model(args.out_dir / names[role], card, cfg[role], params, tokenizer, args.dtype)
         _log(f"wrote {args.out_dir / names[role]}: {card['parameters']:,} parameters")
-    _log(f"done in {time.perf_counter() - start:.0f} s")
+    cpu = time.process_time() - cpu_start
+    _log(f"done in {time.perf_counter() - start:.0f} s wall, {cpu:.0f} s CPU")
     return 0
 
 
@@ -506,7 +513,6 @@ def _rng(args, stream: int) -> np.random.Generator:
 
 def _data_info(path: Path, text: str) -> dict:
     import hashlib
-    import os
 
     return {
         "path": os.path.relpath(path.resolve(), REPO_ROOT),
