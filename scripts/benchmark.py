@@ -1,0 +1,405 @@
+"""End-to-end speculative sampling benchmark: every method of ``asps_jax.sample`` beside
+transformers' ``generate`` and assisted generation, on the same checkpoints, in one run.
+
+For AR, SpS / ASpS (K = 1) and each multi-draft method (K >= 2) over the chosen draft lengths n,
+ours runs the whole decoding loop (``decode.generate``: prefill + one ``lax.while_loop``, what
+``asps_jax.sample`` calls) compiled ahead of time, so the timed run excludes compilation (reported
+apart). Per run: tokens per step (ATN / block efficiency, mean +- standard error over all steps of
+all rows, from ``emitted_hist``), target calls per row, token-level acceptance (accepted / verified
+draft tokens), wall tokens/s, and the speedup over our AR decode and over transformers.
+
+transformers runs the same checkpoints in torch float32 with eager attention: ``generate(
+do_sample=True)`` on the whole batch, and assisted generation (``assistant_model=draft``,
+``num_assistant_tokens=n`` with the ``"constant"`` schedule and the confidence early-exit off, so
+that every step drafts exactly n tokens), which transformers supports for batch size 1 only, so it
+runs row by row. EOS never stops a row on either side: every row generates ``--max-new-tokens``.
+
+Prompts are ``--prompt-tokens`` tokens of consecutive corpus lines (tinyshakespeare, one starting
+line per row), encoded by the target's tokenizer (UTF-8 bytes modulo the vocabulary when the
+checkpoint has none).
+
+    python scripts/benchmark.py [--quick] [--methods M ...] [--n N ...] [--k K ...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import asps_jax
+from asps_jax import decode, sampler
+from asps_jax.verify.api import CHAIN_METHODS
+
+CHAIN = tuple(m for m in sampler.METHODS if m in CHAIN_METHODS)  # sps, asps: K = 1
+MULTI = tuple(m for m in sampler.METHODS if m != "ar" and m not in CHAIN_METHODS)
+FULL_N = (1, 2, 4, 6, 8, 10)
+FULL_K = (1, 2, 4)
+QUICK = dict(
+    methods=["ar", "sps", "asps", "specinfer"], n=[2, 4], k=[2], batch_size=2, max_new_tokens=48
+)
+CORPUS = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+FALLBACK_TEXT = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+    "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. "
+    "resolved.\n\nFirst Citizen:\nFirst, you know Caius Marcius is chief enemy to the people.\n"
+)
+_STATICS = ("target_config", "draft_config", "spec", "cache_len")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="tinyshakespeare-target", help="target alias or path")
+    p.add_argument("--draft", default="tinyshakespeare-draft", help="draft alias or path")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=sampler.METHODS,
+        default=list(sampler.METHODS),
+        help="methods to run (AR always runs: it is the speedup baseline)",
+    )
+    p.add_argument("--n", nargs="+", type=int, default=list(FULL_N), help="draft lengths n")
+    p.add_argument(
+        "--k",
+        nargs="+",
+        type=int,
+        default=list(FULL_K),
+        help="numbers of drafts K for the multi-draft methods (K >= 2 used; sps/asps run at K=1)",
+    )
+    p.add_argument("--quick", action="store_true", help=f"a ~1 minute subset: {QUICK}")
+    p.add_argument("--batch-size", type=int, default=4, help="prompts decoded together")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per row")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 greedy)")
+    p.add_argument("--top-k", type=int, default=None, help="top-k filter (default off)")
+    p.add_argument("--top-p", type=float, default=None, help="top-p filter (default off)")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed (ours and torch)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per config after a warm-up (median)"
+    )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads: tiny models gain nothing from more, and on a busy machine "
+        "spinning thread pools slow torch down by orders of magnitude",
+    )
+    p.add_argument("--dtype", default="float32", help="dtype of our models (torch: float32)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers runs")
+    p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise a ValueError naming the flag for values argparse cannot check by itself."""
+    for flag, values in (("--n", args.n), ("--k", args.k)):
+        if not values or min(values) < 1:
+            raise ValueError(f"{flag}: every value must be an integer >= 1, got {values}")
+    for flag in ("batch_size", "max_new_tokens", "prompt_tokens", "repeats", "torch_threads"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.temperature < 0 or not math.isfinite(args.temperature):
+        raise ValueError(f"--temperature must be finite and >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
+
+
+def plan(methods, ns, ks) -> list[tuple[str, int, int]]:
+    """``(method, n, K)`` runs: AR once, SpS/ASpS at K = 1, multi-draft methods at each K >= 2."""
+    runs = [("ar", 1, 1)]
+    for method in dict.fromkeys(methods):
+        if method in CHAIN:
+            runs += [(method, n, 1) for n in ns]
+        elif method in MULTI:
+            runs += [(method, n, k) for k in sorted(set(ks)) if k >= 2 for n in ns]
+    return runs
+
+
+def build_prompts(tokenizer, vocab_size: int, batch: int, length: int) -> np.ndarray:
+    """int32[B, P]: row b encodes consecutive corpus lines from its own starting line."""
+    text = CORPUS.read_text(encoding="utf-8") if CORPUS.is_file() else FALLBACK_TEXT
+    lines = [line for line in text.splitlines() if line.strip()]
+    stride = max(len(lines) // batch, 1)
+
+    def encode(s: str) -> list[int]:
+        if tokenizer is None:
+            return [b % vocab_size for b in s.encode("utf-8")]
+        return list(tokenizer.encode(s, add_special_tokens=False))
+
+    rows = []
+    for b in range(batch):
+        ids, i = [], b * stride
+        while len(ids) < length:  # wraps around a short corpus
+            ids += encode(lines[i % len(lines)] + "\n")
+            i += 1
+        rows.append(ids[:length])
+    return np.asarray(rows, np.int32)
+
+
+def atn(hist_BL: np.ndarray) -> tuple[float, float, int]:
+    """Tokens per step over all steps of all rows: (mean, standard error, steps)."""
+    counts = hist_BL.sum(0).astype(np.float64)
+    sizes = np.arange(counts.shape[0], dtype=np.float64)
+    steps = counts.sum()
+    mean = float((sizes * counts).sum() / steps)
+    var = float(((sizes - mean) ** 2 * counts).sum() / max(steps - 1, 1))
+    return mean, math.sqrt(var / steps), int(steps)
+
+
+def ratio_se(a: float, se_a: float, b: float, se_b: float) -> tuple[float, float]:
+    """a / b with the first-order (delta-method) standard error of independent estimates."""
+    r = a / b
+    return r, abs(r) * math.hypot(se_a / a, se_b / b)
+
+
+def run_ours(target, draft, prompts_BP, method, n, k, args) -> dict:
+    batch, call = sampler.prepare(
+        target,
+        None if method == "ar" else draft,
+        prompts_BP,
+        key=jax.random.key(args.seed),
+        max_new_tokens=args.max_new_tokens,
+        method=method,
+        num_draft_tokens=n,
+        num_drafts=k,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=-1,
+    )
+    start = time.perf_counter()
+    compiled = decode.generate.lower(**call).compile()
+    compile_s = time.perf_counter() - start
+    dynamic = {name: value for name, value in call.items() if name not in _STATICS}
+    jax.block_until_ready(compiled(**dynamic))  # warm-up: first-call allocations
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        state = jax.block_until_ready(compiled(**dynamic))
+        times.append(time.perf_counter() - start)
+    stats = jax.device_get(sampler.summarize_stats(state, batch))
+    if np.any(stats["bad_logits"]):
+        raise FloatingPointError(f"{method} n={n} K={k}: a model produced non-finite logits")
+    tokens = int(np.asarray(state.num_generated)[:batch].sum())
+    mean, se, steps = atn(np.asarray(stats["emitted_hist"]))
+    decisions = int(np.sum(stats["decisions"]))
+    wall = float(np.median(times))
+    root_steps = np.asarray(stats.get("root_steps", 0))
+    root = {}
+    if np.sum(root_steps) > 0:  # pooled over rows, each row's rate weighted by its root steps
+        for name in ("root_acceptance", "root_optimal_acceptance"):
+            root[name] = float(np.sum(stats[name] * root_steps) / np.sum(root_steps))
+    return dict(
+        method=method,
+        n=n if method != "ar" else 0,
+        K=k,
+        tokens=tokens,
+        steps=steps,
+        tokens_per_step=mean,
+        tokens_per_step_se=se,
+        target_calls_per_row=float(np.mean(stats["target_calls"])),
+        acceptance=float(np.sum(stats["accepted"]) / decisions) if decisions else None,
+        compile_s=compile_s,
+        wall_s=wall,
+        wall_s_runs=times,
+        tokens_per_s=tokens / wall,
+        root_acceptance=root.get("root_acceptance"),
+        root_optimal_acceptance=root.get("root_optimal_acceptance"),
+    )
+
+
+def run_hf(target, draft, prompts_BP, ns, args) -> list[dict]:
+    """transformers ``generate`` (whole batch) and assisted generation (row by row) per n."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.torch_threads)
+
+    def load(path):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        model.generation_config.eos_token_id = None  # every row runs to max_new_tokens, as ours
+        return model
+
+    hf_target, hf_draft = load(target.path), load(draft.path)
+    sampling = dict(do_sample=args.temperature > 0, top_k=args.top_k or 0, top_p=args.top_p or 1.0)
+    if args.temperature > 0:
+        sampling["temperature"] = args.temperature
+    ids = torch.as_tensor(prompts_BP, dtype=torch.long)
+
+    def generate(rows, new_tokens, **extra):
+        out = hf_target.generate(
+            rows,
+            attention_mask=torch.ones_like(rows),
+            max_new_tokens=new_tokens,
+            **sampling,
+            **extra,
+        )
+        return int(out.shape[0] * (out.shape[1] - rows.shape[1]))
+
+    def timed(name, n, fn):
+        torch.manual_seed(args.seed)
+        times, tokens = [], 0
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            tokens = fn()
+            times.append(time.perf_counter() - start)
+        wall = float(np.median(times))
+        return dict(run=name, n=n, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall)
+
+    results = []
+    with torch.no_grad():
+        generate(ids[:1], 2)  # warm-up: first-call allocations are not decoding speed
+        results.append(timed("generate", 0, lambda: generate(ids, args.max_new_tokens)))
+        config = hf_draft.generation_config
+        config.num_assistant_tokens_schedule = "constant"
+        config.assistant_confidence_threshold = 0.0  # off: no early exit, exactly n per step
+        for n in ns:
+            config.num_assistant_tokens = n
+            results.append(
+                timed(
+                    "assisted",
+                    n,
+                    lambda: sum(
+                        generate(ids[b : b + 1], args.max_new_tokens, assistant_model=hf_draft)
+                        for b in range(ids.shape[0])
+                    ),
+                )
+            )
+    return results
+
+
+def asps_gain(rows: list[dict]) -> list[dict]:
+    """ASpS's tokens per step over SpS's at each n (the ASpS paper's ATN gain)."""
+    by = {(r["method"], r["n"]): r for r in rows if r["K"] == 1}
+    gains = []
+    for (method, n), a in sorted(by.items(), key=lambda item: item[0][1]):
+        s = by.get(("sps", n))
+        if method != "asps" or s is None:
+            continue
+        g, se = ratio_se(
+            a["tokens_per_step"],
+            a["tokens_per_step_se"],
+            s["tokens_per_step"],
+            s["tokens_per_step_se"],
+        )
+        gains.append(
+            dict(n=n, sps=s["tokens_per_step"], asps=a["tokens_per_step"], gain=g, gain_se=se)
+        )
+    return gains
+
+
+def add_speedups(rows: list[dict], hf: list[dict]) -> None:
+    ar = next(r for r in rows if r["method"] == "ar")["tokens_per_s"]
+    gen = next((h["tokens_per_s"] for h in hf if h["run"] == "generate"), None)
+    assisted = {h["n"]: h["tokens_per_s"] for h in hf if h["run"] == "assisted"}
+    for r in rows:
+        r["speedup_vs_ar"] = r["tokens_per_s"] / ar
+        r["speedup_vs_hf_generate"] = r["tokens_per_s"] / gen if gen else None
+        a = assisted.get(r["n"])
+        r["speedup_vs_hf_assisted"] = r["tokens_per_s"] / a if a else None
+
+
+def _x(value) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def markdown(rows, hf, gains) -> str:
+    out = [
+        "| method | K | n | tokens/step | target calls/row | acceptance | root acc (optimal) "
+        "| compile s | run s "
+        "| tok/s | vs our AR | vs HF generate | vs HF assisted (same n) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        acc = "—" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
+        root = "—"
+        if r["root_acceptance"] is not None:
+            root = f"{r['root_acceptance']:.3f} ({r['root_optimal_acceptance']:.3f})"
+        out.append(
+            f"| {r['method']} | {r['K']} | {r['n'] or '—'} | {r['tokens_per_step']:.3f} ± "
+            f"{r['tokens_per_step_se']:.3f} | {r['target_calls_per_row']:.1f} | {acc} | {root} | "
+            f"{r['compile_s']:.1f} | {r['wall_s']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{_x(r['speedup_vs_ar'])} | {_x(r['speedup_vs_hf_generate'])} | "
+            f"{_x(r['speedup_vs_hf_assisted'])} |"
+        )
+    if hf:
+        out += ["", "| transformers | n | run s | tok/s |", "|---|---:|---:|---:|"]
+        out += [
+            f"| {h['run']} | {h['n'] or '—'} | {h['wall_s']:.3f} | {h['tokens_per_s']:.0f} |"
+            for h in hf
+        ]
+    if gains:
+        out += ["", "| n | SpS tokens/step | ASpS tokens/step | ASpS gain ± SE |"]
+        out += ["|---:|---:|---:|---:|"]
+        out += [
+            f"| {g['n']} | {g['sps']:.3f} | {g['asps']:.3f} | "
+            f"{g['gain']:.3f} ± {g['gain_se']:.3f} |"
+            for g in gains
+        ]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
+    try:
+        check_args(args)
+    except ValueError as err:
+        parser.error(str(err))
+
+    target = asps_jax.load_model(args.target, dtype=args.dtype)
+    draft = asps_jax.load_model(args.draft, dtype=args.dtype)
+    prompts_BP = build_prompts(
+        target.tokenizer, target.vocab_size, args.batch_size, args.prompt_tokens
+    )
+    rows = []
+    for method, n, k in plan(args.methods, args.n, args.k):
+        rows.append(run_ours(target, draft, prompts_BP, method, n, k, args))
+        print(f"# {method} n={n} K={k}: {rows[-1]['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+    hf = [] if args.no_hf else run_hf(target, draft, prompts_BP, sorted(set(args.n)), args)
+    add_speedups(rows, hf)
+    gains = asps_gain(rows)
+
+    header = (
+        f"target {args.target}, draft {args.draft}; batch {args.batch_size}, prompt "
+        f"{args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, temperature "
+        f"{args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed}; ours "
+        f"{args.dtype} jax {jax.__version__} ({jax.default_backend()}); "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    )
+    if hf:
+        import torch
+        import transformers
+
+        header += (
+            f"; transformers {transformers.__version__}, torch {torch.__version__} float32 eager "
+            f"attention, {args.torch_threads} thread(s)"
+        )
+    print(header + "\n\n" + markdown(rows, hf, gains))
+    if args.json:
+        meta = dict(vars(args), jax=jax.__version__, prompts=prompts_BP.tolist())
+        with open(args.json, "w") as f:
+            json.dump(
+                {"config": meta, "ours": rows, "transformers": hf, "asps_gain": gains}, f, indent=2
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""scripts/benchmark.py: a smoke run through ``main([...])`` on tiny random checkpoints written by
+transformers, checking the table and JSON structure and that the figures are sane; flag errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+benchmark = _load_script()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A random Llama target and a smaller random draft over a 64-token vocabulary."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("benchmark_pair")
+    paths = []
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            # Large weights give peaked laws, so that drafts are sometimes rejected.
+            initializer_range=0.5,
+        )
+        transformers.LlamaForCausalLM(config).save_pretrained(root / name)
+        paths.append(str(root / name))
+    return paths
+
+
+def test_smoke_table_and_json(tiny_pair, tmp_path, capsys):
+    target, draft = tiny_pair
+    out_json = tmp_path / "bench.json"
+    argv = ["--target", target, "--draft", draft, "--methods", "sps", "specinfer"]
+    argv += ["--n", "2", "--k", "2", "--batch-size", "2", "--max-new-tokens", "12"]
+    argv += ["--prompt-tokens", "6", "--repeats", "1", "--json", str(out_json)]
+    assert benchmark.main(argv) == 0
+    stdout = capsys.readouterr().out
+    for header in ("| method | K | n | tokens/step", "| transformers | n |"):
+        assert header in stdout
+    result = json.loads(out_json.read_text())
+
+    ours = {(r["method"], r["n"], r["K"]): r for r in result["ours"]}
+    assert set(ours) == {("ar", 0, 1), ("sps", 2, 1), ("specinfer", 2, 2)}
+    for (method, n, _), r in ours.items():
+        assert f"| {method} |" in stdout
+        assert r["tokens"] == 2 * 12  # EOS never stops a row
+        assert 1.0 <= r["tokens_per_step"] <= n + 1 if n else r["tokens_per_step"] == 1.0
+        assert r["steps"] * r["tokens_per_step"] == pytest.approx(r["tokens"])
+        assert r["target_calls_per_row"] > 0
+        assert r["steps"] == pytest.approx(2 * r["target_calls_per_row"])
+        assert r["compile_s"] > 0 and r["wall_s"] > 0 and r["tokens_per_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+        if method == "ar":
+            assert r["acceptance"] is None and r["speedup_vs_ar"] == 1.0
+            assert r["tokens_per_step_se"] == 0.0
+        else:
+            assert 0.0 <= r["acceptance"] <= 1.0
+            assert 0.0 <= r["root_acceptance"] <= 1.0
+            assert 0.0 < r["root_optimal_acceptance"] <= 1.0
+    ar_tps = ours[("ar", 0, 1)]["tokens_per_s"]
+    sps = ours[("sps", 2, 1)]
+    assert sps["speedup_vs_ar"] == pytest.approx(sps["tokens_per_s"] / ar_tps)
+
+    hf = {(h["run"], h["n"]): h for h in result["transformers"]}
+    assert set(hf) == {("generate", 0), ("assisted", 2)}
+    for h in hf.values():
+        assert h["tokens"] == 2 * 12 and h["tokens_per_s"] > 0
+    assert sps["speedup_vs_hf_assisted"] == pytest.approx(
+        sps["tokens_per_s"] / hf[("assisted", 2)]["tokens_per_s"]
+    )
+    assert result["asps_gain"] == []  # no ASpS run
+    assert result["config"]["prompts"] and len(result["config"]["prompts"][0]) == 6
+
+
+def test_atn_and_ratio_se_match_hand_computation():
+    # Steps emitting 1, 1, 3 tokens in row 0 and 2 in row 1: mean 7/4, sample variance 11/12.
+    hist = np.array([[0, 2, 0, 1], [0, 0, 1, 0]])
+    mean, se, steps = benchmark.atn(hist)
+    assert (mean, steps) == (1.75, 4)
+    assert se == pytest.approx(math.sqrt(11 / 12 / 4))
+    r, r_se = benchmark.ratio_se(2.0, 0.2, 1.0, 0.05)
+    assert r == 2.0 and r_se == pytest.approx(2.0 * math.sqrt(0.1**2 + 0.05**2))
+
+
+def test_asps_gain_pairs_asps_with_sps_at_the_same_n():
+    def row(method, n, tps, se, k=1):
+        return dict(method=method, n=n, K=k, tokens_per_step=tps, tokens_per_step_se=se)
+
+    rows = [row("ar", 0, 1.0, 0.0), row("sps", 2, 2.0, 0.1), row("asps", 2, 2.5, 0.1)]
+    rows += [row("asps", 4, 3.0, 0.2), row("specinfer", 2, 2.4, 0.1, k=2)]
+    (gain,) = benchmark.asps_gain(rows)  # n = 4 has no SpS partner
+    assert (gain["n"], gain["sps"], gain["asps"], gain["gain"]) == (2, 2.0, 2.5, 1.25)
+    assert gain["gain_se"] == pytest.approx(1.25 * math.hypot(0.1 / 2.5, 0.1 / 2.0))
+    table = benchmark.markdown([], [], [gain])
+    assert "| 2 | 2.000 | 2.500 | 1.250 ± 0.080 |" in table
+
+
+def test_plan_runs_each_method_at_its_draft_counts():
+    runs = benchmark.plan(["sps", "specinfer", "ar"], [1, 4], [1, 2, 4])
+    assert runs == [
+        ("ar", 1, 1),
+        ("sps", 1, 1),
+        ("sps", 4, 1),
+        ("specinfer", 1, 2),
+        ("specinfer", 4, 2),
+        ("specinfer", 1, 4),
+        ("specinfer", 4, 4),
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--n", "0"], "--n"),
+        (["--k", "2", "-1"], "--k"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-k", "-2"], "--top-k"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+    ],
+)
+def test_bad_flags_name_the_flag(argv, flag, capsys):
+    args = benchmark.build_parser().parse_args(argv)
+    with pytest.raises(ValueError, match=flag):
+        benchmark.check_args(args)
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(argv)  # fails before any model is loaded
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_unknown_method_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.main(["--methods", "beam"])
+    assert "--methods" in capsys.readouterr().err
