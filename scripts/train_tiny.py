@@ -148,8 +148,8 @@ def make_train_step(config, optimizer, teacher_config=None, distill_weight=0.0):
     def step(params, opt_state, inputs_BT, labels_BT, teacher_params):
         teacher_logp = None
         if teacher_config is not None:
-            teacher_logits = _logits(teacher_config, teacher_params, inputs_BT)
-            teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits))
+            # Outside _loss, so no gradient reaches the teacher.
+            teacher_logp = jax.nn.log_softmax(_logits(teacher_config, teacher_params, inputs_BT))
         grads, hard = jax.grad(_loss, has_aux=True)(
             params, config, inputs_BT, labels_BT, teacher_logp, distill_weight
         )
@@ -165,16 +165,6 @@ def _eval_chunk(config, params, inputs_BT, labels_BT, weights_BT):
     return jnp.sum(nll_BT * weights_BT)
 
 
-def evaluate(config, params, windows, batch: int) -> float:
-    """Mean cross-entropy per token (nats) over the windows, in fixed-shape chunks."""
-    inputs, labels, weights = _pad_rows(windows, batch)
-    total = 0.0
-    for i in range(0, len(inputs), batch):
-        sl = slice(i, i + batch)
-        total += float(_eval_chunk(config, params, inputs[sl], labels[sl], weights[sl]))
-    return total / float(weights.sum())
-
-
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _overlap_chunk(target_config, target_params, draft_config, draft_params, inputs_BT, w_BT):
     p_BTV = jax.nn.softmax(_logits(target_config, target_params, inputs_BT).astype(jnp.float32))
@@ -182,20 +172,26 @@ def _overlap_chunk(target_config, target_params, draft_config, draft_params, inp
     return jnp.sum(jnp.sum(jnp.minimum(p_BTV, q_BTV), axis=-1) * w_BT)
 
 
-def acceptance_proxy(target, draft, windows, batch: int) -> float:
-    """Mean of sum_v min(p, q) = 1 - TV(p, q) at temperature 1: SpS's per-token acceptance rate."""
-    inputs, _, weights = _pad_rows(windows, batch)
-    total = 0.0
-    for i in range(0, len(inputs), batch):
-        sl = slice(i, i + batch)
-        total += float(_overlap_chunk(*target, *draft, inputs[sl], weights[sl]))
+def _mean_over_windows(chunk_fn, windows, batch: int) -> float:
+    """Sum ``chunk_fn(inputs, labels, weights)`` over chunks of ``batch`` windows / token count.
+
+    The window count is padded to a multiple of ``batch`` with zero-weight rows: one compiled shape.
+    """
+    pad = -len(windows[0]) % batch
+    inputs, labels, weights = (np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in windows)
+    chunks = (slice(i, i + batch) for i in range(0, len(inputs), batch))
+    total = sum(float(chunk_fn(inputs[c], labels[c], weights[c])) for c in chunks)
     return total / float(weights.sum())
 
 
-def _pad_rows(windows, batch: int):
-    """Pad the window count to a multiple of ``batch`` with zero-weight rows: one compiled shape."""
-    pad = -len(windows[0]) % batch
-    return [np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) for a in windows]
+def evaluate(config, params, windows, batch: int) -> float:
+    """Mean cross-entropy per token (nats) over the windows."""
+    return _mean_over_windows(functools.partial(_eval_chunk, config, params), windows, batch)
+
+
+def acceptance_proxy(target, draft, windows, batch: int) -> float:
+    """Mean of sum_v min(p, q) = 1 - TV(p, q) at temperature 1: SpS's per-token acceptance rate."""
+    return _mean_over_windows(lambda x, _, w: _overlap_chunk(*target, *draft, x, w), windows, batch)
 
 
 # --- Training ----------------------------------------------------------------------------------

@@ -65,9 +65,9 @@ def _tokenize(tokenizer, lines) -> np.ndarray:
 def test_bundled_parity_with_transformers(alias):
     from transformers import AutoTokenizer
 
-    from asps_jax.models import load_model
+    import asps_jax
 
-    model = load_model(alias, dtype="float32")
+    model = asps_jax.load_model(alias, dtype="float32")
     assert model.tokenizer is not None
     tokens_BT = _tokenize(AutoTokenizer.from_pretrained(MODELS / alias), LINES)
     assert tokens_BT.shape[1] >= 8
@@ -139,7 +139,7 @@ TINY = [
 
 
 def test_train_tiny_smoke(tmp_path, capsys):
-    from asps_jax.models import load_model
+    import asps_jax
 
     data = tmp_path / "lines.txt"
     data.write_text("".join(f"{line}\n\n" for line in LINES) * 40)
@@ -153,7 +153,7 @@ def test_train_tiny_smoke(tmp_path, capsys):
         card = json.loads((folder / "card.json").read_text())
         assert card["role"] == role and card["made_by"]["steps"] == 6
         assert card["made_by"]["distill_weight"] == (0.5 if role == "draft" else 0.0)
-        model = load_model(str(folder))
+        model = asps_jax.load_model(str(folder))
         assert model.config.hidden_size == (32 if role == "target" else 16)
         assert model.tokenizer.decode(model.tokenizer("Before we")["input_ids"][1:]) == "Before we"
         tokens = _tokenize(model.tokenizer, LINES)
@@ -183,6 +183,18 @@ def test_train_tiny_rejects_bad_flags(tmp_path, capsys, flag, value):
         _train_tiny().main(["--data", str(data), "--out-dir", str(tmp_path), flag, value])
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_train_tiny_help_explains_every_flag(capsys):
+    tt = _train_tiny()
+    with pytest.raises(SystemExit) as exc:
+        tt.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for action in tt.build_parser()._actions:
+        assert action.help and len(action.help) > 8, action.option_strings
+        assert all(flag in text for flag in action.option_strings)
+    assert "--compare-distill" in text and "--distill-weight" in text
 
 
 def test_train_tiny_windows_and_split():
