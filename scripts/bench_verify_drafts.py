@@ -107,10 +107,10 @@ def time_case(case: Case, repeats: int, warmup: int = 2) -> dict:
     }
 
 
-def default_cases(quick: bool) -> list[Case]:
+def default_cases(quick: bool, vocab: int | None = None) -> list[Case]:
     if quick:
-        return [Case(m, 3, 2, 4096, b) for b in (1, 4) for m in METHODS]
-    return [Case(m, 5, k, 50272, b) for b in (1, 32) for k in (2, 4, 6) for m in METHODS]
+        return [Case(m, 3, 2, vocab or 4096, b) for b in (1, 4) for m in METHODS]
+    return [Case(m, 5, k, vocab or 50272, b) for b in (1, 32) for k in (2, 4, 6) for m in METHODS]
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -144,17 +144,22 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few small cases (smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per case")
     parser.add_argument("--methods", nargs="*", default=None, help=f"subset of {METHODS}")
+    parser.add_argument("--vocab", type=int, default=None, help="override V (default 50272)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = parser.parse_args(argv)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 10)
     if repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.vocab is not None and args.vocab < 2:
+        parser.error("--vocab must be >= 2")
     unknown = set(args.methods or ()) - set(METHODS)
     if unknown:
         parser.error(f"unknown --methods {sorted(unknown)}; choose from {METHODS}")
 
     cases = [
-        c for c in default_cases(args.quick) if args.methods is None or c.method in args.methods
+        c
+        for c in default_cases(args.quick, args.vocab)
+        if args.methods is None or c.method in args.methods
     ]
     rows = []
     for case in cases:

@@ -416,3 +416,34 @@ def test_edge_cases(method):
             jax.random.key(0), tokens[:, :0], uniform[:, :0], uniform[:, :1], method=method
         )
         assert int(none.num_tokens) == 1 and 0 <= int(none.tokens[0]) < 5
+
+
+def test_bench_script_smoke(tmp_path, monkeypatch):
+    """scripts/bench_verify_drafts.py through main([...]): table rows and JSON for one method."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_verify_drafts.py"
+    spec = importlib.util.spec_from_file_location("bench_verify_drafts", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    argv = [
+        "--quick",
+        "--vocab",
+        "16",
+        "--methods",
+        "specinfer",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 4] and all(r["median_us"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        bench.main(["--methods", "nope"])
