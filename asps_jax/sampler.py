@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import decode
+from asps_jax import decode, sharding
 from asps_jax.models import check_compatible
 from asps_jax.processors import validate_sampling_args
 from asps_jax.verify.api import CHAIN_METHODS, DRAFTS_METHODS
@@ -199,9 +199,7 @@ def prepare(
     _check_method(method, draft, target, num_drafts, options)
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
     if mesh is not None:
-        raise NotImplementedError(
-            "mesh sharding is not implemented yet; run with mesh=None on the default device"
-        )
+        mesh = sharding.check_mesh(mesh)
     if method == "ar":
         num_draft_tokens, num_drafts, draft = 1, 1, None
     prompts_bp, lengths_b, batch = _as_prompt_array(prompts, prompt_lengths, target.vocab_size)
@@ -213,6 +211,10 @@ def prepare(
         raise ValueError(
             f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model "
             f"context of {context} positions; shorten the prompt or lower max_new_tokens"
+        )
+    if mesh is not None:  # rows of length 0 until the batch splits evenly over "data"
+        prompts_bp, lengths_b = sharding.pad_batch(
+            prompts_bp, lengths_b, sharding.batch_multiple(mesh)
         )
     padded = prompts_bp.shape[0]
     spec = decode.SpecConfig(
@@ -233,7 +235,7 @@ def prepare(
     cache_len = _round_up(
         prompts_bp.shape[1] + max_new_tokens + num_draft_tokens + 2, _CACHE_BUCKET
     )
-    return batch, dict(
+    args = dict(
         target_config=target.config,
         draft_config=None if draft is None else draft.config,
         spec=spec,
@@ -245,6 +247,9 @@ def prepare(
         prompt_lengths_B=jnp.asarray(lengths_b),
         row_keys_B=_row_keys(key, batch, padded),
     )
+    if mesh is not None:  # jit propagates the input shardings through the whole loop
+        args = sharding.shard_inputs(args, mesh, {"target": target, "draft": draft})
+    return batch, args
 
 
 def summarize_stats(state: decode.DecodeState, batch: int) -> dict:
@@ -328,6 +333,12 @@ class Session:
         self._prefill = functools.partial(decode.prefill, **self._statics)
         self._step = functools.partial(decode.spec_step, **self._statics)
         self._state: decode.DecodeState | None = None
+        mesh = kwargs.get("mesh")
+        self._mesh = None if mesh is None else sharding.check_mesh(mesh)
+
+    def _place(self, state):
+        """On a mesh, give the state the one layout the compiled step expects."""
+        return state if self._mesh is None else sharding.shard_state(state, self._mesh)
 
     def compile(self) -> float:
         """Compile prefill and the step now; returns the wall seconds spent compiling."""
@@ -337,6 +348,8 @@ class Session:
             **statics, **{k: v for k, v in self._prefill_args.items() if k != "cache_len"}
         ).compile()
         state_shape = jax.eval_shape(lambda: self._prefill(**self._prefill_args))
+        if self._mesh is not None:
+            state_shape = sharding.sharded_shapes(state_shape, self._mesh)
         step = decode.spec_step.lower(
             **self._statics, **self._params, sampling=self._sampling, state=state_shape
         ).compile()
@@ -345,10 +358,10 @@ class Session:
         return time.perf_counter() - start
 
     def steps(self) -> Iterator[list[list[int]]]:
-        state = self._prefill(**self._prefill_args)
+        state = self._place(self._prefill(**self._prefill_args))
         seen = np.zeros(self.batch_size, np.int64)
         while True:
-            state = self._step(**self._params, sampling=self._sampling, state=state)
+            state = self._place(self._step(**self._params, sampling=self._sampling, state=state))
             self._state = state
             generated = np.asarray(state.num_generated)[: self.batch_size]
             tokens = np.asarray(state.tokens)

@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh",
         default=None,
         metavar="data=D,model=M",
-        help="device mesh shape (not supported yet: rejected with an explanation)",
+        help="shard over a device mesh: batch rows along data, attention heads / MLP / "
+        "vocabulary along model; D*M devices must exist (default: one device)",
     )
     p.add_argument(
         "--json",
@@ -224,9 +225,10 @@ def run(args) -> int:
 
     import asps_jax
     from asps_jax.sampler import Session
+    from asps_jax.sharding import make_mesh
 
-    if args.mesh is not None:
-        raise NotImplementedError("--mesh is not supported yet; run without it on one device")
+    # Built before loading the models: a mesh that does not fit the devices fails fast.
+    mesh = None if args.mesh is None else make_mesh(args.mesh)
     start = time.perf_counter()
     dtype = DTYPES[args.dtype]
     target = asps_jax.load_model(args.target, dtype=dtype)
@@ -254,6 +256,7 @@ def run(args) -> int:
         draft_temperature=args.draft_temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        mesh=mesh,
     )
     out_stream = sys.stdout
     if not args.json:

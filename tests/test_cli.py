@@ -105,7 +105,6 @@ def test_bad_flags_exit_with_one_line(capsys, argv, needle):
         (["--target", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
         (["--target", "no-such-alias"], "no-such-alias"),
         (["--method", "asps", "--num-drafts", "2"], "single draft chain"),
-        (["--mesh", "data=2,model=1"], "mesh"),
         (["--prompt", "x " * 3000], "context"),
     ],
 )

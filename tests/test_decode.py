@@ -340,11 +340,3 @@ def test_nan_logits_raise_and_keep_the_output(pair, tmp_path):
     with pytest.raises(NonFiniteLogitsError) as info:
         _sample(target, broken, [PROMPT, [7]], "asps")
     assert info.value.output.tokens.shape == (2, MAX_NEW)
-
-
-def test_mesh_is_refused_until_supported(pair):
-    _, target, draft = pair
-    with pytest.raises(NotImplementedError, match="mesh"):
-        asps_jax.sample(
-            target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=2, mesh=object()
-        )

@@ -1,0 +1,274 @@
+"""Device meshes and the placement of the decoding loop's inputs on them (API.md §3 ``mesh=``).
+
+A mesh has two axes: ``"data"`` splits the batch (rows never talk to each other), ``"model"``
+splits the parameters along their head / MLP / vocabulary axes (tensor parallelism). Every
+parameter declares logical axis names next to its shape (``param_axes``); a
+:class:`ShardingRules` maps those names to mesh axes. Only the *inputs* of the jitted loop are
+placed: ``jax.jit`` propagates their shardings through prefill, the while loop and the caches, so
+``decode.py`` is the same program on one device and on a mesh.
+
+Tokens do not depend on the mesh: a row's randomness comes from its own key (``decode.py``), and
+the arithmetic is the same up to the order of the float32 sums that a sharded contraction
+all-reduces (heads, MLP, vocabulary) — a last-bit difference that could flip a sampled token only
+when a uniform lands within ~1e-7 of a decision boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asps_jax.kv_cache import CACHE_AXES, KVCache
+from asps_jax.models import family_for_config
+
+MESH_AXES = ("data", "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis name -> mesh axis name (None: replicated).
+
+    A logical axis whose size the mesh axis does not divide is replicated instead (e.g. 2 KV
+    heads on ``model=4``): correct everywhere, only less memory-efficient.
+    """
+
+    batch: str | None = "data"
+    layers: str | None = None
+    embed: str | None = None
+    heads: str | None = "model"
+    kv_heads: str | None = "model"
+    head_dim: str | None = None
+    mlp: str | None = "model"
+    vocab: str | None = "model"
+    cache_seq: str | None = None
+
+    def partition_spec(self, axes: tuple[str, ...], shape: tuple[int, ...], mesh_shape) -> P:
+        """The ``PartitionSpec`` of an array of this ``shape`` whose dims are named ``axes``.
+
+        ``mesh_shape``: ``{mesh axis: size}`` (``dict(mesh.shape)``). A mesh axis is used at most
+        once per array (a second logical axis mapped to it stays replicated).
+        """
+        if len(axes) != len(shape):
+            raise ValueError(f"axes {axes} do not match shape {shape}")
+        used: set[str] = set()
+        spec = []
+        for name, size in zip(axes, shape, strict=True):
+            if not hasattr(self, name):
+                raise ValueError(f"no sharding rule for logical axis {name!r}")
+            target = getattr(self, name)
+            mesh_size = mesh_shape.get(target, 0) if target is not None else 0
+            if mesh_size > 1 and size % mesh_size == 0 and target not in used:
+                used.add(target)
+                spec.append(target)
+            else:
+                spec.append(None)
+        return P(*spec)
+
+
+def parse_mesh_spec(spec: str | dict) -> dict[str, int]:
+    """``"data=2,model=4"`` (or ``{"data": 2, "model": 4}``) -> ``{"data": 2, "model": 4}``.
+
+    An axis left out has size 1.
+    """
+    if isinstance(spec, str):
+        items = []
+        for part in spec.split(","):
+            name, eq, size = part.partition("=")
+            if not eq:
+                raise ValueError(
+                    f"mesh: {spec!r} is not of the form data=D,model=M (bad part {part!r})"
+                )
+            items.append((name.strip(), size.strip()))
+    elif isinstance(spec, dict):
+        items = list(spec.items())
+    else:
+        raise ValueError(f"mesh: expected a string like 'data=2,model=4' or a dict, got {spec!r}")
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    seen = set()
+    for name, size in items:
+        if name not in MESH_AXES:
+            raise ValueError(f"mesh: unknown axis {name!r}; the axes are {', '.join(MESH_AXES)}")
+        if name in seen:
+            raise ValueError(f"mesh: axis {name!r} is given twice in {spec!r}")
+        seen.add(name)
+        try:
+            value = int(size)
+        except (TypeError, ValueError):
+            value = 0
+        if isinstance(size, bool) or value < 1 or str(value) != str(size).strip():
+            raise ValueError(
+                f"mesh: size of axis {name!r} must be a positive integer, got {size!r}"
+            )
+        sizes[name] = value
+    return sizes
+
+
+def make_mesh(spec: str | dict, devices=None) -> Mesh:
+    """A ``("data", "model")`` mesh from ``"data=2,model=4"`` over the first D*M devices."""
+    sizes = parse_mesh_spec(spec)
+    devices = jax.devices() if devices is None else list(devices)
+    need = math.prod(sizes.values())
+    if need > len(devices):
+        raise ValueError(
+            f"mesh: {spec!r} needs {need} devices but only {len(devices)} "
+            f"{'is' if len(devices) == 1 else 'are'} available ({devices[0].platform}); on CPU, "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts fakes N devices"
+        )
+    grid = np.asarray(devices[:need], dtype=object).reshape(tuple(sizes.values()))
+    # Auto axes: jit propagates the input shardings (no sharding-in-types in the model code).
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def check_mesh(mesh) -> Mesh:
+    """Validate a user's mesh; returns it with Auto axis types (``jax.make_mesh`` defaults to
+    Explicit ones, which would make every model op check shardings in its types)."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (see make_mesh), got {mesh!r}")
+    unknown = [a for a in mesh.axis_names if a not in MESH_AXES]
+    if unknown:
+        raise ValueError(
+            f"mesh: axes must be named among {MESH_AXES}, got {tuple(mesh.axis_names)}"
+        )
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def batch_multiple(mesh: Mesh, rules: ShardingRules = ShardingRules()) -> int:
+    """The batch must be a multiple of this to split evenly over the batch's mesh axis."""
+    return int(dict(mesh.shape).get(rules.batch, 1)) if rules.batch else 1
+
+
+def param_specs(config, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """``PartitionSpec`` per parameter, from the family's ``param_shapes`` (shape, axes)."""
+    family = family_for_config(config)
+    shapes = family.param_shapes(config)
+    mesh_shape = dict(mesh.shape)
+
+    def is_leaf(x):
+        return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
+
+    return jax.tree.map(
+        lambda s: rules.partition_spec(s[1], s[0], mesh_shape), shapes, is_leaf=is_leaf
+    )
+
+
+def shard_params(params, config, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """``device_put`` every parameter with its ``NamedSharding`` on ``mesh``."""
+    specs = param_specs(config, mesh, rules)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+
+
+# Models whose parameters were already placed: a second sample() call on the same mesh reuses
+# them instead of copying every weight again. Weak keys (a Model compares by identity): dropping
+# the Model frees its placed copy.
+_PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def place_model_params(model, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """``shard_params`` of ``model.params``, remembered per model for the last mesh used."""
+    key = (id(model.params), mesh, rules)
+    cached = _PLACED.get(model)
+    if cached is None or cached[0] != key:
+        cached = (key, shard_params(model.params, model.config, mesh, rules))
+        _PLACED[model] = cached
+    return cached[1]
+
+
+def cache_spec(config, batch: int, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> P:
+    """``PartitionSpec`` of a KV cache's ``k`` / ``v`` ([L, B, S, KVH, H], ``CACHE_AXES``)."""
+    shape = (config.num_hidden_layers, batch, 1, config.num_key_value_heads, config.head_dim)
+    return rules.partition_spec(CACHE_AXES, shape, dict(mesh.shape))
+
+
+def state_shardings(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """A ``NamedSharding`` per leaf of a decode state (or of its ``eval_shape``): KV caches by
+    ``CACHE_AXES``, every other array along its leading batch axis.
+
+    The state between two compiled steps needs *one* fixed layout: an ahead-of-time compiled step
+    only accepts the shardings it was compiled for, and jit alone may pick a different layout for
+    its output than for its input.
+    """
+    mesh_shape = dict(mesh.shape)
+
+    def rows(a):
+        spec = rules.partition_spec(("batch",), a.shape[:1], mesh_shape) if a.ndim else ()
+        return NamedSharding(mesh, P(*spec, *([None] * (a.ndim - 1))))
+
+    def place(x):
+        if isinstance(x, KVCache):
+            kv = NamedSharding(mesh, rules.partition_spec(CACHE_AXES, x.k.shape, mesh_shape))
+            return KVCache(k=kv, v=kv, lengths=rows(x.lengths))
+        return rows(x)
+
+    return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def shard_state(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """``device_put`` a decode state with :func:`state_shardings` (a no-op once it is there)."""
+    return jax.device_put(state, state_shardings(state, mesh, rules))
+
+
+def sharded_shapes(state_shape, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """``ShapeDtypeStruct``s of a state with :func:`state_shardings`, for ``jit(...).lower``."""
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        state_shape,
+        state_shardings(state_shape, mesh, rules),
+    )
+
+
+def shard_batch(x, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """Place an array (or a pytree of arrays) with a leading batch axis split along data."""
+
+    def put(a):
+        spec = rules.partition_spec(("batch",), a.shape[:1], dict(mesh.shape))
+        return jax.device_put(a, NamedSharding(mesh, P(*spec, *([None] * (a.ndim - 1)))))
+
+    return jax.tree.map(put, x)
+
+
+def replicate(x, mesh: Mesh):
+    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), x)
+
+
+def pad_batch(prompts_BP: np.ndarray, lengths_B: np.ndarray, multiple: int):
+    """Append rows of length 0 (they start done) until the batch is a multiple of ``multiple``."""
+    rows = prompts_BP.shape[0]
+    extra = -rows % multiple
+    if extra == 0:
+        return prompts_BP, lengths_B
+    prompts_BP = np.concatenate([prompts_BP, np.zeros((extra,) + prompts_BP.shape[1:], np.int32)])
+    return prompts_BP, np.concatenate([lengths_B, np.zeros(extra, lengths_B.dtype)])
+
+
+def shard_inputs(
+    args: dict, mesh: Mesh, models: dict, rules: ShardingRules = ShardingRules()
+) -> dict:
+    """Place the keyword arguments of ``decode.generate`` / ``prefill`` (as built by
+    ``sampler.prepare``) on ``mesh``: parameters by ``param_axes``, per-row inputs along data.
+
+    ``models``: ``{"target": Model, "draft": Model | None}``, whose ``params`` are in ``args``.
+    """
+    out = dict(args)
+    for which, model in models.items():
+        if args[f"{which}_params"] is not None:
+            out[f"{which}_params"] = place_model_params(model, mesh, rules)
+    for name in ("prompts_BP", "prompt_lengths_B", "row_keys_B"):
+        out[name] = shard_batch(args[name], mesh, rules)
+    sampling = args["sampling"]
+    out["sampling"] = dataclasses.replace(
+        sampling,
+        temperature=shard_batch(sampling.temperature, mesh, rules),
+        draft_temperature=shard_batch(sampling.draft_temperature, mesh, rules),
+        top_k=shard_batch(sampling.top_k, mesh, rules),
+        top_p=shard_batch(sampling.top_p, mesh, rules),
+        eos_ids=replicate(sampling.eos_ids, mesh),
+    )
+    return out

@@ -1,0 +1,80 @@
+"""Run asps_jax.sample on 8 fake CPU devices; print one JSON object (used by test_sharding.py).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_worker.py CKPT_DIR
+
+The device count must be set before JAX initialises, hence a separate process. Every sampling
+call mirrors ``test_sharding.CASES`` so that the test can compare the tokens with its in-process
+single-device run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import asps_jax  # noqa: E402
+from asps_jax import sharding  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sharding import CASES, CLI_ARGS, MESHES, PROMPTS, sample_kwargs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _spec(x) -> list:
+    return [None if a is None else str(a) for a in x.sharding.spec]
+
+
+def main(ckpt: str) -> dict:
+    report: dict = {"devices": len(jax.devices())}
+    target = asps_jax.load_model(str(Path(ckpt) / "target"))
+    draft = asps_jax.load_model(str(Path(ckpt) / "draft"))
+    for mesh_spec in MESHES:
+        mesh = sharding.make_mesh(mesh_spec)
+        for method in CASES:
+            out = asps_jax.sample(target, draft, PROMPTS, mesh=mesh, **sample_kwargs(method))
+            report[f"{mesh_spec}/{method}"] = np.asarray(out.tokens).tolist()
+    # The parameters as placed on data=2,model=4 (4 heads split, 2 KV heads replicated).
+    mesh = sharding.make_mesh("data=2,model=4")
+    placed = sharding.place_model_params(target, mesh)
+    report["specs"] = {
+        name: _spec(placed["layers"][name]) for name in ("wq", "wk", "wo", "w_up", "w_down")
+    }
+    report["specs"]["lm_head"] = _spec(placed["lm_head"])
+    # A single prompt on data=8 is padded to 8 rows: same shapes, same compiled loop.
+    mesh8 = sharding.make_mesh("data=8,model=1")
+    kwargs = dict(sample_kwargs("asps"), top_p=1.0)  # row 0's top-p
+    alone = asps_jax.sample(target, draft, PROMPTS[:1], mesh=mesh8, **kwargs)
+    report["alone/asps"] = np.asarray(alone.tokens).tolist()
+    # jax.make_mesh gives Explicit axes by default; sample() must accept that mesh too.
+    explicit = jax.make_mesh((8, 1), ("data", "model"))
+    out = asps_jax.sample(target, draft, PROMPTS, mesh=explicit, **sample_kwargs("asps"))
+    report["explicit/asps"] = np.asarray(out.tokens).tolist()
+    # The command line on the bundled checkpoints, streaming through Session.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sample as cli
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        report["cli_code"] = cli.main(CLI_ARGS + ["--mesh", "data=2,model=4"])
+    report["cli"] = json.loads(stdout.getvalue())
+    return report
+
+
+if __name__ == "__main__":
+    print("REPORT " + json.dumps(main(sys.argv[1])))

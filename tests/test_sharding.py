@@ -1,0 +1,267 @@
+"""Mesh sharding: rules, mesh specs, and the same tokens on 1 device and on 8 fake CPU devices.
+
+The multi-device runs happen in a subprocess (``sharding_worker.py``) because the fake device
+count must be set before JAX initialises; it starts first and runs while this process computes
+the single-device reference tokens. The checkpoints are tiny random Llamas written by
+transformers, with the shapes of ``test_decode.py`` (one compile per method in a full run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+import asps_jax
+from asps_jax import sharding
+from asps_jax.models import LlamaConfig, llama
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+# Same static shapes as test_decode.py: n = 2, M = 6, batch bucket 8, vocabulary 12.
+CASES = {"asps": 1, "specinfer": 2}  # method -> number of drafts K
+MESHES = ("data=2,model=4", "data=8,model=1")
+PROMPTS = [[1, 5, 3], [4, 7, 9, 1, 0, 11, 6], [2]]
+CLI_ARGS = ["--method", "ar", "--max-new-tokens", "8", "--batch-size", "2", "--seed", "3"]
+CLI_ARGS += ["--prompt", "ROMEO:", "--json"]
+
+
+def sample_kwargs(method: str) -> dict:
+    """Temperature 1 (and a per-row top-p): the test exercises sampling, not only argmax."""
+    return dict(
+        key=jax.random.key(11),
+        max_new_tokens=6,
+        method=method,
+        num_draft_tokens=2,
+        num_drafts=CASES[method],
+        temperature=1.0,
+        top_p=[1.0, 0.95, 1.0],
+        eos_token_id=-1,
+    )
+
+
+def _write_llama(path, seed, noise_from=None):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=12,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # not divisible by model=4: replicated
+        max_position_embeddings=64,
+        initializer_range=0.4,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg).float().eval()
+    if noise_from is not None:  # a draft correlated with the target: some drafts get accepted
+        with torch.no_grad():
+            for (_, p), (_, q) in zip(model.named_parameters(), noise_from.named_parameters()):
+                p.copy_(q + 0.35 * q.std() * torch.randn_like(q))
+    model.save_pretrained(path)
+    return model
+
+
+def _load_cli():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sample_cli", ROOT / "scripts" / "sample.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(single-device tokens and CLI output, the 8-device worker's report)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    _write_llama(root / "draft", 1, noise_from=_write_llama(root / "target", 0))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    worker = subprocess.Popen(
+        [sys.executable, str(HERE / "sharding_worker.py"), str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        target = asps_jax.load_model(str(root / "target"))
+        draft = asps_jax.load_model(str(root / "draft"))
+        local = {}
+        for method in CASES:
+            out = asps_jax.sample(target, draft, PROMPTS, **sample_kwargs(method))
+            local[method] = np.asarray(out.tokens).tolist()
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            assert _load_cli().main(CLI_ARGS) == 0
+        local["cli"] = json.loads(stdout.getvalue())
+        out, err = worker.communicate(timeout=600)
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, err[-3000:]
+    line = [ln for ln in out.splitlines() if ln.startswith("REPORT ")][-1]
+    return local, json.loads(line[len("REPORT ") :])
+
+
+# --- equality on a mesh -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh_spec", MESHES)
+@pytest.mark.parametrize("method", list(CASES))
+def test_same_tokens_on_one_device_and_on_a_mesh(runs, method, mesh_spec):
+    local, report = runs
+    assert report["devices"] == 8
+    assert report[f"{mesh_spec}/{method}"] == local[method]
+    # Sampled, not degenerate: rows differ and use several token ids.
+    assert len({tuple(r) for r in local[method]}) == len(PROMPTS)
+    assert len({t for r in local[method] for t in r}) >= 4
+
+
+def test_single_prompt_padded_to_the_data_axis_and_explicit_meshes(runs):
+    local, report = runs
+    assert report["alone/asps"] == local["asps"][:1]
+    assert report["explicit/asps"] == local["asps"]
+
+
+def test_parameters_are_split_along_model(runs):
+    _, report = runs
+    assert report["specs"] == {
+        "wq": [None, None, "model", None],
+        "wk": [None, None, None, None],  # 2 KV heads on model=4: replicated
+        "wo": [None, "model", None, None],
+        "w_up": [None, None, "model"],
+        "w_down": [None, "model", None],
+        "lm_head": [None, "model"],
+    }
+
+
+def test_cli_mesh_flag_gives_the_same_tokens(runs):
+    local, report = runs
+    assert report["cli_code"] == 0
+    assert report["cli"]["tokens"] == local["cli"]["tokens"]
+    assert report["cli"]["texts"] == local["cli"]["texts"]
+    assert all(len(r) == 8 for r in local["cli"]["tokens"])
+
+
+# --- rules ------------------------------------------------------------------------------------
+
+MESH_2x4 = {"data": 2, "model": 4}
+
+
+@pytest.mark.parametrize(
+    "axes, shape, expected",
+    [
+        (("layers", "embed", "heads", "head_dim"), (2, 16, 8, 4), P(None, None, "model", None)),
+        (("layers", "embed", "kv_heads", "head_dim"), (2, 16, 2, 4), P(None, None, None, None)),
+        (("layers", "embed", "mlp"), (2, 16, 32), P(None, None, "model")),
+        (("vocab", "embed"), (12, 16), P("model", None)),
+        (("vocab", "embed"), (10, 16), P(None, None)),  # 10 % 4 != 0: replicated
+        (("batch", "cache_seq", "kv_heads"), (8, 64, 4), P("data", None, "model")),
+        (("batch",), (3,), P(None)),
+    ],
+)
+def test_default_rules(axes, shape, expected):
+    assert sharding.ShardingRules().partition_spec(axes, shape, MESH_2x4) == expected
+
+
+def test_rules_use_a_mesh_axis_once_and_skip_size_one_axes():
+    rules = sharding.ShardingRules(embed="model")
+    assert rules.partition_spec(("embed", "heads"), (16, 4), MESH_2x4) == P("model", None)
+    assert rules.partition_spec(("batch", "mlp"), (8, 32), {"data": 1, "model": 1}) == P(None, None)
+    with pytest.raises(ValueError, match="logical axis 'experts'"):
+        rules.partition_spec(("experts",), (4,), MESH_2x4)
+    with pytest.raises(ValueError, match="do not match"):
+        rules.partition_spec(("batch",), (4, 2), MESH_2x4)
+
+
+def test_cache_spec_and_batch_padding():
+    config = LlamaConfig(12, 16, 32, 2, 4, 4)
+    mesh = sharding.make_mesh("data=1,model=1")
+    assert sharding.cache_spec(config, 8, mesh) == P(None, None, None, None, None)
+    prompts, lengths = sharding.pad_batch(np.ones((3, 4), np.int32), np.array([4, 1, 2]), 4)
+    assert prompts.shape == (4, 4) and prompts[3].tolist() == [0] * 4
+    assert lengths.tolist() == [4, 1, 2, 0]
+    same, _ = sharding.pad_batch(np.ones((8, 4), np.int32), np.ones(8, np.int32), 2)
+    assert same.shape == (8, 4)
+
+
+# --- mesh specs and bad input -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("data=2,model=4", {"data": 2, "model": 4}),
+        (" model = 4 ", {"data": 1, "model": 4}),
+        ("data=8", {"data": 8, "model": 1}),
+        ({"model": 2}, {"data": 1, "model": 2}),
+    ],
+)
+def test_parse_mesh_spec(spec, expected):
+    assert sharding.parse_mesh_spec(spec) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("", "form data=D,model=M"),
+        ("data", "form data=D,model=M"),
+        ("data=2;model=4", "positive integer"),
+        ("data=0", "positive integer"),
+        ("data=-2", "positive integer"),
+        ("data=2.5", "positive integer"),
+        ("data=x", "positive integer"),
+        ("pipe=2", "unknown axis 'pipe'"),
+        ("data=2,data=2", "given twice"),
+        ({"data": True}, "positive integer"),
+        (8, "expected a string"),
+    ],
+)
+def test_bad_mesh_specs(spec, match):
+    with pytest.raises(ValueError, match=match):
+        sharding.make_mesh(spec)
+
+
+def test_mesh_larger_than_the_devices_says_how_many_exist():
+    with pytest.raises(ValueError, match=r"needs 8 devices but only 1 is available"):
+        sharding.make_mesh("data=2,model=4")
+    mesh = sharding.make_mesh("data=1,model=1")
+    assert mesh.axis_names == ("data", "model") and mesh.axis_types == (AxisType.Auto,) * 2
+
+
+def test_sample_refuses_a_bad_mesh():
+    config = LlamaConfig(12, 16, 32, 1, 2, 2, max_position_embeddings=32)
+    params = llama.init_params(config, jax.random.key(0))
+    model = asps_jax.Model("tiny", "", config, params)
+    kw = dict(key=jax.random.key(0), max_new_tokens=2, method="ar")
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
+        asps_jax.sample(model, None, [[1]], mesh="data=1", **kw)
+    wrong = Mesh(np.asarray(jax.devices()[:1]), ("x",))
+    with pytest.raises(ValueError, match="axes must be named"):
+        asps_jax.sample(model, None, [[1]], mesh=wrong, **kw)
+
+
+@pytest.mark.parametrize(
+    "mesh, needle", [("data=2,model=4", "only 1 is available"), ("data=two", "positive integer")]
+)
+def test_cli_bad_mesh_exits_with_one_line(capsys, mesh, needle):
+    assert _load_cli().main(["--mesh", mesh, "--max-new-tokens", "4"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
