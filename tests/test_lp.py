@@ -88,18 +88,19 @@ def test_induced_law_matches_pair_enumeration(rule, block, alphabet):
         def run(p, qa, qb):
             rule_, law, _ = build_pairwise(p, qa, qb, cfg)
             keep = jax.vmap(lambda ab: keep_first(rule_, ab[0], ab[1]))(pairs)
-            return rule_.order, law, keep
+            return rule_.rank, law, keep
 
-        order, law, keep = (np.asarray(a) for a in run(*(jnp.asarray(a) for a in (p, qa, qb))))
+        rank, law, keep = (np.asarray(a) for a in run(*(jnp.asarray(a) for a in (p, qa, qb))))
     expected = np.zeros(vocab)
     for (a, b), k in zip(pairs.tolist(), keep):
         expected[a] += qa[a] * qb[b] * k
         expected[b] += qa[a] * qb[b] * (1 - k)
     assert np.all((keep >= 0) & (keep <= 1))
     np.testing.assert_allclose(law, expected, atol=1e-14)
-    # The ranking puts the alphabet first: outside it the higher-ranked token (lower id) wins.
-    rest = [v for v in range(vocab) if v not in order]
-    for a in rest:
-        for b in rest:
-            if a != b:
-                assert keep[a * vocab + b] == float(a < b)
+    # The ranking follows p / mean(qa, qb), descending; outside the block the higher rank wins.
+    ratio = p / ((qa + qb) / 2)
+    assert np.all(np.diff(ratio[np.argsort(rank)]) <= 1e-12)
+    for a in range(vocab):
+        for b in range(vocab):
+            if a != b and max(rank[a], rank[b]) >= block:
+                assert keep[a * vocab + b] == float(rank[a] < rank[b])

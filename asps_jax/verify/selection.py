@@ -6,13 +6,16 @@ against the *induced* law ``q_I`` of the selected token is exact. So the rules h
 -- heuristic, solver-proposed, or a fallback -- as long as ``q_I`` is computed exactly for the rule
 actually applied. That is what this module guarantees (ALGORITHMS.md §3.6, §3.8).
 
-Pairwise rules (two drafts with laws ``qa``, ``qb``): tokens are ranked by ``p - qa * qb``
-(descending) on a truncated alphabet of the top ``M`` tokens; all other tokens rank below them in
-token-id order. On the top ``s`` positions (the *block*) a weight matrix ``W[r, r']`` = P(keep the
-first draft's token | the second draft shows another token) decides; every pair touching a token
-outside the block keeps the higher-ranked token (the fixed-order rule). Rules:
+Pairwise rules (two drafts with laws ``qa``, ``qb``): all tokens are ranked by
+:func:`ranking_key`, ``p / mean(qa, qb)`` descending (one O(V log V) sort). On the top ``s``
+positions (the *block*, at most the truncated alphabet of ``M`` tokens) a weight matrix
+``W[r, r']`` = P(keep the first draft's token | the second draft shows another token) decides;
+every pair touching a token outside the block keeps the higher-ranked token (the fixed-order rule).
+Ranking the whole vocabulary matters: with a flat law the top 40 tokens may hold a third of the
+mass, and an arbitrary order on the rest (e.g. by token id) brings the acceptance back down to
+single-draft SpS. Rules:
 
-* ``"fixed_order"``: no block (s = 1), O(V + M log M);
+* ``"fixed_order"``: no block (s = 1);
 * ``"truncated_lp"``: W maximises ``sum_block min(p, q_I)`` (lp.py); if the solver's certified gap
   exceeds ``tol`` the fixed-order weights are used instead and the event is counted;
 * ``"sir"``: self-normalised weights ``w_r / (w_r + w_r')``, ``w = p / ((qa + qb) / 2)``, s = M.
@@ -40,7 +43,7 @@ class RuleConfig:
 
     rule: str = "truncated_lp"
     block: int = 5  # s: size of the weighted block (1 = fixed order everywhere)
-    alphabet: int = 40  # M: ranked alphabet; the rest follows token-id order
+    alphabet: int = 40  # M: the truncated alphabet (bounds the block; the block for sir/optimal)
     lp_iters: int = 300
     tol: float = 1e-5
 
@@ -50,7 +53,7 @@ class RuleConfig:
 class PairwiseRule:
     """A concrete pairwise rule: the ranking and the block weights actually used."""
 
-    order: jax.Array  # int32[M]: token ids of the ranked alphabet, best first
+    rank: jax.Array  # int32[V]: position of each token in the ranking (0 = best)
     weights: jax.Array  # [s, s]: W[r, r'] = P(keep first | first at r, second at r')
 
 
@@ -59,6 +62,20 @@ def _rev_exclusive_cumsum(x: jax.Array) -> jax.Array:
     tail masses carry no cancellation error and are never negative)."""
     inclusive = jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1)
     return jnp.concatenate([inclusive[1:], jnp.zeros((1,), x.dtype)])
+
+
+def ranking_key(p: jax.Array, qa: jax.Array, qb: jax.Array) -> jax.Array:
+    """Tokens are ranked by ``log p - log((qa + qb) / 2)``, descending.
+
+    The target's need relative to the drafts: for identical drafts the optimal acceptance is
+    attained on a prefix of this order (ALGORITHMS.md §3.5), and keeping the higher-ranked token
+    fills exactly the tokens the drafts under-propose. (The ``p - qa qb`` key of §3.8 orders the
+    many small tokens of a flat law by p alone; on an OPT-size vocabulary that left the fixed-order
+    rule at single-draft SpS acceptance.) Tokens neither draft proposes rank last (no NaN).
+    """
+    q_mean = (qa + qb) / 2
+    ratio = jnp.log(p) - jnp.log(jnp.where(q_mean > 0, q_mean, 1.0))
+    return jnp.where(q_mean > 0, ratio, -jnp.inf)
 
 
 def build_pairwise(
@@ -74,52 +91,40 @@ def build_pairwise(
       ``(rule, q_I [V], fell_back bool[])``.
     """
     vocab = p.shape[-1]
-    m, s = cfg.alphabet, cfg.block
+    s = cfg.block
     dtype = p.dtype
-    _, order = jax.lax.top_k(p - qa * qb, m)  # [M]
-    in_top = jnp.zeros((vocab,), bool).at[order].set(True)
+    order = jnp.argsort(-ranking_key(p, qa, qb))  # [V], best first
+    rank = jnp.zeros((vocab,), jnp.int32).at[order].set(jnp.arange(vocab, dtype=jnp.int32))
     # --- Fixed-order law: q_I(i) = qa qb + qa T_b + T_a qb, T = mass ranked below i ---
-    qa_rest = jnp.where(in_top, 0.0, qa)
-    qb_rest = jnp.where(in_top, 0.0, qb)
-    law_rest = qa * qb + qa * _rev_exclusive_cumsum(qb_rest) + _rev_exclusive_cumsum(qa_rest) * qb
-    qa_top, qb_top, p_top = qa[order], qb[order], p[order]  # [M]
-    below_a = jnp.sum(qa_rest) + _rev_exclusive_cumsum(qa_top)  # [M]
-    below_b = jnp.sum(qb_rest) + _rev_exclusive_cumsum(qb_top)
-    law_top = qa_top * qb_top + qa_top * below_b + below_a * qb_top
+    qa_o, qb_o, p_o = qa[order], qb[order], p[order]  # [V] in rank order
+    below_a = _rev_exclusive_cumsum(qa_o)
+    below_b = _rev_exclusive_cumsum(qb_o)
+    law_o = qa_o * qb_o + qa_o * below_b + below_a * qb_o
     # --- Block: pairs inside the top-s positions follow W ---
-    qa_s, qb_s = qa_top[:s], qb_top[:s]
+    qa_s, qb_s = qa_o[:s], qb_o[:s]
     coupling = jnp.outer(qa_s, qb_s) * (1.0 - jnp.eye(s, dtype=dtype))  # A [s, s]
     base = qa_s * qb_s + qa_s * below_b[s - 1] + below_a[s - 1] * qb_s + jnp.sum(coupling, 0)
     fixed = jnp.triu(jnp.ones((s, s), dtype), 1)  # higher-ranked (smaller position) keeps
     fell_back = jnp.array(False)
     if cfg.rule == "truncated_lp" and s > 1:
-        sol = solve_pairwise_lp(
-            p_top[:s], base, coupling, fixed, num_iters=cfg.lp_iters, tol=cfg.tol
-        )
+        sol = solve_pairwise_lp(p_o[:s], base, coupling, fixed, num_iters=cfg.lp_iters, tol=cfg.tol)
         weights = jnp.where(sol.converged, jnp.clip(sol.weights, 0.0, 1.0), fixed)
         fell_back = ~sol.converged
     elif cfg.rule == "sir":
         # A tiny floor keeps w finite (p <= 1) where both drafts give the token zero mass.
-        w = p_top[:s] / ((qa_s + qb_s) / 2 + jnp.asarray(1e-30, dtype))
+        w = p_o[:s] / ((qa_s + qb_s) / 2 + jnp.asarray(1e-30, dtype))
         tot = w[:, None] + w[None, :]
         weights = jnp.where(tot > 0, w[:, None] / jnp.where(tot > 0, tot, 1.0), 0.5)
     else:
         weights = fixed
-    law_top = law_top.at[:s].set(base + selection_load(weights, coupling))
-    law = jnp.where(in_top, 0.0, law_rest).at[order].set(law_top)
-    return PairwiseRule(order=order, weights=weights), law, fell_back
+    law_o = law_o.at[:s].set(base + selection_load(weights, coupling))
+    return PairwiseRule(rank=rank, weights=weights), law_o[rank], fell_back
 
 
 def keep_first(rule: PairwiseRule, a: jax.Array, b: jax.Array) -> jax.Array:
     """P(the rule keeps the first draft's token ``a`` when the second shows ``b``)."""
-    m = rule.order.shape[0]
     s = rule.weights.shape[0]
-
-    def position(v):
-        hit = rule.order == v
-        return jnp.where(jnp.any(hit), jnp.argmax(hit), m + v)
-
-    ra, rb = position(a), position(b)
+    ra, rb = rule.rank[a], rule.rank[b]
     in_block = (ra < s) & (rb < s)
     w = rule.weights[jnp.clip(ra, 0, s - 1), jnp.clip(rb, 0, s - 1)]
     one = jnp.ones((), rule.weights.dtype)
