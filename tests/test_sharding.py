@@ -32,8 +32,10 @@ ROOT = HERE.parent
 CASES = {"asps": 1, "specinfer": 2}  # method -> number of drafts K
 MESHES = ("data=2,model=4", "data=8,model=1")
 PROMPTS = [[1, 5, 3], [4, 7, 9, 1, 0, 11, 6], [2]]
-CLI_ARGS = ["--method", "ar", "--max-new-tokens", "8", "--batch-size", "2", "--seed", "3"]
-CLI_ARGS += ["--prompt", "ROMEO:", "--json"]
+# The CLI streams through Session (prefill + compiled steps): K = 2 covers the B * K draft cache.
+CLI_ARGS = ["--method", "specinfer", "--num-drafts", "2", "--num-draft-tokens", "2"]
+CLI_ARGS += ["--max-new-tokens", "8", "--batch-size", "2", "--seed", "3", "--prompt", "ROMEO:"]
+CLI_ARGS += ["--json"]
 
 
 def sample_kwargs(method: str) -> dict:
