@@ -181,12 +181,6 @@ def place_model_params(model, mesh: Mesh, rules: ShardingRules = ShardingRules()
     return cached[1]
 
 
-def cache_spec(config, batch: int, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> P:
-    """``PartitionSpec`` of a KV cache's ``k`` / ``v`` ([L, B, S, KVH, H], ``CACHE_AXES``)."""
-    shape = (config.num_hidden_layers, batch, 1, config.num_key_value_heads, config.head_dim)
-    return rules.partition_spec(CACHE_AXES, shape, dict(mesh.shape))
-
-
 def state_shardings(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """A ``NamedSharding`` per leaf of a decode state (or of its ``eval_shape``): KV caches by
     ``CACHE_AXES``, every other array along its leading batch axis.

@@ -19,11 +19,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import asps_jax
 from asps_jax import sharding
+from asps_jax.kv_cache import KVCache
 from asps_jax.models import LlamaConfig, llama
 
 HERE = Path(__file__).resolve().parent
@@ -193,10 +194,28 @@ def test_rules_use_a_mesh_axis_once_and_skip_size_one_axes():
         rules.partition_spec(("batch",), (4, 2), MESH_2x4)
 
 
-def test_cache_spec_and_batch_padding():
-    config = LlamaConfig(12, 16, 32, 2, 4, 4)
-    mesh = sharding.make_mesh("data=1,model=1")
-    assert sharding.cache_spec(config, 8, mesh) == P(None, None, None, None, None)
+def test_state_layout_splits_rows_and_kv_heads():
+    mesh = AbstractMesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+    def sds(*shape):
+        return jax.ShapeDtypeStruct(shape, np.float32)
+
+    state = {
+        "target_cache": KVCache(k=sds(2, 8, 64, 2, 4), v=sds(2, 8, 64, 2, 4), lengths=sds(8)),
+        "draft_cache": KVCache(k=sds(2, 16, 64, 4, 4), v=sds(2, 16, 64, 4, 4), lengths=sds(16)),
+        "tokens": sds(8, 9),
+        "odd_rows": sds(3),
+    }
+    shapes = sharding.sharded_shapes(state, mesh)
+    specs = jax.tree.map(lambda s: s.sharding.spec, shapes)
+    assert specs["target_cache"].k == P(None, "data", None, None, None)  # 2 KV heads: whole
+    assert specs["draft_cache"].v == P(None, "data", None, "model", None)
+    assert specs["draft_cache"].lengths == P("data") and specs["tokens"] == P("data", None)
+    assert specs["odd_rows"] == P(None)
+    assert shapes["tokens"].shape == (8, 9)
+
+
+def test_batch_padding():
     prompts, lengths = sharding.pad_batch(np.ones((3, 4), np.int32), np.array([4, 1, 2]), 4)
     assert prompts.shape == (4, 4) and prompts[3].tolist() == [0] * 4
     assert lengths.tolist() == [4, 1, 2, 0]
