@@ -5,7 +5,8 @@ splits the parameters along their head / MLP / vocabulary axes (tensor paralleli
 parameter declares logical axis names next to its shape (``param_axes``); a
 :class:`ShardingRules` maps those names to mesh axes. Only the *inputs* of the jitted loop are
 placed: ``jax.jit`` propagates their shardings through prefill, the while loop and the caches, so
-``decode.py`` is the same program on one device and on a mesh.
+``decode.py`` is the same program on one device and on a mesh. Step-wise streaming (``Session``)
+also fixes the layout of the state between two compiled steps (:func:`state_shardings`).
 
 Tokens do not depend on the mesh: a row's randomness comes from its own key (``decode.py``), and
 the arithmetic is the same up to the order of the float32 sums that a sharded contraction
