@@ -2,12 +2,14 @@
 
 Public API (API.md): verification (:func:`verify_chain`, :func:`verify_drafts`,
 :func:`optimal_acceptance`), models (:func:`load_model`), sampling (:func:`sample`,
-:func:`stream`), and the shared logits processor (:func:`process_logits`).
+:func:`stream`, :func:`make_mesh` for sharding), and the shared logits processor
+(:func:`process_logits`).
 """
 
 from asps_jax.models import Model, check_compatible, load_model
 from asps_jax.processors import process_logits
 from asps_jax.sampler import NonFiniteLogitsError, SampleOutput, Session, sample, stream
+from asps_jax.sharding import ShardingRules, make_mesh
 from asps_jax.verify import Verdict, verify_chain, verify_drafts
 from asps_jax.verify.acceptance import optimal_acceptance
 
@@ -16,9 +18,11 @@ __all__ = [
     "NonFiniteLogitsError",
     "SampleOutput",
     "Session",
+    "ShardingRules",
     "Verdict",
     "check_compatible",
     "load_model",
+    "make_mesh",
     "optimal_acceptance",
     "process_logits",
     "sample",
