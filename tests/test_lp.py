@@ -88,19 +88,21 @@ def test_induced_law_matches_pair_enumeration(rule, block, alphabet):
         def run(p, qa, qb):
             rule_, law, _ = build_pairwise(p, qa, qb, cfg)
             keep = jax.vmap(lambda ab: keep_first(rule_, ab[0], ab[1]))(pairs)
-            return rule_.rank, law, keep
+            return rule_.level, law, keep
 
-        rank, law, keep = (np.asarray(a) for a in run(*(jnp.asarray(a) for a in (p, qa, qb))))
+        level, law, keep = (np.asarray(a) for a in run(*(jnp.asarray(a) for a in (p, qa, qb))))
     expected = np.zeros(vocab)
     for (a, b), k in zip(pairs.tolist(), keep):
         expected[a] += qa[a] * qb[b] * k
         expected[b] += qa[a] * qb[b] * (1 - k)
     assert np.all((keep >= 0) & (keep <= 1))
     np.testing.assert_allclose(law, expected, atol=1e-14)
-    # The ranking follows p / mean(qa, qb), descending; outside the block the higher rank wins.
+    # Levels follow p / mean(qa, qb) (block on top); outside the block the higher level wins and
+    # tokens of one level (a bucket of the ratio) split the pair 1/2.
     ratio = p / ((qa + qb) / 2)
-    assert np.all(np.diff(ratio[np.argsort(rank)]) <= 1e-12)
+    assert np.all(np.diff(level[np.argsort(-ratio)]) <= 0)
     for a in range(vocab):
         for b in range(vocab):
-            if a != b and max(rank[a], rank[b]) >= block:
-                assert keep[a * vocab + b] == float(rank[a] < rank[b])
+            if a != b and min(level[a], level[b]) < 256:
+                expected = 0.5 if level[a] == level[b] else float(level[a] > level[b])
+                assert keep[a * vocab + b] == expected

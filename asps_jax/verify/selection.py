@@ -53,7 +53,7 @@ class RuleConfig:
 class PairwiseRule:
     """A concrete pairwise rule: the ranking and the block weights actually used."""
 
-    rank: jax.Array  # int32[V]: position of each token in the ranking (0 = best)
+    level: jax.Array  # int32[V]: higher level wins; equal levels (same bucket) split 1/2
     weights: jax.Array  # [s, s]: W[r, r'] = P(keep first | first at r, second at r')
 
 
@@ -78,6 +78,10 @@ def ranking_key(p: jax.Array, qa: jax.Array, qb: jax.Array) -> jax.Array:
     return jnp.where(q_mean > 0, ratio, -jnp.inf)
 
 
+NUM_BUCKETS = 256
+KEY_RANGE = 20.0  # buckets span log-ratios in [-20, 20] (ratio steps of about 1.17); ends clip
+
+
 def build_pairwise(
     p: jax.Array, qa: jax.Array, qb: jax.Array, cfg: RuleConfig
 ) -> tuple[PairwiseRule, jax.Array, jax.Array]:
@@ -90,45 +94,61 @@ def build_pairwise(
     Returns:
       ``(rule, q_I [V], fell_back bool[])``.
     """
-    vocab = p.shape[-1]
     s = cfg.block
     dtype = p.dtype
-    order = jnp.argsort(-ranking_key(p, qa, qb))  # [V], best first
-    rank = jnp.zeros((vocab,), jnp.int32).at[order].set(jnp.arange(vocab, dtype=jnp.int32))
-    # --- Fixed-order law: q_I(i) = qa qb + qa T_b + T_a qb, T = mass ranked below i ---
-    qa_o, qb_o, p_o = qa[order], qb[order], p[order]  # [V] in rank order
-    below_a = _rev_exclusive_cumsum(qa_o)
-    below_b = _rev_exclusive_cumsum(qb_o)
-    law_o = qa_o * qb_o + qa_o * below_b + below_a * qb_o
-    # --- Block: pairs inside the top-s positions follow W ---
-    qa_s, qb_s = qa_o[:s], qb_o[:s]
+    key = ranking_key(p, qa, qb)
+    _, block_ids = jax.lax.top_k(key, s)  # [s], best first
+    in_block = jnp.zeros(key.shape, bool).at[block_ids].set(True)
+    # --- Outside the block: buckets of the key (O(V), no sort); within a bucket pairs split 1/2 ---
+    width = 2 * KEY_RANGE / NUM_BUCKETS
+    bucket = jnp.clip(jnp.floor((key + KEY_RANGE) / width), 0, NUM_BUCKETS - 1).astype(jnp.int32)
+    qa_rest = jnp.where(in_block, 0.0, qa)
+    qb_rest = jnp.where(in_block, 0.0, qb)
+    mass_a = jax.ops.segment_sum(qa_rest, bucket, NUM_BUCKETS)  # [buckets]
+    mass_b = jax.ops.segment_sum(qb_rest, bucket, NUM_BUCKETS)
+    lower_a = jnp.cumsum(mass_a) - mass_a  # mass in strictly lower buckets
+    lower_b = jnp.cumsum(mass_b) - mass_b
+    below_a = lower_a[bucket] + 0.5 * (mass_a[bucket] - qa_rest)  # [V], T_a for rest tokens
+    below_b = lower_b[bucket] + 0.5 * (mass_b[bucket] - qb_rest)
+    law = qa * qb + qa * below_b + below_a * qb
+    # --- Block: ranked above every other token; pairs inside it follow W ---
+    qa_s, qb_s, p_s = qa[block_ids], qb[block_ids], p[block_ids]
+    rest_a, rest_b = jnp.sum(qa_rest), jnp.sum(qb_rest)
     coupling = jnp.outer(qa_s, qb_s) * (1.0 - jnp.eye(s, dtype=dtype))  # A [s, s]
-    base = qa_s * qb_s + qa_s * below_b[s - 1] + below_a[s - 1] * qb_s + jnp.sum(coupling, 0)
+    base = qa_s * qb_s + qa_s * rest_b + rest_a * qb_s + jnp.sum(coupling, 0)
     fixed = jnp.triu(jnp.ones((s, s), dtype), 1)  # higher-ranked (smaller position) keeps
     fell_back = jnp.array(False)
     if cfg.rule == "truncated_lp" and s > 1:
-        sol = solve_pairwise_lp(p_o[:s], base, coupling, fixed, num_iters=cfg.lp_iters, tol=cfg.tol)
+        sol = solve_pairwise_lp(p_s, base, coupling, fixed, num_iters=cfg.lp_iters, tol=cfg.tol)
         weights = jnp.where(sol.converged, jnp.clip(sol.weights, 0.0, 1.0), fixed)
         fell_back = ~sol.converged
     elif cfg.rule == "sir":
         # A tiny floor keeps w finite (p <= 1) where both drafts give the token zero mass.
-        w = p_o[:s] / ((qa_s + qb_s) / 2 + jnp.asarray(1e-30, dtype))
+        w = p_s / ((qa_s + qb_s) / 2 + jnp.asarray(1e-30, dtype))
         tot = w[:, None] + w[None, :]
         weights = jnp.where(tot > 0, w[:, None] / jnp.where(tot > 0, tot, 1.0), 0.5)
     else:
         weights = fixed
-    law_o = law_o.at[:s].set(base + selection_load(weights, coupling))
-    return PairwiseRule(rank=rank, weights=weights), law_o[rank], fell_back
+    law = law.at[block_ids].set(base + selection_load(weights, coupling))
+    # Levels: block position r -> NUM_BUCKETS + s - r (above every bucket), others their bucket.
+    level = (
+        jnp.where(in_block, 0, bucket)
+        .at[block_ids]
+        .set(NUM_BUCKETS + s - jnp.arange(s, dtype=jnp.int32))
+    )
+    return PairwiseRule(level=level, weights=weights), law, fell_back
 
 
 def keep_first(rule: PairwiseRule, a: jax.Array, b: jax.Array) -> jax.Array:
     """P(the rule keeps the first draft's token ``a`` when the second shows ``b``)."""
     s = rule.weights.shape[0]
-    ra, rb = rule.rank[a], rule.rank[b]
-    in_block = (ra < s) & (rb < s)
-    w = rule.weights[jnp.clip(ra, 0, s - 1), jnp.clip(rb, 0, s - 1)]
+    la, lb = rule.level[a], rule.level[b]
+    in_block = (la >= NUM_BUCKETS) & (lb >= NUM_BUCKETS)
+    ra = jnp.clip(NUM_BUCKETS + s - la, 0, s - 1)
+    rb = jnp.clip(NUM_BUCKETS + s - lb, 0, s - 1)
     one = jnp.ones((), rule.weights.dtype)
-    return jnp.where(a == b, one, jnp.where(in_block, w, (ra < rb).astype(one.dtype)))
+    order = jnp.where(la > lb, one, jnp.where(la < lb, 0.0, 0.5)).astype(one.dtype)
+    return jnp.where(a == b, one, jnp.where(in_block, rule.weights[ra, rb], order))
 
 
 def tournament_rules(
