@@ -186,7 +186,8 @@ def verify_spectr(key, tokens, lq, lp, draft_length, **options) -> Verdict:
 def verify_is(key, tokens, lq, lp, draft_length, **options) -> Verdict:
     """IS selection + SpS against the exact induced law (§3.6). Options: ``rule`` in
     ``"truncated_lp"`` (default; ``s`` = 5 LP positions), ``"fixed_order"``, ``"sir"``; ``alphabet``
-    (40; the SIR block, an upper bound on s), ``lp_iters`` (300), ``tol`` (1e-5, certified LP gap)."""
+    (40; the SIR block, an upper bound on s), ``lp_iters`` (300), ``tol`` (1e-5, certified LP
+    gap)."""
     cfg = _rule_config("is", lp.shape[-1], options)
     return verify_tree(
         functools.partial(importance_sampling, cfg=cfg), key, tokens, lq, lp, draft_length
