@@ -209,6 +209,7 @@ def run_ours(target, draft, prompts_BP, method, n, k, args) -> dict:
         tokens_per_step_se=se,
         target_calls_per_row=float(np.mean(stats["target_calls"])),
         acceptance=float(np.sum(stats["accepted"]) / decisions) if decisions else None,
+        fallbacks=int(np.sum(stats["fallbacks"])),
         compile_s=compile_s,
         wall_s=wall,
         wall_s_runs=times,
@@ -393,7 +394,7 @@ def main(argv=None) -> int:
         )
     print(header + "\n\n" + markdown(rows, hf, gains))
     if args.json:
-        meta = dict(vars(args), jax=jax.__version__, prompts=prompts_BP.tolist())
+        meta = dict(vars(args), header=header, jax=jax.__version__, prompts=prompts_BP.tolist())
         with open(args.json, "w") as f:
             json.dump(
                 {"config": meta, "ours": rows, "transformers": hf, "asps_gain": gains}, f, indent=2
