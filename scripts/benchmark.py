@@ -44,7 +44,7 @@ MULTI = tuple(m for m in sampler.METHODS if m != "ar" and m not in CHAIN_METHODS
 FULL_N = (1, 2, 4, 6, 8, 10)
 FULL_K = (1, 2, 4)
 QUICK = dict(
-    methods=["ar", "sps", "asps", "specinfer"], n=[2, 4], k=[2], batch_size=2, max_new_tokens=48
+    methods=["ar", "sps", "asps", "specinfer"], n=[4], k=[2], batch_size=2, max_new_tokens=48
 )
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
 FALLBACK_TEXT = (

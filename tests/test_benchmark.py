@@ -153,6 +153,30 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
+def test_help_documents_every_flag():
+    parser = benchmark.build_parser()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"{action.option_strings} has no help text"
+    text = parser.format_help()
+    for flag in ("--n", "--k", "--methods", "--quick", "--json", "--batch-size", "--seed"):
+        assert flag in text
+
+
+def test_quick_fills_only_flags_left_at_their_defaults(monkeypatch):
+    seen = {}
+
+    def stop(name, **kwargs):  # stop before loading a model; keep the parsed arguments
+        raise RuntimeError(name)
+
+    monkeypatch.setattr(benchmark.asps_jax, "load_model", stop)
+    monkeypatch.setattr(benchmark, "check_args", lambda args: seen.update(vars(args)))
+    with pytest.raises(RuntimeError):
+        benchmark.main(["--quick", "--n", "3", "--target", "T"])
+    assert seen["n"] == [3] and seen["methods"] == benchmark.QUICK["methods"]
+    assert seen["batch_size"] == benchmark.QUICK["batch_size"]
+
+
 def test_unknown_method_is_rejected(capsys):
     with pytest.raises(SystemExit):
         benchmark.main(["--methods", "beam"])
