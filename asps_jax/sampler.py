@@ -21,9 +21,13 @@ import numpy as np
 from asps_jax import decode, sharding
 from asps_jax.models import check_compatible
 from asps_jax.processors import validate_sampling_args
-from asps_jax.verify.api import CHAIN_METHODS, DRAFTS_METHODS
+from asps_jax.verify.api import CHAIN_METHODS, DRAFTS_METHODS, WITHOUT_REPLACEMENT_METHODS
 
-METHODS: tuple[str, ...] = ("ar",) + tuple(dict.fromkeys(CHAIN_METHODS + DRAFTS_METHODS))
+# The decode loop draws K drafts independently (with replacement), so the verifier that needs
+# root drafts drawn without replacement is available through verify_drafts only.
+METHODS: tuple[str, ...] = ("ar",) + tuple(
+    m for m in dict.fromkeys(CHAIN_METHODS + DRAFTS_METHODS) if m not in WITHOUT_REPLACEMENT_METHODS
+)
 _PROMPT_BUCKET = 16
 _CACHE_BUCKET = 64
 _BATCH_BUCKET = 8

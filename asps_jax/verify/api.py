@@ -61,7 +61,16 @@ def _drafts_methods() -> dict[str, DraftsVerifier]:
 
 
 CHAIN_METHODS: tuple[str, ...] = ("sps", "asps")
-DRAFTS_METHODS: tuple[str, ...] = ("specinfer", "spectr", "is", "optimal", "sps", "asps")
+DRAFTS_METHODS: tuple[str, ...] = (
+    "specinfer",
+    "spectr",
+    "is",
+    "optimal",
+    "specinfer_wor",  # root drafts drawn without replacement (multi.sample_without_replacement)
+    "sps",
+    "asps",
+)
+WITHOUT_REPLACEMENT_METHODS: tuple[str, ...] = ("specinfer_wor",)
 
 
 def _check_method(method: str, known, fn_name: str) -> None:
