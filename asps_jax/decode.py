@@ -86,7 +86,17 @@ class SamplingParams:
     def process(self, logits_B_V: jax.Array, *, draft: bool = False) -> jax.Array:
         """Row-wise :func:`process_logits` of ``logits[B, ..., V]`` with each row's parameters."""
         temperature = self.draft_temperature if draft else self.temperature
-        return jax.vmap(process_logits)(logits_B_V, temperature, self.top_k, self.top_p)
+
+        def filtered(logits):
+            return jax.vmap(process_logits)(logits, temperature, self.top_k, self.top_p)
+
+        def temperature_only(logits):  # no V-sized sort: the common case, and much cheaper
+            return jax.vmap(process_logits)(logits, temperature)
+
+        # A batch-level predicate, so this is a real branch (a per-row cond under vmap would
+        # run both sides).
+        any_filter = jnp.any(self.top_k > 0) | jnp.any(self.top_p < 1.0)
+        return jax.lax.cond(any_filter, filtered, temperature_only, logits_B_V)
 
     def repeat(self, k: int) -> SamplingParams:
         """The parameters of rows ``b * k + j`` (K draft replicas per row)."""
@@ -379,7 +389,11 @@ def _spec_step(target_config, draft_config, spec, target_params, draft_params, s
     root_live_BK = lengths_BK >= 1
     root_B = calls_B * jnp.any(root_live_BK, axis=1)
     root_hit_B = jnp.any(root_live_BK & (drafts_BKD[:, :, 0] == verdict.tokens[:, :1]), axis=1)
-    root_opt_B = optimal_acceptance(target_lp_BKPV[:, 0, 0], draft_lp_BKDV[:, :, 0])
+    if k == 1:  # 1 - TV(p, q): no sort needed
+        overlap = jnp.minimum(target_lp_BKPV[:, 0, 0], draft_lp_BKDV[:, 0, 0])
+        root_opt_B = jnp.exp(jax.nn.logsumexp(overlap, axis=-1))
+    else:
+        root_opt_B = optimal_acceptance(target_lp_BKPV[:, 0, 0], draft_lp_BKDV[:, :, 0])
     stats = state.stats
     stats = dataclasses.replace(
         stats,
