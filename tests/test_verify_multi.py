@@ -418,18 +418,26 @@ def test_edge_cases(method):
         assert int(none.num_tokens) == 1 and 0 <= int(none.tokens[0]) < 5
 
 
-def test_bench_script_smoke(tmp_path, monkeypatch):
-    """scripts/bench_verify_drafts.py through main([...]): table rows and JSON for one method."""
+def _load_bench_verify(monkeypatch):
+    """scripts/bench_verify.py as a module (scripts/ is not a package)."""
     import importlib.util
-    import json
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_verify_drafts.py"
-    spec = importlib.util.spec_from_file_location("bench_verify_drafts", path)
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_verify.py"
+    spec = importlib.util.spec_from_file_location("bench_verify", path)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_script_smoke(tmp_path, monkeypatch):
+    """scripts/bench_verify.py through main([...]): a multi-draft method implies the --drafts
+    suite; table rows and JSON for one method."""
+    import json
+
+    bench = _load_bench_verify(monkeypatch)
     out = tmp_path / "bench.json"
     argv = [
         "--quick",
@@ -447,3 +455,22 @@ def test_bench_script_smoke(tmp_path, monkeypatch):
     assert [r["batch"] for r in rows] == [1, 4] and all(r["median_us"] > 0 for r in rows)
     with pytest.raises(SystemExit):
         bench.main(["--methods", "nope"])
+    with pytest.raises(SystemExit):  # asps is timed on one chain only
+        bench.main(["--drafts", "--methods", "asps"])
+
+
+def test_bench_script_single_chain(tmp_path, monkeypatch):
+    """Without --drafts the same script times verify_chain (K = 1)."""
+    import json
+
+    bench = _load_bench_verify(monkeypatch)
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--vocab", "16", "--methods", "asps", "--repeats", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["n"], r["batch"]) for r in rows] == [
+        ("asps", n, b) for b in (1, 64) for n in (1, 8)
+    ]
+    assert all(r["K"] == 1 and r["V"] == 16 and r["fallbacks"] == 0 for r in rows)
+    assert all(1 <= r["mean_tokens"] <= r["n"] + 1 for r in rows)
+    assert all(r["ratio"] is None for r in rows)  # no sps row to divide by
