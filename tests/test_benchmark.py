@@ -27,24 +27,25 @@ benchmark = _load_script()
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     """A random Llama target and a smaller random draft over a 64-token vocabulary."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hf_checkpoints import write_tiny_llama
+
     root = tmp_path_factory.mktemp("benchmark_pair")
     paths = []
     for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
-        torch.manual_seed(seed)
-        config = transformers.LlamaConfig(
+        write_tiny_llama(
+            root / name,
+            seed=seed,
             vocab_size=64,
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=layers,
             num_attention_heads=2,
             num_key_value_heads=1,
-            max_position_embeddings=64,
             # Large weights give peaked laws, so that drafts are sometimes rejected.
             initializer_range=0.5,
         )
-        transformers.LlamaForCausalLM(config).save_pretrained(root / name)
         paths.append(str(root / name))
     return paths
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_checkpoints import tiny_llama
 
 from asps_jax.kv_cache import commit, init_cache
 from asps_jax.models import LlamaConfig, forward_for, load_model, save_checkpoint
@@ -47,8 +48,8 @@ CASES = {
 
 def hf_model(case: str, seed: int = 0):
     kvh, layers, tied, rope, max_pos = CASES[case]
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
+    return tiny_llama(
+        seed=seed,
         vocab_size=V,
         hidden_size=E,
         intermediate_size=F,
@@ -59,14 +60,8 @@ def hf_model(case: str, seed: int = 0):
         tie_word_embeddings=tied,
         rope_parameters=dict(rope),
         rms_norm_eps=1e-5,
+        norm_noise=0.1,  # norms start at 1; randomise them so their loading is checked too
     )
-    cfg._attn_implementation = "eager"  # sdpa is ~50x slower on CPU at these tiny sizes
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # norms start at 1; randomise them so their loading is checked too
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
 
 
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from hf_checkpoints import write_tiny_llama
 from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -54,31 +55,9 @@ def sample_kwargs(method: str) -> dict:
 
 
 def _write_llama(path, seed, noise_from=None):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=12,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # not divisible by model=4: replicated
-        max_position_embeddings=64,
-        initializer_range=0.4,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg).float().eval()
-    if noise_from is not None:  # a draft correlated with the target: some drafts get accepted
-        with torch.no_grad():
-            for (_, p), (_, q) in zip(model.named_parameters(), noise_from.named_parameters()):
-                p.copy_(q + 0.35 * q.std() * torch.randn_like(q))
-    model.save_pretrained(path)
-    return model
+    # num_key_value_heads 2 is not divisible by model=4: replicated. With noise_from, a draft
+    # correlated with the target: some drafts get accepted.
+    return write_tiny_llama(path, seed=seed, initializer_range=0.4, noise_from=noise_from)
 
 
 def _load_cli():

@@ -1,0 +1,75 @@
+"""Tiny random ``transformers.LlamaForCausalLM`` models and checkpoints for the tests.
+
+transformers is the independent reference: tests load what ``save_pretrained`` writes with our
+loader and compare against the PyTorch model. Every model is built under ``torch.manual_seed(seed)``
+and perturbed in a fixed order afterwards, so a given set of arguments always writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+
+def tiny_llama(
+    *,
+    seed: int,
+    vocab_size: int = 12,
+    hidden_size: int = 16,
+    intermediate_size: int = 32,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    max_position_embeddings: int = 64,
+    tie_word_embeddings: bool = False,
+    norm_noise: float = 0.0,
+    noise_from: transformers.LlamaForCausalLM | None = None,
+    nan: bool = False,
+    **config_overrides,
+) -> transformers.LlamaForCausalLM:
+    """A random float32 Llama in eval mode with eager attention.
+
+    Args:
+      seed: ``torch.manual_seed`` before the weights are drawn.
+      norm_noise: when > 0, add ``norm_noise * N(0, 1)`` to every norm weight (they start at 1,
+        so without it their loading is not checked).
+      noise_from: a model of the same shapes; copy its weights plus Gaussian noise of 0.35 times
+        each tensor's std, giving a draft correlated with that target.
+      nan: fill ``lm_head`` with NaN (a broken checkpoint).
+      **config_overrides: further ``transformers.LlamaConfig`` fields (``initializer_range``,
+        ``rope_parameters``, ...).
+    """
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        **config_overrides,
+    )
+    # sdpa is ~50x slower on CPU at these sizes; not written to config.json, so the checkpoint
+    # is the same either way.
+    cfg._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        if norm_noise:
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(norm_noise * torch.randn_like(p))
+        if noise_from is not None:
+            for (_, p), (_, q) in zip(model.named_parameters(), noise_from.named_parameters()):
+                p.copy_(q + 0.35 * q.std() * torch.randn_like(q))
+        if nan:
+            model.lm_head.weight.fill_(float("nan"))
+    return model
+
+
+def write_tiny_llama(path, **kwargs) -> transformers.LlamaForCausalLM:
+    """:func:`tiny_llama` (same keyword arguments) saved to ``path``; returns the model."""
+    model = tiny_llama(**kwargs)
+    model.save_pretrained(path)
+    return model
