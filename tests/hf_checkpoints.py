@@ -10,22 +10,26 @@ from __future__ import annotations
 import torch
 import transformers
 
+# The shapes of test_decode.py and test_sharding.py; tests override any of them by keyword.
+TINY_CONFIG = {
+    "vocab_size": 12,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+
 
 def tiny_llama(
     *,
     seed: int,
-    vocab_size: int = 12,
-    hidden_size: int = 16,
-    intermediate_size: int = 32,
-    num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    max_position_embeddings: int = 64,
-    tie_word_embeddings: bool = False,
     norm_noise: float = 0.0,
     noise_from: transformers.LlamaForCausalLM | None = None,
     nan: bool = False,
-    **config_overrides,
+    **config,
 ) -> transformers.LlamaForCausalLM:
     """A random float32 Llama in eval mode with eager attention.
 
@@ -36,21 +40,11 @@ def tiny_llama(
       noise_from: a model of the same shapes; copy its weights plus Gaussian noise of 0.35 times
         each tensor's std, giving a draft correlated with that target.
       nan: fill ``lm_head`` with NaN (a broken checkpoint).
-      **config_overrides: further ``transformers.LlamaConfig`` fields (``initializer_range``,
-        ``rope_parameters``, ...).
+      **config: ``transformers.LlamaConfig`` fields over :data:`TINY_CONFIG` (``vocab_size``,
+        ``initializer_range``, ``rope_parameters``, ...).
     """
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        **config_overrides,
-    )
+    cfg = transformers.LlamaConfig(**{**TINY_CONFIG, **config})
     # sdpa is ~50x slower on CPU at these sizes; not written to config.json, so the checkpoint
     # is the same either way.
     cfg._attn_implementation = "eager"
