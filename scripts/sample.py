@@ -21,34 +21,24 @@ DEFAULT_PROMPT = "ROMEO:\nBut soft, what light"
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _checked(convert, valid, expected: str):
+    """An argparse ``type``: ``convert`` the text, then require ``valid(value)``."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not valid(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value >= 0.0) or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
-
-
-def _top_p(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not (0.0 < value <= 1.0):
-        raise argparse.ArgumentTypeError(f"top-p must be in (0, 1], got {text}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+_non_negative_float = _checked(float, lambda v: 0.0 <= v < float("inf"), "a finite number >= 0")
+_top_p = _checked(float, lambda v: 0.0 < v <= 1.0, "a top-p in (0, 1]")
 
 
 class _Parser(argparse.ArgumentParser):
