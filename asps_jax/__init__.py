@@ -1,6 +1,6 @@
 """asps_jax: exact speculative sampling for JAX.
 
-Public API (API.md): verification (:func:`verify_chain`, :func:`verify_drafts`,
+Public API (docs/api.md): verification (:func:`verify_chain`, :func:`verify_drafts`,
 :func:`optimal_acceptance`), models (:func:`load_model`), sampling (:func:`sample`,
 :func:`stream`, :func:`make_mesh` for sharding), and the shared logits processor
 (:func:`process_logits`).

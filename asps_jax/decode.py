@@ -385,7 +385,7 @@ def _spec_step(target_config, draft_config, spec, target_params, draft_params, s
     draft_ok = jnp.all(draft_ok_R.reshape(batch, k), axis=1)
     calls_B = active_B.astype(jnp.int32)
     # Token-level acceptance at the root, where all K drafts are alive, beside the best any exact
-    # token-level scheme could reach there (ALGORITHMS.md §3.5).
+    # token-level scheme could reach there (docs/algorithms.md §3.5).
     root_live_BK = lengths_BK >= 1
     root_B = calls_B * jnp.any(root_live_BK, axis=1)
     root_hit_B = jnp.any(root_live_BK & (drafts_BKD[:, :, 0] == verdict.tokens[:, :1]), axis=1)

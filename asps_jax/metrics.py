@@ -91,7 +91,7 @@ def _expected_length(
 
 
 def expected_length_sps(target_laws: Sequence, draft_laws: Sequence) -> float:
-    """Exact E[L] of SpS: ``1 + sum_i E_q[prod_{k<=i} min(1, r_k)]`` (ALGORITHMS.md §1)."""
+    """Exact E[L] of SpS: ``1 + sum_i E_q[prod_{k<=i} min(1, r_k)]`` (docs/algorithms.md §1)."""
     return _expected_length(target_laws, draft_laws, lambda w, r: w * np.minimum(1.0, r))
 
 

@@ -1,4 +1,4 @@
-"""``asps_jax.sample`` and ``asps_jax.stream``: the host-side entry points (API.md §3).
+"""``asps_jax.sample`` and ``asps_jax.stream``: the host-side entry points (docs/api.md §3).
 
 They validate everything that can be validated before compiling (methods, sampling parameters,
 prompts, context length, vocabularies), pad ragged prompts to a bucketed width so that calls with
@@ -301,7 +301,7 @@ def _finish(state: decode.DecodeState, spec: decode.SpecConfig, batch: int) -> S
 
 
 def sample(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> SampleOutput:
-    """Sample ``max_new_tokens`` tokens per prompt with exactly the target's law (API.md §3).
+    """Sample ``max_new_tokens`` tokens per prompt with exactly the target's law (docs/api.md §3).
 
     ``target`` / ``draft`` are :class:`asps_jax.models.Model` (``draft`` may be None for
     ``method="ar"``). See :func:`prepare` for the keyword arguments; extra keyword arguments are

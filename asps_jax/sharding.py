@@ -1,4 +1,4 @@
-"""Device meshes and the placement of the decoding loop's inputs on them (API.md §3 ``mesh=``).
+"""Device meshes and the placement of the decoding loop's inputs on them (docs/api.md §3 ``mesh=``).
 
 A mesh has two axes: ``"data"`` splits the batch (rows never talk to each other), ``"model"``
 splits the parameters along their head / MLP / vocabulary axes (tensor parallelism). Every

@@ -51,7 +51,7 @@ BASELINE = "sps"
 class Case:
     method: str
     n: int
-    K: int  # noqa: N815 -- the letter of STYLE.md
+    K: int  # noqa: N815 -- the shape letter of the glossary
     V: int  # noqa: N815
     batch: int
     drafts: bool  # through verify_drafts (K chains) rather than verify_chain (one chain)
@@ -70,7 +70,7 @@ def _inputs(key, case: Case):
     noise = jax.random.normal(k_p, shape + (case.n + 1, case.V))
     lq_ext = jnp.concatenate([lq, lq[..., -1:, :]], axis=-2)
     lp = jax.nn.log_softmax(lq_ext + noise, axis=-1)
-    # All chains start at the same root: one draft law and one target law there (API.md §1).
+    # All chains start at the same root: one draft law and one target law there (docs/api.md §1).
     lq = lq.at[:, :, 0].set(jnp.broadcast_to(lq[:, :1, 0], lq[:, :, 0].shape))
     lp = lp.at[:, :, 0].set(jnp.broadcast_to(lp[:, :1, 0], lp[:, :, 0].shape))
     x = jax.random.categorical(k_x, lq, axis=-1).astype(jnp.int32)

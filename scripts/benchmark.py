@@ -46,7 +46,7 @@ FULL_K = (1, 2, 4)
 QUICK = dict(
     methods=["ar", "sps", "asps", "specinfer"], n=[4], k=[2], batch_size=2, max_new_tokens=48
 )
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+CORPUS = Path(__file__).resolve().parents[1] / "data/tinyshakespeare.txt"
 FALLBACK_TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
     "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. "

@@ -1,4 +1,4 @@
-"""Sample text with exact speculative decoding (API.md §4).
+"""Sample text with exact speculative decoding (docs/api.md §4).
 
     python scripts/sample.py                                   # bundled tiny Shakespeare pair
     python scripts/sample.py --method sps --num-draft-tokens 4

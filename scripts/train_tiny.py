@@ -30,7 +30,7 @@ import optax
 from asps_jax.models import llama, save_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO_ROOT.parent / "shared/data/tinyshakespeare.txt"
+DEFAULT_DATA = REPO_ROOT / "data/tinyshakespeare.txt"
 ARCH_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
 ARCH_KEYS += ("num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2 as in Llama; <unk> doubles as padding

@@ -2,7 +2,7 @@
 
 A model of depth d over V tokens is a list ``laws`` with ``laws[i]`` of shape ``[V] * i + [V]``: the
 law of token i+1 after the prefix ``x_1..x_i``. :func:`tree_law` applies a token-level scheme along
-K independent chains exactly as ALGORITHMS.md §3.1 states (written here independently of
+K independent chains exactly as docs/algorithms.md §3.1 states (written here independently of
 ``asps_jax.verify.multi``), enumerating every draft configuration with its probability; the only
 thing it takes from the library is the scheme's conditional law ``pi(y | x)`` at one node.
 """
@@ -155,7 +155,7 @@ def pairwise_lp_optimum(target, base, coupling) -> float:
 
 
 def ot_lp_optimum(target, drafts) -> float:
-    """Optimal token-level acceptance by the transport LP of ALGORITHMS.md §3.5 (scipy HiGHS).
+    """Optimal token-level acceptance by the transport LP of docs/algorithms.md §3.5 (scipy HiGHS).
 
     Variables u(x, y) >= 0 for x in V^K, y in V; rows sum to prod_k q_k(x_k), columns to p(y)
     (one redundant column constraint dropped); maximise the mass on y in set(x).

@@ -1,7 +1,7 @@
 """SpS and ASpS: exact enumeration, statistical exactness via the public API, properties, errors.
 
 Expected values come from ``tests/tabular.py`` (NumPy float64 reference laws written independently
-of the library, exact enumeration over every draft) and from literals; ALGORITHMS.md §5.
+of the library, exact enumeration over every draft) and from literals; docs/algorithms.md §5.
 """
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ def test_edge_cases_never_nan(method, name):
         # p(x) < q(x) rejects half the time; the residual (p - q)_+ is empty (p is unnormalised,
         # as rounding can make it) and the fallback recovers from p: tokens 0 and 1 as 1 : 2.
         # (ASpS meets the same event as an all-zero stop row and keeps the draft; any law is
-        # exact for an event of probability zero, ALGORITHMS.md §1.)
+        # exact for an event of probability zero, docs/algorithms.md §1.)
         rejected = num == 1
         assert 0.45 < rejected.mean() < 0.55
         assert 0.28 < (tokens[rejected, 0] == 0).mean() < 0.39

@@ -1,7 +1,7 @@
 """Llama in JAX: pure functions over a plain dict of stacked parameters.
 
 The forward takes the caller's positions, attention mask and KV cache, and returns the new keys and
-values instead of writing them, which is what tree scoring needs (STYLE.md, "Models"): the decode
+values instead of writing them, which is what tree scoring needs (the model contract in docs/design.md): the decode
 loop scores a whole draft tree in one call and commits only the accepted path.
 
 Layout choices:

@@ -313,7 +313,7 @@ def load_tokenizer(path: Path):
 
 
 def load_model(name_or_path, *, dtype=None):
-    """Load an alias, a checkpoint folder or a cached HF repo id (API.md §2) as a ``Model``."""
+    """Load an alias, a checkpoint folder or a cached HF repo id (docs/api.md §2) as a ``Model``."""
     from asps_jax.models import cards
     from asps_jax.models.base import Model, family_for_type
 

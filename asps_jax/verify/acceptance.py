@@ -1,4 +1,4 @@
-"""The optimal token-level multi-draft acceptance probability (ALGORITHMS.md §3.5).
+"""The optimal token-level multi-draft acceptance probability (docs/algorithms.md §3.5).
 
 For K independent drafts ``X_k ~ q_k`` and target p, the best acceptance ``P(Y in {X_1..X_K})`` of
 any exact selection scheme is ``1 + min_S [p(S) - prod_k q_k(S)]`` (Hu et al., ICLR 2025, via the

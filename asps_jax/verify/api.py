@@ -105,7 +105,7 @@ def verify_chain(
     method: str = "asps",
     draft_length: jax.Array | int | None = None,
 ) -> Verdict:
-    """Verify one draft chain against the target (API.md §1).
+    """Verify one draft chain against the target (docs/api.md §1).
 
     Args:
       key: a PRNG key.
@@ -160,7 +160,7 @@ def verify_drafts(
     draft_length: jax.Array | None = None,
     **options,
 ) -> Verdict:
-    """Verify K independent draft chains against the target (API.md §1, ALGORITHMS.md §3).
+    """Verify K independent draft chains against the target (docs/api.md §1, docs/algorithms.md §3).
 
     Args:
       draft_tokens: int32[K, n]; draft_logprobs: float32[K, n, V]; target_logprobs:

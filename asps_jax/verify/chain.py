@@ -1,7 +1,7 @@
 """Single-chain verifiers: standard speculative sampling (SpS) and accelerated SpS (ASpS).
 
-SpS: Leviathan et al. 2023 / Chen et al. 2023 (ALGORITHMS.md §1). ASpS: Hu & Huang, "Accelerated
-Speculative Sampling Based on Tree Monte Carlo", ICML 2024 (ALGORITHMS.md §2).
+SpS: Leviathan et al. 2023 / Chen et al. 2023 (docs/algorithms.md §1). ASpS: Hu & Huang, "Accelerated
+Speculative Sampling Based on Tree Monte Carlo", ICML 2024 (docs/algorithms.md §2).
 
 A draft token that passes verification is *accepted*; the token that replaces the first rejected
 draft token is *recovered*; when every valid draft token is accepted, one *bonus* token is drawn
@@ -63,7 +63,7 @@ def _residual(lp_V: jax.Array, lq_V: jax.Array) -> jax.Array:
     """Unnormalised log of ``(p - q)_+``, falling back to ``p`` when it is all zero.
 
     In exact arithmetic a rejection implies a positive residual; in floating point ``p == q`` up to
-    rounding can meet a (probability ~1e-16) rejection with an all-zero residual (ALGORITHMS.md §1).
+    rounding can meet a (probability ~1e-16) rejection with an all-zero residual (docs/algorithms.md §1).
     """
     res = log_minus_exp(lp_V, lq_V)
     empty = jnp.all(res == NEG_INF, axis=-1, keepdims=True)
@@ -76,7 +76,7 @@ def _residual(lp_V: jax.Array, lq_V: jax.Array) -> jax.Array:
 
 
 def sps_outcome_logweights(draft_tokens, draft_logprobs, target_logprobs, draft_length):
-    """Exact outcome law of SpS for one draft (ALGORITHMS.md §1).
+    """Exact outcome law of SpS for one draft (docs/algorithms.md §1).
 
     Args:
       draft_tokens: int[n]; draft_logprobs: float[n, V]; target_logprobs: float[n+1, V];
@@ -217,7 +217,7 @@ def _asps_table(draft_tokens, draft_logprobs, target_logprobs, draft_length):
 
 
 def asps_outcome_logweights(draft_tokens, draft_logprobs, target_logprobs, draft_length):
-    """Exact outcome law of ASpS for one draft: the table of ALGORITHMS.md §2.2 in closed form.
+    """Exact outcome law of ASpS for one draft: the table of docs/algorithms.md §2.2 in closed form.
 
     ``stop_NV[t, y] = r_t(y) * prod_{j=t}^{L-1} s_j`` with ``r_t = (a_t p_t - q_t)_+`` and
     ``s_j = c_j(x_j) / (C_j q_j(x_j))``, ``c_j = (q_j - a_j p_j)_+``, ``C_j = sum c_j``

@@ -4,7 +4,7 @@ Khisti et al., "Multi-Draft Speculative Sampling: Canonical Architectures and Th
 (arXiv 2410.18234), Theorem 1: any selection of one of the draft tokens followed by single-draft SpS
 against the *induced* law ``q_I`` of the selected token is exact. So the rules here may be anything
 -- heuristic, solver-proposed, or a fallback -- as long as ``q_I`` is computed exactly for the rule
-actually applied. That is what this module guarantees (ALGORITHMS.md §3.6, §3.8).
+actually applied. That is what this module guarantees (docs/algorithms.md §3.6, §3.8).
 
 Pairwise rules (two drafts with laws ``qa``, ``qb``) rank tokens by :func:`ranking_key`,
 ``p / mean(qa, qb)``. The top ``s`` tokens (the *block*, at most the truncated alphabet of ``M``
@@ -69,7 +69,7 @@ def ranking_key(p: jax.Array, qa: jax.Array, qb: jax.Array) -> jax.Array:
     """Tokens are ranked by ``log p - log((qa + qb) / 2)``, descending.
 
     The target's need relative to the drafts: for identical drafts the optimal acceptance is
-    attained on a prefix of this order (ALGORITHMS.md §3.5), and keeping the higher-ranked token
+    attained on a prefix of this order (docs/algorithms.md §3.5), and keeping the higher-ranked token
     fills exactly the tokens the drafts under-propose. (The ``p - qa qb`` key of §3.8 orders the
     many small tokens of a flat law by p alone; on an OPT-size vocabulary that left the fixed-order
     rule at single-draft SpS acceptance.) Tokens neither draft proposes rank last (no NaN).
