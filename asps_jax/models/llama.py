@@ -1,8 +1,8 @@
 """Llama in JAX: pure functions over a plain dict of stacked parameters.
 
 The forward takes the caller's positions, attention mask and KV cache, and returns the new keys and
-values instead of writing them, which is what tree scoring needs (the model contract in docs/design.md): the decode
-loop scores a whole draft tree in one call and commits only the accepted path.
+values instead of writing them, which is what tree scoring needs (docs/design.md, models): the
+decode loop scores a whole draft tree in one call and commits only the accepted path.
 
 Layout choices:
 * layers are stacked on a leading ``L`` axis; the forward is one ``lax.scan`` (one compiled layer);

@@ -1,7 +1,7 @@
 """Single-chain verifiers: standard speculative sampling (SpS) and accelerated SpS (ASpS).
 
-SpS: Leviathan et al. 2023 / Chen et al. 2023 (docs/algorithms.md §1). ASpS: Hu & Huang, "Accelerated
-Speculative Sampling Based on Tree Monte Carlo", ICML 2024 (docs/algorithms.md §2).
+SpS: Leviathan et al. 2023 / Chen et al. 2023 (docs/algorithms.md §1). ASpS: Hu & Huang,
+"Accelerated Speculative Sampling Based on Tree Monte Carlo", ICML 2024 (docs/algorithms.md §2).
 
 A draft token that passes verification is *accepted*; the token that replaces the first rejected
 draft token is *recovered*; when every valid draft token is accepted, one *bonus* token is drawn
@@ -63,7 +63,8 @@ def _residual(lp_V: jax.Array, lq_V: jax.Array) -> jax.Array:
     """Unnormalised log of ``(p - q)_+``, falling back to ``p`` when it is all zero.
 
     In exact arithmetic a rejection implies a positive residual; in floating point ``p == q`` up to
-    rounding can meet a (probability ~1e-16) rejection with an all-zero residual (docs/algorithms.md §1).
+    rounding can meet a (probability ~1e-16) rejection with an all-zero residual
+    (docs/algorithms.md §1).
     """
     res = log_minus_exp(lp_V, lq_V)
     empty = jnp.all(res == NEG_INF, axis=-1, keepdims=True)

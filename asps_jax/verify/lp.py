@@ -1,4 +1,4 @@
-"""A fixed-iteration LP solver for the pairwise importance-sampling selection (docs/algorithms.md §3.8).
+"""A fixed-iteration LP solver for pairwise importance-sampling selection (docs/algorithms.md §3.8).
 
 For K = 2 drafts with laws ``qa``, ``qb`` an IS selection rule is a matrix of pairwise weights
 ``W[i, j]`` = P(keep the first draft's token i | the second draft shows j != i). On a block of s

@@ -1,4 +1,5 @@
-"""Multi-draft verifiers: a token-level scheme applied along K draft chains (docs/algorithms.md §3.1).
+"""Multi-draft verifiers: a token-level scheme applied along K draft chains (docs/algorithms.md
+§3.1).
 
 The K chains are drawn independently (from one draft law or several). Verification walks down the
 depths with an *alive* mask: at depth d the alive drafts are those whose first d tokens equal the
