@@ -72,7 +72,8 @@ def ranking_key(p: jax.Array, qa: jax.Array, qb: jax.Array) -> jax.Array:
     attained on a prefix of this order (docs/algorithms.md §3.5), and keeping the higher-ranked
     token fills exactly the tokens the drafts under-propose. (The ``p - qa qb`` key of §3.8 orders
     the many small tokens of a flat law by p alone; on an OPT-size vocabulary that left the
-    fixed-order rule at single-draft SpS acceptance.) Tokens neither draft proposes rank last (no NaN).
+    fixed-order rule at single-draft SpS acceptance.) Tokens neither draft proposes rank last
+    (no NaN).
     """
     q_mean = (qa + qb) / 2
     ratio = jnp.log(p) - jnp.log(jnp.where(q_mean > 0, q_mean, 1.0))
