@@ -1,0 +1,53 @@
+"""A persistent JAX compilation cache for the command-line tools.
+
+Compiling the decoding loop takes most of a short run; XLA can keep the compiled programs on disk
+so that the next process with the same shapes loads them instead. The library itself never turns
+this on at import (no import-time side effects); the scripts call :func:`enable` first thing.
+
+Where the cache lives, in order: the ``path`` argument, ``$ASPS_JAX_CACHE_DIR``,
+``$XDG_CACHE_HOME/asps_jax/jax``, ``~/.cache/asps_jax/jax``. ``ASPS_JAX_NO_CACHE=1`` (or the
+scripts' ``--no-compile-cache`` flag) turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_DIR = "ASPS_JAX_CACHE_DIR"
+ENV_OFF = "ASPS_JAX_NO_CACHE"
+
+
+def default_dir() -> Path:
+    """The cache directory used when ``enable`` is given no path."""
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "asps_jax" / "jax"
+
+
+def disabled_by_env() -> bool:
+    """True when ``$ASPS_JAX_NO_CACHE`` is set, other than to ``""``, ``0``, ``false``, ``no``."""
+    return os.environ.get(ENV_OFF, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def enable(path: str | os.PathLike | None = None) -> Path | None:
+    """Turn on JAX's persistent compilation cache; returns its directory, or None when it is off.
+
+    Off when ``$ASPS_JAX_NO_CACHE`` is set, or when the directory cannot be created (a read-only
+    home, say: the run then compiles as usual rather than failing). Every program is cached,
+    however small or quick to compile, because a CLI run is a handful of programs that all recur.
+    """
+    if disabled_by_env():
+        return None
+    directory = Path(path).expanduser() if path is not None else default_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
