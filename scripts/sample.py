@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -41,6 +42,34 @@ def _checked(convert, valid, expected: str):
 _positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
 _non_negative_float = _checked(float, lambda v: 0.0 <= v < float("inf"), "a finite number >= 0")
 _top_p = _checked(float, lambda v: 0.0 < v <= 1.0, "a top-p in (0, 1]")
+
+
+# Notices that are expected and harmless for this command, by logger: transformers is used for
+# tokenizers and configs only, and a CPU-only jaxlib on a machine with a GPU runs on the CPU.
+_NOTICES = {
+    "transformers": ("PyTorch was not found",),
+    "jax._src.xla_bridge": ("An NVIDIA GPU may be present",),
+}
+
+
+class _DropNotices(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def silence_notices() -> None:
+    """Filter the messages of ``_NOTICES`` (only those; errors and other warnings still show).
+
+    Called before jax and transformers are imported: transformers logs its notice at import.
+    """
+    for name, prefixes in _NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotices) for f in logger.filters):
+            logger.addFilter(_DropNotices(prefixes))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -303,6 +332,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
+    silence_notices()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
