@@ -254,6 +254,7 @@ def run(args) -> int:
     from asps_jax import compile_cache
     from asps_jax.sampler import Session
     from asps_jax.sharding import make_mesh
+    from asps_jax.textstream import TextStream
 
     if not args.no_compile_cache:
         compile_cache.enable()
@@ -301,17 +302,13 @@ def run(args) -> int:
     if not args.json:
         print(texts[0], end="", file=out_stream, flush=True)
     start = time.perf_counter()
-    row0: list[int] = []
-    shown = ""
+    text_stream = TextStream(tokenizer, skip_special_tokens=True)
     step = 0
     for new in session.steps():
         step += 1
         if args.json:
             continue
-        row0.extend(new[0])
-        text = tokenizer.decode(row0, skip_special_tokens=True)
-        print(text[len(shown) :], end="", file=out_stream, flush=True)
-        shown = text
+        print(text_stream.push(new[0]), end="", file=out_stream, flush=True)
         if step % 25 == 0 and args.batch_size > 1:
             print(f"\n[step {step}]", file=sys.stderr, flush=True)
     run_s = time.perf_counter() - start
@@ -326,7 +323,7 @@ def run(args) -> int:
         summary["texts"] = [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
         print(json.dumps(summary))
     else:
-        print(file=out_stream)
+        print(text_stream.flush(), file=out_stream)
         _print_summary(summary, out_stream)
     return 0
 
