@@ -37,6 +37,8 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
     Off when ``$ASPS_JAX_NO_CACHE`` is set, or when the directory cannot be created (a read-only
     home, say: the run then compiles as usual rather than failing). Every program is cached,
     however small or quick to compile, because a CLI run is a handful of programs that all recur.
+    Call it before anything is compiled: jax decides once per process, at the first compilation,
+    whether the persistent cache is in use.
     """
     if disabled_by_env():
         return None
