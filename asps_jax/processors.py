@@ -23,10 +23,13 @@ def validate_sampling_args(temperature=None, top_k=None, top_p=None) -> None:
     """Raise ``ValueError`` for sampling parameters outside their domain (host-side check)."""
     if temperature is not None:
         t = float(temperature)
-        if not (t >= 0.0) or t == float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and int(top_k) < 0:
-        raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {top_k!r}")
+        # The loop runs in float32: a temperature beyond its range would become inf there.
+        if not (0.0 <= t <= float(jnp.finfo(jnp.float32).max)):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (at most 3.4e38), got {temperature!r}"
+            )
+    if top_k is not None and (float(top_k) != int(top_k) or int(top_k) < 0):
+        raise ValueError(f"top_k must be an integer >= 0 (0 or None disables it), got {top_k!r}")
     if top_p is not None:
         p = float(top_p)
         if not (0.0 < p <= 1.0):

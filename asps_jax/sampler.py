@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -62,10 +63,20 @@ def _as_prompt_array(prompts, prompt_lengths, vocab_size: int):
                 "prompts: with prompt_lengths, prompts must be int32[B, P] and prompt_lengths "
                 f"int32[B]; got shapes {arr.shape} and {lengths.shape}"
             )
+        if np.any(lengths < 0) or np.any(lengths > arr.shape[1]):
+            raise ValueError(
+                f"prompt_lengths must lie in [0, {arr.shape[1]}] (the prompt array width), got "
+                f"{lengths.tolist()[:8]}"
+            )
         rows = [arr[b, : lengths[b]].tolist() for b in range(arr.shape[0])]
-        if np.any(lengths > arr.shape[1]):
-            raise ValueError("prompt_lengths: a length exceeds the prompt array width")
     else:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and any(isinstance(p, str) for p in prompts)
+        ):
+            raise ValueError(
+                "prompts must be token ids, not text: encode it first, e.g. "
+                "[model.tokenizer.encode(text)]"
+            )
         if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:
             rows = np.asarray(prompts).tolist()
         elif isinstance(prompts, Sequence) and all(
@@ -79,6 +90,8 @@ def _as_prompt_array(prompts, prompt_lengths, vocab_size: int):
     for b, row in enumerate(rows):
         if len(row) == 0:
             raise ValueError(f"prompts[{b}] is empty: every prompt needs at least one token")
+        if any(isinstance(t, float) and t != int(t) for t in row):
+            raise ValueError(f"prompts[{b}] holds non-integer token ids")
         bad = [t for t in row if not (0 <= int(t) < vocab_size)]
         if bad:
             raise ValueError(f"prompts[{b}] holds token ids outside [0, {vocab_size}): {bad[:5]}")
@@ -150,7 +163,14 @@ def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
     if eos_token_id is None:
         return ()
     ids = tuple(int(i) for i in np.atleast_1d(eos_token_id))
-    return () if any(i < 0 for i in ids) else ids
+    if any(i < 0 for i in ids):
+        return ()
+    if any(i >= target.vocab_size for i in ids):
+        raise ValueError(
+            f"eos_token_id {list(ids)} lies outside the vocabulary [0, {target.vocab_size}); "
+            "pass a negative value to disable stopping"
+        )
+    return ids
 
 
 def _check_method(method, draft, target, num_drafts, options) -> None:
@@ -159,19 +179,68 @@ def _check_method(method, draft, target, num_drafts, options) -> None:
     if method == "ar":
         if options:
             raise ValueError(f"method 'ar' takes no options, got {sorted(options)}")
+        if num_drafts != 1:
+            raise ValueError(f"method 'ar' uses no draft; num_drafts must be 1, got {num_drafts}")
         return
     if draft is None:
         raise ValueError(f"method {method!r} needs a draft model (draft=None is only for 'ar')")
     check_compatible(target, draft)
     if method in CHAIN_METHODS:
         if num_drafts != 1:
-            multi = ", ".join(m for m in DRAFTS_METHODS if m not in CHAIN_METHODS)
+            multi = ", ".join(m for m in METHODS if m in DRAFTS_METHODS and m not in CHAIN_METHODS)
             raise ValueError(
                 f"method {method!r} verifies a single draft chain; use num_drafts=1 or a "
                 f"multi-draft method ({multi})"
             )
         if options:
             raise ValueError(f"method {method!r} takes no options, got {sorted(options)}")
+
+
+def _device_memory_bytes(mesh) -> int:
+    """Memory the call may use: the devices' reported limit, else the host's physical memory."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]) * len(devices)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62  # unknown: never refuse
+
+
+def _kv_cache_bytes(config, rows: int, cache_len: int, dtype) -> int:
+    per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return rows * cache_len * per_slot * np.dtype(dtype).itemsize
+
+
+def check_memory(
+    target, draft, *, batch, prompt_len, max_new_tokens, num_draft_tokens, num_drafts, mesh=None
+) -> None:
+    """Refuse, before anything is allocated, a call whose KV caches and per-step logits cannot fit.
+
+    The estimate counts the two caches (``B`` rows, ``B*K`` draft rows, ``S`` slots) and the float32
+    laws of one step (draft and target over every tree node, a few copies for verification);
+    weights are already loaded. It errs low, so it only stops calls that cannot possibly run.
+    """
+    n, k = num_draft_tokens, num_drafts
+    cache_len = _round_up(prompt_len + max_new_tokens + n + 2, _CACHE_BUCKET)
+    rows = _round_up(batch, _BATCH_BUCKET) if batch > 1 else 1
+    param_dtype = jax.tree.leaves(target.params)[0].dtype
+    caches = _kv_cache_bytes(target.config, rows, cache_len, param_dtype)
+    if draft is not None:
+        draft_dtype = jax.tree.leaves(draft.params)[0].dtype
+        caches += _kv_cache_bytes(draft.config, rows * k, cache_len, draft_dtype)
+    laws = 4 * rows * k * (2 * n + 1) * target.vocab_size * 4
+    need, have = caches + laws, _device_memory_bytes(mesh)
+    if need > have:
+        gib = 1 << 30
+        biggest = "num_drafts (--num-drafts)" if k > 1 else "num_draft_tokens (--num-draft-tokens)"
+        raise ValueError(
+            f"this call needs about {need / gib:.1f} GiB (KV caches {caches / gib:.1f} GiB for "
+            f"{batch} rows x {k} drafts x {cache_len} slots, step laws {laws / gib:.1f} GiB) but "
+            f"the device has {have / gib:.1f} GiB: lower the batch size (--batch-size), "
+            f"{biggest} or max_new_tokens (--max-new-tokens)"
+        )
 
 
 def prepare(
@@ -202,6 +271,8 @@ def prepare(
     num_drafts = _check_int("num_drafts", num_drafts, 1)
     _check_method(method, draft, target, num_drafts, options)
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
+    if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32
+        top_k = np.minimum(np.asarray(top_k, np.int64), target.vocab_size)
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
     if method == "ar":
@@ -216,6 +287,21 @@ def prepare(
             f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model "
             f"context of {context} positions; shorten the prompt or lower max_new_tokens"
         )
+    if draft is not None and num_draft_tokens >= context:
+        raise ValueError(
+            f"num_draft_tokens={num_draft_tokens} does not fit the model context of {context} "
+            "positions; lower num_draft_tokens"
+        )
+    check_memory(
+        target,
+        draft,
+        batch=batch,
+        prompt_len=longest,
+        max_new_tokens=max_new_tokens,
+        num_draft_tokens=num_draft_tokens,
+        num_drafts=num_drafts,
+        mesh=mesh,
+    )
     if mesh is not None:  # rows of length 0 until the batch splits evenly over "data"
         prompts_bp, lengths_b = sharding.pad_batch(
             prompts_bp, lengths_b, sharding.batch_multiple(mesh)
