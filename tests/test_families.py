@@ -188,63 +188,63 @@ def test_params_shard_by_their_logical_axes(family):
 # --- End to end: sample() with OPT, GPT-2 and GPT-Neo/GPT-2 pairs --------------------------
 
 PAIRS = {
-    # name: (target family, draft family); the law test needs VOCAB (12) tokens.
-    "opt": ("opt", "opt"),
-    "gpt2": ("gpt2", "gpt2"),
-    "gpt_neo_gpt2": ("gpt_neo", "gpt2"),  # the ASpS paper's cross-family pair, in miniature
+    # name: (target family, draft family, index into test_decode.SETTINGS); one setting per pair
+    # halves the rows, and the two settings are each covered by some pair.
+    "opt": ("opt", "opt", 1),
+    "gpt2": ("gpt2", "gpt2", 0),
+    "gpt_neo_gpt2": ("gpt_neo", "gpt2", 1),  # the ASpS paper's cross-family pair, in miniature
 }
 GREEDY_PROMPTS = [PROMPT, [4, 7, 9, 1, 0, 11, 6], [2]]
+# Smaller than the parity models (the loop runs ROWS rows); VOCAB (12) tokens for the law.
+SMALL = {
+    "opt": {"hidden_size": 16, "ffn_dim": 32, "num_attention_heads": 2, "init_std": 0.4},
+    "gpt2": {"n_embd": 16, "n_inner": 32, "n_head": 2, "initializer_range": 0.4},
+    "gpt_neo": {"hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                "initializer_range": 0.4},
+}  # fmt: skip
 
 
 def _write_pair(root, target_family, draft_family):
     """Large weights (std 0.4) give peaked laws, so drafts are sometimes rejected."""
-    big = {"opt": {"init_std": 0.4}}.get(target_family, {"initializer_range": 0.4})
-    hf_t = write_tiny_family(root / "target", target_family, seed=0, vocab_size=VOCAB, **big)
-    if draft_family == target_family:
-        write_tiny_family(root / "draft", draft_family, seed=1, vocab_size=VOCAB, noise_from=hf_t)
-    else:
-        write_tiny_family(
-            root / "draft", draft_family, seed=1, vocab_size=VOCAB, initializer_range=0.4
-        )
+    hf_t = write_tiny_family(
+        root / "target", target_family, seed=0, vocab_size=VOCAB, **SMALL[target_family]
+    )
+    draft_kw = dict(noise_from=hf_t) if draft_family == target_family else {}
+    write_tiny_family(
+        root / "draft", draft_family, seed=1, vocab_size=VOCAB, **SMALL[draft_family], **draft_kw
+    )
     return hf_t, load_model(root / "target"), load_model(root / "draft")
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_sample_follows_the_target_law_and_greedy_is_generate(tmp_path, pair):
-    """One compiled call per pair: 2 x ROWS law rows (two sampling settings) + greedy rows."""
-    hf_t, target, draft = _write_pair(tmp_path, *PAIRS[pair])
-    n_law = ROWS * len(SETTINGS)
+    """One compiled call per pair: ROWS law rows + greedy rows (temperature 0) side by side."""
+    target_family, draft_family, which = PAIRS[pair]
+    hf_t, target, draft = _write_pair(tmp_path, target_family, draft_family)
+    setting, greedy = SETTINGS[which], len(GREEDY_PROMPTS)
     per_row = {
-        name: np.concatenate(
-            [np.repeat([s[name] for s in SETTINGS], ROWS), np.zeros(len(GREEDY_PROMPTS))]
-        )
-        for name in ("temperature", "draft_temperature", "top_p")
+        name: np.concatenate([np.full(ROWS, setting[name]), np.full(greedy, default)])
+        for name, default in (("temperature", 0.0), ("draft_temperature", 0.0), ("top_p", 1.0))
     }
-    per_row["top_p"][n_law:] = 1.0
-    top_k = np.concatenate(
-        [np.repeat([s["top_k"] for s in SETTINGS], ROWS), np.zeros(len(GREEDY_PROMPTS), int)]
-    )
     out = asps_jax.sample(
         target,
         draft,
-        [PROMPT] * n_law + GREEDY_PROMPTS,
+        [PROMPT] * ROWS + GREEDY_PROMPTS,
         method="asps",
         key=jax.random.key(100),
         max_new_tokens=MAX_NEW,
         num_draft_tokens=2,
         eos_token_id=-1,
-        top_k=top_k,
+        top_k=np.concatenate([np.full(ROWS, setting["top_k"]), np.zeros(greedy, int)]),
         **per_row,
     )
     tokens = np.asarray(out.tokens)
     for g, prompt in enumerate(GREEDY_PROMPTS):
-        assert tokens[n_law + g].tolist() == _hf_greedy(hf_t, prompt, MAX_NEW), prompt
-    for i, s in enumerate(SETTINGS):
-        rows = tokens[i * ROWS : (i + 1) * ROWS]
-        counts = np.zeros((VOCAB, VOCAB))
-        np.add.at(counts, (rows[:, 0], rows[:, 1]), 1)
-        law = _exact_two_token_law(hf_t, s["temperature"], s["top_k"], s["top_p"])
-        pvalue = _chi_square_pvalue(counts, law)
-        assert pvalue > 1e-3, f"{pair} {s}: chi-square p-value {pvalue:.2e}"
-    tps = np.asarray(out.stats["tokens_per_step"])[:n_law]
+        assert tokens[ROWS + g].tolist() == _hf_greedy(hf_t, prompt, MAX_NEW), prompt
+    counts = np.zeros((VOCAB, VOCAB))
+    np.add.at(counts, (tokens[:ROWS, 0], tokens[:ROWS, 1]), 1)
+    law = _exact_two_token_law(hf_t, setting["temperature"], setting["top_k"], setting["top_p"])
+    pvalue = _chi_square_pvalue(counts, law)
+    assert pvalue > 1e-3, f"{pair} {setting}: chi-square p-value {pvalue:.2e}"
+    tps = np.asarray(out.stats["tokens_per_step"])[:ROWS]
     assert tps.mean() > 1.05  # drafts are accepted: the pair really speculates
