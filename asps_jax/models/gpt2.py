@@ -237,14 +237,14 @@ def forward(
     def layer(x_BTE, xs):
         p, s, cache_k, cache_v = xs
         h = layer_norm(x_BTE, p["attn_norm"], p["attn_norm_b"], eps)
-        q = jnp.einsum("bte,enh->btnh", h, p["wq"]) + p["bq"]
-        k = jnp.einsum("bte,enh->btnh", h, p["wk"]) + p["bk"]
-        v = jnp.einsum("bte,enh->btnh", h, p["wv"]) + p["bv"]
+        q = jnp.einsum("bte,enh->btnh", h, p["wq"]) + p["bq"][None, None]
+        k = jnp.einsum("bte,enh->btnh", h, p["wk"]) + p["bk"][None, None]
+        v = jnp.einsum("bte,enh->btnh", h, p["wv"]) + p["bv"][None, None]
         attn = attention(q, k, v, cache_k, cache_v, mask, s)
-        x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"]) + p["bo"]
+        x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"]) + p["bo"][None, None]
         h = layer_norm(x_BTE, p["mlp_norm"], p["mlp_norm_b"], eps)
-        h = act(jnp.einsum("bte,ef->btf", h, p["w_in"]) + p["b_in"])
-        x_BTE = x_BTE + jnp.einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"]
+        h = act(jnp.einsum("bte,ef->btf", h, p["w_in"]) + p["b_in"][None, None])
+        x_BTE = x_BTE + jnp.einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"][None, None]
         return x_BTE, (k, v)
 
     x = params["embed"][tokens]

@@ -252,10 +252,10 @@ def forward(
         v = jnp.einsum("bte,enh->btnh", h, p["wv"])
         layer_mask = jnp.where(is_local, local_mask, mask)
         attn = attention(q, k, v, cache_k, cache_v, layer_mask, 1.0)  # no 1/sqrt(H)
-        x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"]) + p["bo"]
+        x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"]) + p["bo"][None, None]
         h = layer_norm(x_BTE, p["mlp_norm"], p["mlp_norm_b"], eps)
-        h = act(jnp.einsum("bte,ef->btf", h, p["w_in"]) + p["b_in"])
-        x_BTE = x_BTE + jnp.einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"]
+        h = act(jnp.einsum("bte,ef->btf", h, p["w_in"]) + p["b_in"][None, None])
+        x_BTE = x_BTE + jnp.einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"][None, None]
         return x_BTE, (k, v)
 
     x = params["embed"][tokens]

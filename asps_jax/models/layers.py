@@ -42,7 +42,8 @@ def layer_norm(x_BTE: jax.Array, scale_E: jax.Array, bias_E: jax.Array, eps: flo
     mean = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
     y = (x - mean) * jax.lax.rsqrt(var + eps)
-    return (y * scale_E.astype(jnp.float32) + bias_E.astype(jnp.float32)).astype(x_BTE.dtype)
+    scale, bias = scale_E.astype(jnp.float32), bias_E.astype(jnp.float32)
+    return (y * scale[None, None, :] + bias[None, None, :]).astype(x_BTE.dtype)
 
 
 def lookup(table_PE: jax.Array, positions_BT: jax.Array) -> jax.Array:

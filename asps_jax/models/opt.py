@@ -257,16 +257,16 @@ def forward(
         p, cache_k, cache_v = xs
         h = norm(x_BTE, p, "attn_norm") if c.do_layer_norm_before else x_BTE
         # HF scales the biased query before the product (q_proj(h) * scaling).
-        q = (jnp.einsum("bte,enh->btnh", h, p["wq"]) + p["bq"]) * scale.astype(h.dtype)
-        k = jnp.einsum("bte,enh->btnh", h, p["wk"]) + p["bk"]
-        v = jnp.einsum("bte,enh->btnh", h, p["wv"]) + p["bv"]
+        q = (jnp.einsum("bte,enh->btnh", h, p["wq"]) + p["bq"][None, None]) * scale.astype(h.dtype)
+        k = jnp.einsum("bte,enh->btnh", h, p["wk"]) + p["bk"][None, None]
+        v = jnp.einsum("bte,enh->btnh", h, p["wv"]) + p["bv"][None, None]
         attn = attention(q, k, v, cache_k, cache_v, mask, 1.0)
-        x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"]) + p["bo"]
+        x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"]) + p["bo"][None, None]
         if not c.do_layer_norm_before:
             x_BTE = norm(x_BTE, p, "attn_norm")
         h = norm(x_BTE, p, "mlp_norm") if c.do_layer_norm_before else x_BTE
-        h = act(jnp.einsum("bte,ef->btf", h, p["w_in"]) + p["b_in"])
-        x_BTE = x_BTE + jnp.einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"]
+        h = act(jnp.einsum("bte,ef->btf", h, p["w_in"]) + p["b_in"][None, None])
+        x_BTE = x_BTE + jnp.einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"][None, None]
         if not c.do_layer_norm_before:
             x_BTE = norm(x_BTE, p, "mlp_norm")
         return x_BTE, (k, v)
