@@ -28,7 +28,7 @@ from test_scoring import hand_tree, prefill, random_validity, root_path, tree_sc
 
 import asps_jax
 from asps_jax.kv_cache import commit, init_cache
-from asps_jax.models import FAMILIES, forward_for, load_model, save_checkpoint
+from asps_jax.models import FAMILIES, ModelConfig, forward_for, load_model, save_checkpoint
 from asps_jax.sharding import ShardingRules
 
 V = 96  # the vocabulary of hf_checkpoints.FAMILY_CONFIGS
@@ -171,6 +171,7 @@ def test_params_shard_by_their_logical_axes(family):
     extra = {"word_embed_proj_dim": 16} if family == "opt" else {}
     hf_config = getattr(transformers, config_name)(**defaults, **extra)
     config = FAMILIES[family].config_from_hf(hf_config.to_dict())
+    assert isinstance(config, ModelConfig) and hash(config) == hash(dataclasses.replace(config))
     shapes = FAMILIES[family].param_shapes(config)
     specs = jax.tree.map(
         lambda s: ShardingRules().partition_spec(s[1], s[0], {"data": 2, "model": 4}),
