@@ -70,26 +70,28 @@ def write_tiny_llama(path, **kwargs) -> transformers.LlamaForCausalLM:
 
 
 # The learned-position families: tiny shapes (tests override any of them by keyword). GPT-Neo's
-# window of 4 is shorter than the tests' sequences, so its local layers are exercised.
+# window of 4 is shorter than the tests' sequences, so its local layers are exercised. Weights of
+# std 0.2 (not HF's 0.02) give logits of order 1, so a 1e-4 tolerance is a tight check.
 FAMILY_CONFIGS = {
     "opt": (
         "OPTConfig",
         "OPTForCausalLM",
         {"vocab_size": 96, "hidden_size": 32, "ffn_dim": 48, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "max_position_embeddings": 64},
+         "num_attention_heads": 4, "max_position_embeddings": 64, "init_std": 0.2},
     ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
         {"vocab_size": 96, "n_embd": 32, "n_inner": 48, "n_layer": 2, "n_head": 4,
-         "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0},
+         "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0, "initializer_range": 0.2},
     ),
     "gpt_neo": (
         "GPTNeoConfig",
         "GPTNeoForCausalLM",
         {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_layers": 2,
          "num_heads": 4, "attention_types": [[["global", "local"], 1]], "window_size": 4,
-         "max_position_embeddings": 64, "bos_token_id": 0, "eos_token_id": 0},
+         "max_position_embeddings": 64, "bos_token_id": 0, "eos_token_id": 0,
+         "initializer_range": 0.2},
     ),
 }  # fmt: skip
 

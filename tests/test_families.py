@@ -128,14 +128,14 @@ def test_tree_scoring_equals_sequential_decoding(saved, case):
 
 
 def test_local_window_matters(saved):
-    """The parity above can fail: without the window, every position past it misses 1e-4."""
+    """The parity above can fail: without the window, every position past it is far off."""
     hf, m = saved["gpt_neo"]
     tokens = np.random.default_rng(4).integers(0, V, (1, 12)).astype(np.int32)
     pos = jnp.arange(12, dtype=jnp.int32)[None]
     wide = dataclasses.replace(m.config, window_size=64)
     logits, _ = jax.jit(forward_for(wide))(m.params, jnp.asarray(tokens), pos, causal(1, 12), None)
     diff = np.abs(np.asarray(logits) - hf_logits(hf, tokens))[0].max(-1)
-    assert diff[:4].max() < 1e-6 and diff[4:].min() > 1e-4
+    assert diff[:4].max() < 1e-4 and diff[4:].min() > 0.1
 
 
 @pytest.mark.parametrize(
