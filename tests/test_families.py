@@ -138,6 +138,21 @@ def test_local_window_matters(saved):
     assert diff[:4].max() < 1e-4 and diff[4:].min() > 0.1
 
 
+def test_float16_checkpoint_stays_float16(tmp_path):
+    """facebook/opt-* ship float16 weights: they load as float16, logits come out float32."""
+    hf = tiny_family("opt", seed=6, do_layer_norm_before=False, word_embed_proj_dim=24)
+    tokens = np.random.default_rng(6).integers(0, V, (1, 10)).astype(np.int32)
+    expected = hf_logits(hf, tokens)
+    hf.to(torch.float16).save_pretrained(tmp_path)
+    m = load_model(tmp_path)
+    assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(m.params))
+    pos = jnp.arange(10, dtype=jnp.int32)[None]
+    logits, _ = jax.jit(m.forward)(m.params, jnp.asarray(tokens), pos, causal(1, 10), None)
+    assert logits.dtype == jnp.float32
+    rel = np.linalg.norm(np.asarray(logits) - expected) / np.linalg.norm(expected)
+    assert rel < 1e-2, rel
+
+
 @pytest.mark.parametrize(
     "family, overrides",
     [
