@@ -28,7 +28,7 @@ from test_scoring import hand_tree, prefill, random_validity, root_path, tree_sc
 
 import asps_jax
 from asps_jax.kv_cache import commit, init_cache
-from asps_jax.models import FAMILIES, ModelConfig, forward_for, load_model, save_checkpoint
+from asps_jax.models import FAMILIES, ModelConfig, base, forward_for, load_model, save_checkpoint
 from asps_jax.sharding import ShardingRules
 
 V = 96  # the vocabulary of hf_checkpoints.FAMILY_CONFIGS
@@ -264,3 +264,9 @@ def test_sample_follows_the_target_law_and_greedy_is_generate(tmp_path, pair):
     assert pvalue > 1e-3, f"{pair} {setting}: chi-square p-value {pvalue:.2e}"
     tps = np.asarray(out.stats["tokens_per_step"])[:ROWS]
     assert tps.mean() > 1.05  # drafts are accepted: the pair really speculates
+
+
+def test_registry_checks_the_family_contract():
+    assert list(FAMILIES) == ["llama", "opt", "gpt2", "gpt_neo"]
+    with pytest.raises(TypeError, match=r"model family 'layers' lacks \['MODEL_TYPE'"):
+        base._register(["layers"])  # a module of asps_jax.models that is not a family
