@@ -48,6 +48,7 @@ class ShardingRules:
     mlp: str | None = "model"
     vocab: str | None = "model"
     cache_seq: str | None = None
+    positions: str | None = None  # learned position tables (OPT, GPT-2, GPT-Neo): replicated
 
     def partition_spec(self, axes: tuple[str, ...], shape: tuple[int, ...], mesh_shape) -> P:
         """The ``PartitionSpec`` of an array of this ``shape`` whose dims are named ``axes``.

@@ -1,4 +1,4 @@
-"""Tiny random ``transformers.LlamaForCausalLM`` models and checkpoints for the tests.
+"""Tiny random transformers models (Llama, OPT, GPT-2, GPT-Neo) and checkpoints for the tests.
 
 transformers is the independent reference: tests load what ``save_pretrained`` writes with our
 loader and compare against the PyTorch model. Every model is built under ``torch.manual_seed(seed)``
@@ -65,5 +65,73 @@ def tiny_llama(
 def write_tiny_llama(path, **kwargs) -> transformers.LlamaForCausalLM:
     """:func:`tiny_llama` (same keyword arguments) saved to ``path``; returns the model."""
     model = tiny_llama(**kwargs)
+    model.save_pretrained(path)
+    return model
+
+
+# The learned-position families: tiny shapes (tests override any of them by keyword). GPT-Neo's
+# window of 4 is shorter than the tests' sequences, so its local layers are exercised. Weights of
+# std 0.2 (not HF's 0.02) give logits of order 1, so a 1e-4 tolerance is a tight check.
+FAMILY_CONFIGS = {
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        {"vocab_size": 96, "hidden_size": 32, "ffn_dim": 48, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "max_position_embeddings": 64, "init_std": 0.2},
+    ),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"vocab_size": 96, "n_embd": 32, "n_inner": 48, "n_layer": 2, "n_head": 4,
+         "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0, "initializer_range": 0.2},
+    ),
+    "gpt_neo": (
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_layers": 2,
+         "num_heads": 4, "attention_types": [[["global", "local"], 1]], "window_size": 4,
+         "max_position_embeddings": 64, "bos_token_id": 0, "eos_token_id": 0,
+         "initializer_range": 0.2},
+    ),
+}  # fmt: skip
+
+
+def tiny_family(
+    family: str,
+    *,
+    seed: int,
+    noise: float = 0.1,
+    noise_from: torch.nn.Module | None = None,
+    **config,
+) -> torch.nn.Module:
+    """A random float32 OPT / GPT-2 / GPT-Neo causal LM in eval mode with eager attention.
+
+    Args:
+      family: ``"opt"``, ``"gpt2"`` or ``"gpt_neo"``.
+      seed: ``torch.manual_seed`` before the weights are drawn.
+      noise: add ``noise * N(0, 1)`` to every bias and layer-norm parameter (they start at 0 and
+        1, so without it their loading is not checked).
+      noise_from: a model of the same shapes; copy its weights plus Gaussian noise of 0.35 times
+        each tensor's std, giving a draft correlated with that target.
+      **config: fields of the family's transformers config over :data:`FAMILY_CONFIGS`.
+    """
+    config_name, model_name, defaults = FAMILY_CONFIGS[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_name)(**{**defaults, **config})
+    cfg._attn_implementation = "eager"
+    model = getattr(transformers, model_name)(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if noise and (name.endswith("bias") or "norm" in name or ".ln_" in name):
+                p.add_(noise * torch.randn_like(p))
+        if noise_from is not None:
+            for (_, p), (_, q) in zip(model.named_parameters(), noise_from.named_parameters()):
+                p.copy_(q + 0.35 * q.std() * torch.randn_like(q))
+    return model
+
+
+def write_tiny_family(path, family: str, **kwargs) -> torch.nn.Module:
+    """:func:`tiny_family` (same arguments) saved to ``path``; returns the model."""
+    model = tiny_family(family, **kwargs)
     model.save_pretrained(path)
     return model

@@ -1,6 +1,7 @@
 """Checkpoint loading: file layouts, where checkpoints are found, and errors a user can act on."""
 
 import json
+import math
 import shutil
 
 import jax
@@ -9,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_checkpoints import write_tiny_family
 from safetensors.torch import save_file
 
 from asps_jax.models import (
+    FAMILIES,
     CheckpointError,
     IncompatibleModelsError,
     MissingWeightsError,
@@ -21,6 +24,7 @@ from asps_jax.models import (
     load_model,
     save_checkpoint,
 )
+from asps_jax.models.layers import is_spec
 
 V = 40
 
@@ -251,3 +255,128 @@ def test_save_with_tokenizer_and_compatibility(hf_dir, tmp_path):
     with pytest.raises(ValueError, match="params: layers/wq has shape"):
         bad = dict(m.params, layers=dict(m.params["layers"], wq=m.params["layers"]["wq"][:1]))
         save_checkpoint(tmp_path / "bad", m.config, bad)
+
+
+# --- The learned-position families (OPT, GPT-2, GPT-Neo) ---------------------------------------
+
+# Published parameter counts (model names and papers), independent of the cards' numbers.
+NEW_CARDS = {
+    "opt-125m": ("facebook/opt-125m", 125e6),
+    "opt-350m": ("facebook/opt-350m", 331e6),
+    "opt-1.3b": ("facebook/opt-1.3b", 1.3e9),
+    "opt-6.7b": ("facebook/opt-6.7b", 6.7e9),
+    "opt-13b": ("facebook/opt-13b", 13e9),
+    "gpt2": ("openai-community/gpt2", 124e6),
+    "gpt2-large": ("openai-community/gpt2-large", 774e6),
+    "gpt2-xl": ("openai-community/gpt2-xl", 1.5e9),
+    "gpt-neo-2.7b": ("EleutherAI/gpt-neo-2.7B", 2.7e9),
+}
+
+
+@pytest.mark.parametrize("alias", list(NEW_CARDS))
+def test_family_cards_describe_the_published_models(alias):
+    repo, size = NEW_CARDS[alias]
+    card = cards.read_card(alias)
+    assert card["repo_id"] == repo and card["alias"] == alias
+    arch = card["architecture"]
+    family = FAMILIES[arch["model_type"]]
+    config = family.config_from_hf(arch)
+    # transformers reads the card's keys as the same architecture (HF's own names are used).
+    hf = transformers.AutoConfig.for_model(**arch)
+    assert family.config_from_hf(hf.to_dict()) == config
+    cards.check_card(card, config.to_hf(), "here")
+    n = sum(math.prod(s[0]) for s in jax.tree.leaves(family.param_shapes(config), is_leaf=is_spec))
+    assert abs(n / size - 1) < 0.04, (alias, n)
+    pair = cards.read_card(card["pair"]["alias"])
+    assert pair["architecture"]["vocab_size"] == arch["vocab_size"]
+
+
+def test_paper_pairs_are_named_in_the_readme():
+    readme = (cards.MODELS_DIR.parent / "README.md").read_text()
+    for pair in ("--target opt-13b --draft opt-125m", "--target gpt2-xl --draft gpt2",
+                 "--target gpt-neo-2.7b --draft gpt2"):  # fmt: skip
+        assert pair in readme
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2")
+    model = write_tiny_family(path, "gpt2", seed=0)
+    return model, path
+
+
+def test_bare_base_model_checkpoint_with_mask_buffers(gpt2_dir, tmp_path):
+    """openai-community/gpt2 ships GPT2Model names ("h.0...") plus causal-mask buffers."""
+    model, path = gpt2_dir
+    ref = load_model(path)
+    state = {k.removeprefix("transformer."): v.contiguous() for k, v in model.state_dict().items()}
+    state.pop("lm_head.weight", None)
+    for i in range(2):
+        state[f"h.{i}.attn.bias"] = torch.ones(1, 1, 64, 64)
+        state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    state["lm_head.weight"] = model.state_dict()["transformer.wte.weight"].clone()  # tied: ignored
+    (tmp_path / "bare").mkdir()
+    shutil.copy(path / "config.json", tmp_path / "bare")
+    save_file(state, tmp_path / "bare" / "model.safetensors", metadata={"format": "pt"})
+    assert_same_params(load_model(tmp_path / "bare").params, ref.params)
+    # Independent of our loader: Conv1D c_attn [E, 3E] = q | k | v, already [in, out].
+    c_attn = state["h.1.attn.c_attn.weight"].numpy()
+    np.testing.assert_array_equal(np.asarray(ref.params["layers"]["wk"][1]).reshape(32, 32),
+                                  c_attn[:, 32:64])  # fmt: skip
+
+
+def _copy_with(src, dst, edit_state=None, edit_config=None, model=None):
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    config.update(edit_config or {})
+    (dst / "config.json").write_text(json.dumps(config))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state.pop("lm_head.weight", None)
+    if edit_state:
+        edit_state(state)
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_family_checkpoint_errors_are_one_line_each(gpt2_dir, tmp_path):
+    model, path = gpt2_dir
+    drop = "transformer.h.1.attn.c_attn.weight"
+    gone = _copy_with(path, tmp_path / "gone", lambda s: s.pop(drop), model=model)
+    with pytest.raises(CheckpointError, match=r"missing tensors: transformer\.h\.1\.attn\.c_attn"):
+        load_model(gone)
+    wide = _copy_with(path, tmp_path / "wide", edit_config={"n_inner": 64}, model=model)
+    with pytest.raises(CheckpointError) as err:
+        load_model(wide)
+    lines = [line.strip() for line in str(err.value).splitlines()[1:]]  # one per tensor
+    fc = "transformer.h.0.mlp.c_fc.weight"
+    assert f"tensor '{fc}': shape (32, 48), config expects (32, 64)" in lines
+    assert "tensor 'transformer.h.1.mlp.c_fc.bias': shape (48,), config expects (64,)" in lines
+    unknown = _copy_with(path, tmp_path / "bloom", edit_config={"model_type": "bloom"}, model=model)
+    with pytest.raises(ValueError) as err:
+        load_model(unknown)
+    assert "model_type 'bloom' is not supported" in str(err.value)
+    assert "gpt2" in str(err.value) and "\n" not in str(err.value)
+    # A post-LN OPT has no final layer norm: a checkpoint carrying one does not match.
+    opt = write_tiny_family(tmp_path / "opt", "opt", seed=0, do_layer_norm_before=False)
+    extra = _copy_with(
+        tmp_path / "opt",
+        tmp_path / "opt_extra",
+        lambda s: s.update({"model.decoder.final_layer_norm.weight": torch.ones(32)}),
+        model=opt,
+    )
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.decoder.final_layer_norm"):
+        load_model(extra)
+
+
+def test_vocabulary_check_across_families(tmp_path):
+    """GPT-Neo and GPT-2 share a vocabulary and pair; OPT's (more rows) does not pair with them."""
+    tok = tiny_tokenizer()
+    paths = {}
+    for family, vocab in (("gpt2", V), ("gpt_neo", V), ("opt", V + 8)):
+        paths[family] = tmp_path / family
+        write_tiny_family(paths[family], family, seed=0, vocab_size=vocab)
+        tok.save_pretrained(paths[family])
+    gpt2, neo, opt = (load_model(paths[f]) for f in ("gpt2", "gpt_neo", "opt"))
+    check_compatible(neo, gpt2)
+    with pytest.raises(IncompatibleModelsError, match="vocab_size 48 but draft .* has 40"):
+        check_compatible(opt, gpt2)

@@ -1,20 +1,102 @@
-"""The model-family registry, the ``Model`` record, and the target/draft compatibility check.
+"""The model-family contract, the registry, the ``Model`` record and the target/draft check.
 
-A family is a module exposing ``MODEL_TYPE``, ``CONFIG_CLASS``, ``config_from_hf(dict)``,
-``init_params``, ``param_shapes``, ``param_axes``, ``forward(config, params, tokens, positions,
-mask, cache)``, ``HF_TENSORS`` (and optionally ``HF_IGNORED``). Adding OPT or GPT-2 means one more
-module and one more entry in ``FAMILIES``.
+A family is one module (``llama.py``, ``opt.py``, ``gpt2.py``, ``gpt_neo.py``) that satisfies
+:class:`Family`: a hashable config satisfying :class:`ModelConfig`, a pure :class:`Forward`, its
+parameter shapes with logical axes, and its Hugging Face tensor table (``hf_table.HFTensor``
+entries, each owning its layout transform). Nothing outside the module knows the family's names;
+adding one is the module, its test, its card and one entry in :data:`FAMILY_MODULES`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+import importlib
+from typing import Any, Protocol, runtime_checkable
 
-from asps_jax.models import llama
+import jax
 
-FAMILIES = {llama.MODEL_TYPE: llama}
+from asps_jax.kv_cache import KVBlock
+
+
+@runtime_checkable
+class ModelConfig(Protocol):
+    """What code outside a family reads from its config (a frozen, hashable dataclass: it is a
+    static argument of ``jax.jit``).
+
+    ``kv_cache.init_cache`` reads the layer count and the K/V head shape; the sampler reads
+    ``vocab_size`` (prompt check, vocabulary compatibility), ``max_position_embeddings`` (the
+    context) and ``eos_token_id``; the loader reads ``tie_word_embeddings`` through the family's
+    ``param_shapes`` and writes ``to_hf()`` as ``config.json`` (its keys are the ones model cards
+    name under ``"architecture"``).
+    """
+
+    vocab_size: int  # V, rows of the embedding (may exceed the tokenizer's size, e.g. OPT)
+    num_hidden_layers: int  # L
+    num_key_value_heads: int  # KVH
+    head_dim: int  # H
+    max_position_embeddings: int  # positions 0 .. this - 1 are valid
+    eos_token_id: int | tuple[int, ...] | None
+    tie_word_embeddings: bool
+
+    def to_hf(self) -> dict: ...
+
+
+class Forward(Protocol):
+    """``forward(config, params, tokens, positions, mask, cache) -> (logits, new_kv)``.
+
+    * ``tokens`` int32[B, T] and ``positions`` int32[B, T] come from the caller: a tree node at
+      depth d after a prefix of length n has position n + d (``scoring.score_tree``);
+    * ``mask`` bool[B, T, S+T] (the S cache slots, then the T new tokens; bool[B, T, T] without a
+      cache): ``mask[b, t, j]`` lets token t see key j. Every row has a True entry. Cache slot s
+      holds the token at position s, so a family with a local window can derive key positions;
+    * ``cache`` a ``KVCache`` [L, B, S, KVH, H] or None; it is only read;
+    * returns float32 logits [B, T, V] and the new keys/values ``KVBlock`` [L, B, T, KVH, H],
+      which the caller commits (only the accepted path) with ``kv_cache.commit``.
+    """
+
+    def __call__(
+        self, config, params, tokens: jax.Array, positions: jax.Array, mask: jax.Array, cache
+    ) -> tuple[jax.Array, KVBlock]: ...
+
+
+class Family(Protocol):
+    """The module-level names of a family module."""
+
+    MODEL_TYPE: str  # config.json "model_type"
+    ARCHITECTURE: str  # config.json "architectures"[0] when we write a checkpoint
+    CONFIG_CLASS: type
+    HF_PREFIX: str  # the base model's prefix ("model.", "transformer."), absent in bare checkpoints
+    HF_TENSORS: tuple  # of hf_table.HFTensor
+    HF_IGNORED: tuple  # regexes (full match) of HF buffers that are not parameters
+
+    def config_from_hf(self, d: dict) -> ModelConfig: ...
+    def param_shapes(self, config) -> dict: ...  # {name: (shape, logical axes)}, nested
+    def init_params(self, config, key, dtype=...) -> dict: ...
+
+    forward: Forward
+
+
+# The registry: adding a family is one more name here (a module of asps_jax.models).
+FAMILY_MODULES = ("llama", "opt", "gpt2", "gpt_neo")
+_REQUIRED = (
+    "MODEL_TYPE ARCHITECTURE CONFIG_CLASS HF_PREFIX HF_TENSORS HF_IGNORED "
+    "config_from_hf param_shapes init_params forward"
+).split()
+
+
+def _register(names) -> dict:
+    families = {}
+    for name in names:
+        module = importlib.import_module(f"asps_jax.models.{name}")
+        missing = [a for a in _REQUIRED if not hasattr(module, a)]
+        if missing:
+            raise TypeError(f"model family {name!r} lacks {missing} (see base.Family)")
+        families[module.MODEL_TYPE] = module
+    return families
+
+
+FAMILIES = _register(FAMILY_MODULES)
 
 
 def family_for_type(model_type: str | None, where: str = "config"):
@@ -46,7 +128,7 @@ def forward_for(config):
 class Model:
     name: str  # the alias, repo id or path it was loaded as
     path: str  # the checkpoint folder
-    config: Any  # a family config, e.g. LlamaConfig
+    config: Any  # a family config (ModelConfig), e.g. LlamaConfig
     params: Any  # pytree of arrays
     tokenizer: Any = None  # a transformers tokenizer, or None
 

@@ -8,7 +8,7 @@ Layout choices:
 * layers are stacked on a leading ``L`` axis; the forward is one ``lax.scan`` (one compiled layer);
 * projections are stored ``[in, out]`` (``x @ W``) with the head axes split out, e.g.
   ``wq [L, E, NH, H]``; HF's ``nn.Linear`` stores ``[out, in]`` and computes ``x @ W.T``, so every
-  HF projection is transposed once at load (``HF_TENSORS``, kind ``"linear"``);
+  HF projection is transposed once at load (``HF_TENSORS``, kind ``"linear"``, hf_table.py);
 * RoPE in HF's split-half layout (``rope.py``), so q/k weights need no permutation.
 """
 
@@ -16,13 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from asps_jax.kv_cache import KVBlock, KVCache
+from asps_jax.models.hf_table import HFTensor
+from asps_jax.models.layers import (
+    attention,
+    axes_of,
+    check_inputs,
+    init_from_shapes,
+    lm_logits,
+    rms_norm,
+)
 from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
 
 MODEL_TYPE = "llama"
@@ -179,80 +187,46 @@ def param_shapes(config: LlamaConfig) -> dict:
     return shapes
 
 
-def _is_spec(x) -> bool:
-    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
-
-
 def param_axes(config: LlamaConfig) -> dict:
     """Same structure as the params; each leaf a tuple of logical axis names."""
-    return jax.tree.map(lambda s: s[1], param_shapes(config), is_leaf=_is_spec)
+    return axes_of(param_shapes(config))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> dict:
     """HF-style init: weights ~ N(0, initializer_range), norm scales = 1 (one compiled call)."""
-    specs = param_shapes(config)
-    flat, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]]
-    is_norm = [str(path[-1].key).endswith("norm") for path in paths]
-    sizes = [math.prod(shape) for (shape, _), norm in zip(flat, is_norm, strict=True) if not norm]
-    # One RNG draw sliced into every weight: XLA compiles one threefry, not one per weight.
-    noise = config.initializer_range * jax.random.normal(key, (sum(sizes),), jnp.float32)
-    leaves, offset = [], 0
-    for (shape, _), norm in zip(flat, is_norm, strict=True):
-        if norm:
-            leaves.append(jnp.ones(shape, dtype))
-        else:
-            size = math.prod(shape)
-            leaves.append(noise[offset : offset + size].reshape(shape).astype(dtype))
-            offset += size
-    return jax.tree.unflatten(treedef, leaves)
+    return init_from_shapes(
+        param_shapes(config),
+        key,
+        config.initializer_range,
+        dtype,
+        lambda name: 1.0 if name.endswith("norm") else None,
+    )
 
 
-# HF tensor name <-> our parameter. "copy": same layout. "linear": HF nn.Linear stores [out, in]
-# and computes x @ W.T, we store [in, out(, split into heads)] so x @ W needs no transpose at run
-# time: ours = W.T reshaped. "{i}" is the layer index; those go to slot i of the stacked L axis.
+# HF tensor name <-> our parameter, with its layout transform (hf_table.py). HF nn.Linear stores
+# [out, in] and computes x @ W.T; we store [in, out (split into heads)] so x @ W needs no
+# transpose at run time. "{i}" is the layer index; those go to slot i of the stacked L axis.
+HF_PREFIX = "model."  # the base model's prefix: a bare LlamaModel checkpoint lacks it
 HF_TENSORS = (
-    ("model.embed_tokens.weight", "embed", "copy"),
-    ("model.layers.{i}.input_layernorm.weight", "layers/attn_norm", "copy"),
-    ("model.layers.{i}.self_attn.q_proj.weight", "layers/wq", "linear"),
-    ("model.layers.{i}.self_attn.k_proj.weight", "layers/wk", "linear"),
-    ("model.layers.{i}.self_attn.v_proj.weight", "layers/wv", "linear"),
-    ("model.layers.{i}.self_attn.o_proj.weight", "layers/wo", "linear"),
-    ("model.layers.{i}.post_attention_layernorm.weight", "layers/mlp_norm", "copy"),
-    ("model.layers.{i}.mlp.gate_proj.weight", "layers/w_gate", "linear"),
-    ("model.layers.{i}.mlp.up_proj.weight", "layers/w_up", "linear"),
-    ("model.layers.{i}.mlp.down_proj.weight", "layers/w_down", "linear"),
-    ("model.norm.weight", "final_norm", "copy"),
-    ("lm_head.weight", "lm_head", "linear"),
+    HFTensor("model.embed_tokens.weight", "embed"),
+    HFTensor("model.layers.{i}.input_layernorm.weight", "layers/attn_norm"),
+    HFTensor("model.layers.{i}.self_attn.q_proj.weight", "layers/wq", "linear"),
+    HFTensor("model.layers.{i}.self_attn.k_proj.weight", "layers/wk", "linear"),
+    HFTensor("model.layers.{i}.self_attn.v_proj.weight", "layers/wv", "linear"),
+    HFTensor("model.layers.{i}.self_attn.o_proj.weight", "layers/wo", "linear", n_in=2),
+    HFTensor("model.layers.{i}.post_attention_layernorm.weight", "layers/mlp_norm"),
+    HFTensor("model.layers.{i}.mlp.gate_proj.weight", "layers/w_gate", "linear"),
+    HFTensor("model.layers.{i}.mlp.up_proj.weight", "layers/w_up", "linear"),
+    HFTensor("model.layers.{i}.mlp.down_proj.weight", "layers/w_down", "linear"),
+    HFTensor("model.norm.weight", "final_norm"),
+    HFTensor("lm_head.weight", "lm_head", "linear", tied=True),
 )
 # Non-parameter buffers some older checkpoints carry; recomputed from the config.
 HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 
 
 # --- Forward ----------------------------------------------------------------------------------
-
-
-def _rms_norm(x_BTE: jax.Array, scale_E: jax.Array, eps: float) -> jax.Array:
-    # Like HF: normalise in float32, cast back to the activation dtype, then scale.
-    x = x_BTE.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return scale_E[None, None, :] * x.astype(x_BTE.dtype)
-
-
-def _check_inputs(config, tokens, positions, mask, cache):
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
-    B, T = tokens.shape
-    if positions.shape != (B, T):
-        raise ValueError(f"positions must have shape {(B, T)}, got {positions.shape}")
-    S = 0 if cache is None else cache.k.shape[2]
-    if mask.shape != (B, T, S + T) or mask.dtype != jnp.bool_:
-        raise ValueError(f"mask must be bool[{B}, {T}, {S + T}], got {mask.dtype}{mask.shape}")
-    if cache is not None:
-        want = (config.num_hidden_layers, B, S, config.num_key_value_heads, config.head_dim)
-        if cache.k.shape != want:
-            raise ValueError(f"cache.k must have shape {want}, got {cache.k.shape}")
 
 
 def forward(
@@ -264,52 +238,22 @@ def forward(
     cache: KVCache | None,
 ) -> tuple[jax.Array, KVBlock]:
     """``(logits float32[B, T, V], new_kv)``; ``new_kv.k/v [L, B, T, KVH, H]`` (k after RoPE)."""
-    _check_inputs(config, tokens, positions, mask, cache)
+    check_inputs(config, tokens, positions, mask, cache)
     c = config
-    dtype = params["embed"].dtype
-    B, T = tokens.shape
-    G = c.num_attention_heads // c.num_key_value_heads  # query heads per kv head
     cos, sin = rope_tables(
         c.rope_theta, c.head_dim, c.rope_scaling, c.max_position_embeddings, positions
     )
-    # Scores are float32; finfo.min (not -inf) keeps fully masked rows finite.
-    mask_B11TS = mask[:, None, None, :, :]
     scale = c.head_dim**-0.5
 
     def layer(x_BTE, xs):
         p, cache_k, cache_v = xs
-        h = _rms_norm(x_BTE, p["attn_norm"], c.rms_norm_eps)
+        h = rms_norm(x_BTE, p["attn_norm"], c.rms_norm_eps)
         q = apply_rope(jnp.einsum("bte,enh->btnh", h, p["wq"]), cos, sin)
         k = apply_rope(jnp.einsum("bte,ekh->btkh", h, p["wk"]), cos, sin)
         v = jnp.einsum("bte,ekh->btkh", h, p["wv"])
-        q_BTKGH = q.reshape(B, T, c.num_key_value_heads, G, c.head_dim)
-        # The cache and the new tokens are attended separately and only the (small) scores are
-        # concatenated: concatenating keys/values would copy the whole cache every step.
-        parts = (
-            [(k, v)]
-            if cache_k is None
-            else [(cache_k.astype(dtype), cache_v.astype(dtype)), (k, v)]
-        )
-        scores = jnp.concatenate(
-            [
-                jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, keys, preferred_element_type=jnp.float32)
-                for keys, _ in parts
-            ],
-            axis=-1,
-        )  # [B, KVH, G, T, S+T]
-        scores = jnp.where(mask_B11TS, scores * scale, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        attn, start = 0, 0
-        for keys, values in parts:
-            width = keys.shape[1]
-            p_part = probs[..., start : start + width]
-            attn = attn + jnp.einsum(
-                "bkgts,bskh->btkgh", p_part, values, preferred_element_type=jnp.float32
-            )
-            start += width
-        attn = attn.astype(dtype).reshape(B, T, c.num_attention_heads, c.head_dim)
+        attn = attention(q, k, v, cache_k, cache_v, mask, scale)
         x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"])
-        h = _rms_norm(x_BTE, p["mlp_norm"], c.rms_norm_eps)
+        h = rms_norm(x_BTE, p["mlp_norm"], c.rms_norm_eps)
         gate = jax.nn.silu(jnp.einsum("bte,ef->btf", h, p["w_gate"]))
         up = jnp.einsum("bte,ef->btf", h, p["w_up"])
         x_BTE = x_BTE + jnp.einsum("btf,fe->bte", gate * up, p["w_down"])
@@ -318,9 +262,6 @@ def forward(
     x = params["embed"][tokens]  # [B, T, E]
     xs = (params["layers"], None, None) if cache is None else (params["layers"], cache.k, cache.v)
     x, (new_k, new_v) = jax.lax.scan(layer, x, xs)
-    x = _rms_norm(x, params["final_norm"], c.rms_norm_eps)
-    if c.tie_word_embeddings:
-        logits = jnp.einsum("bte,ve->btv", x, params["embed"], preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("bte,ev->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits.astype(jnp.float32), KVBlock(k=new_k, v=new_v)
+    x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    head = params["embed"] if c.tie_word_embeddings else params["lm_head"]
+    return lm_logits(x, head, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)

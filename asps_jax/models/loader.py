@@ -3,7 +3,9 @@
 Reading streams one tensor at a time (safetensors through a read-only memory map, ``.bin`` through
 ``torch.load(mmap=True)``) into one preallocated array per stacked parameter, so a checkpoint never
 needs two full copies in host memory and bfloat16 stays bfloat16 unless a dtype is asked for.
-Each model family's ``HF_TENSORS`` table is the single name/layout mapping, used both ways.
+Each model family's ``HF_TENSORS`` table (``hf_table.HFTensor`` entries, each owning its layout
+transform: copy, linear, conv1d, vector, split-into-n, tied head) is the single name/layout
+mapping, used both ways; nothing here knows a family's tensor names.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from asps_jax.models import hf_table
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -127,31 +131,11 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
 # --- Name mapping -----------------------------------------------------------------------------
 
 
-def _tensor_table(family, config) -> dict[str, tuple[tuple[str, ...], int | None, str]]:
-    """``{hf_name: (our path, layer index or None, kind)}`` for this config."""
-    table = {}
-    has_lm_head = not config.tie_word_embeddings
-    for template, path, kind in family.HF_TENSORS:
-        keys = tuple(path.split("/"))
-        if keys == ("lm_head",) and not has_lm_head:
-            continue
-        if "{i}" in template:
-            for i in range(config.num_hidden_layers):
-                table[template.format(i=i)] = (keys, i, kind)
-        else:
-            table[template] = (keys, None, kind)
-    return table
-
-
-def _n_in(keys: tuple[str, ...]) -> int:
-    # Input axes of a [in..., out...] projection; only the attention output has two (heads, H).
-    return 2 if keys[-1] == "wo" else 1
-
-
-def _hf_shape(shape: tuple[int, ...], kind: str, n_in: int) -> tuple[int, ...]:
-    if kind == "copy":
-        return shape
-    return (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
+def _table(family, config) -> tuple[dict, set[str], dict]:
+    """``({hf name: (HFTensor, layer)}, tied names to ignore, param_shapes)`` for this config."""
+    shapes = family.param_shapes(config)
+    table, tied = hf_table.expand(family.HF_TENSORS, shapes, config.num_hidden_layers)
+    return table, tied, shapes
 
 
 def _get(tree: dict, keys):
@@ -166,42 +150,46 @@ def _set(tree: dict, keys, value):
     tree[keys[-1]] = value
 
 
+def _canonical(name: str, table: dict, prefix: str, ignored) -> str:
+    """A checkpoint of the bare base model (``GPT2Model``, ``OPTModel``) names its tensors without
+    the base-model prefix (``h.0.attn.c_attn.weight``); the table uses the full names."""
+    if name in table or not prefix or name.startswith(prefix):
+        return name
+    full = prefix + name
+    return full if full in table or any(p.fullmatch(full) for p in ignored) else name
+
+
 def load_params(path: Path, config, family, dtype=None) -> dict:
     """Read every tensor of the checkpoint at ``path`` into our stacked layout."""
     want_dtype = as_dtype(dtype)
-    table = _tensor_table(family, config)
-    shapes = family.param_shapes(config)
-    ignored = [re.compile(p) for p in getattr(family, "HF_IGNORED", ())]
+    table, tied, shapes = _table(family, config)
+    ignored = [re.compile(p) for p in family.HF_IGNORED]
     buffers: dict[tuple[str, ...], np.ndarray] = {}
     seen: set[str] = set()
     errors: list[str] = []
-    for name, array in iter_tensors(path):
-        if any(p.fullmatch(name) for p in ignored):
-            continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # tied: the embedding is the head; some exporters write both
+    for raw_name, array in iter_tensors(path):
+        name = _canonical(raw_name, table, family.HF_PREFIX, ignored)
+        if name in tied or any(p.fullmatch(name) for p in ignored):
+            continue  # a tied head (the embedding is the head) or a non-parameter buffer
         if name not in table:
-            errors.append(f"unexpected tensor {name!r} {tuple(array.shape)}")
+            errors.append(f"unexpected tensor {raw_name!r} {tuple(array.shape)}")
             continue
-        keys, layer, kind = table[name]
-        shape = _get(shapes, keys)[0]
-        inner = shape[1:] if layer is not None else shape
-        n_in = _n_in(keys)
-        expected = _hf_shape(inner, kind, n_in)
+        entry, layer = table[name]
+        inner = [_get(shapes, k)[0][1 if layer is not None else 0 :] for k in entry.keys]
+        expected = entry.hf_shape(inner[0])
         if tuple(array.shape) != expected:
-            errors.append(f"tensor {name!r}: shape {tuple(array.shape)}, config expects {expected}")
+            errors.append(
+                f"tensor {raw_name!r}: shape {tuple(array.shape)}, config expects {expected}"
+            )
             continue
-        if keys not in buffers:
-            buffers[keys] = np.empty(shape, want_dtype or array.dtype)
-        dest = buffers[keys][layer] if layer is not None else buffers[keys]
-        if kind == "copy":
-            dest[...] = array
-        else:
-            # HF nn.Linear is [out, in]; we store [in..., out...] (see the family's HF_TENSORS).
-            dest.reshape(expected[1], expected[0])[...] = array.T
+        for keys, part in zip(entry.keys, entry.to_ours(array, inner[0]), strict=True):
+            if keys not in buffers:
+                buffers[keys] = np.empty(_get(shapes, keys)[0], want_dtype or array.dtype)
+            dest = buffers[keys][layer] if layer is not None else buffers[keys]
+            dest[...] = part
         seen.add(name)
     # Drop the last views: they keep the memory map (and a stacked buffer) alive.
-    array = dest = None
+    array = dest = part = None
     missing = sorted(set(table) - seen)
     if missing:
         shown = ", ".join(missing[:8]) + (
@@ -242,11 +230,13 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> Non
 
 def hf_tensors(config, params, family) -> list[tuple[str, np.ndarray]]:
     """Our params as ``(HF name, HF-layout array)``: views of one host copy of each parameter."""
-    shapes = family.param_shapes(config)
+    table, _, shapes = _table(family, config)
     host: dict[tuple[str, ...], np.ndarray] = {}
     out = []
-    for name, (keys, layer, kind) in _tensor_table(family, config).items():
-        if keys not in host:
+    for name, (entry, layer) in table.items():
+        for keys in entry.keys:
+            if keys in host:
+                continue
             try:
                 host[keys] = np.asarray(_get(params, keys))
             except KeyError as e:
@@ -256,12 +246,8 @@ def hf_tensors(config, params, family) -> list[tuple[str, np.ndarray]]:
                     f"params: {'/'.join(keys)} has shape {host[keys].shape}, "
                     f"config expects {_get(shapes, keys)[0]}"
                 )
-        full = host[keys]
-        a = full[layer] if layer is not None else full
-        if kind != "copy":
-            n_in = _n_in(keys)
-            a = a.reshape(int(np.prod(a.shape[:n_in])), -1).T
-        out.append((name, a))
+        parts = [host[k][layer] if layer is not None else host[k] for k in entry.keys]
+        out.append((name, entry.to_hf(parts)))
     return out
 
 

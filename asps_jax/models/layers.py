@@ -1,0 +1,168 @@
+"""Building blocks the family modules share: norms, activations, attention over cache + new tokens,
+the LM head, input checks and parameter initialisation. Pure functions over arrays.
+
+Numerics follow transformers: norms and attention scores in float32, activations in the
+parameters' dtype, logits returned in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+# HF ``hidden_act`` / ``activation_function`` names. "gelu_new" is GPT-2's tanh approximation.
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
+def activation(name: str, where: str = "config"):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{where}: activation {name!r} unsupported ({list(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+def rms_norm(x_BTE: jax.Array, scale_E: jax.Array, eps: float) -> jax.Array:
+    # Like HF: normalise in float32, cast back to the activation dtype, then scale.
+    x = x_BTE.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return scale_E[None, None, :] * x.astype(x_BTE.dtype)
+
+
+def layer_norm(x_BTE: jax.Array, scale_E: jax.Array, bias_E: jax.Array, eps: float) -> jax.Array:
+    """``torch.nn.LayerNorm`` (biased variance), computed in float32."""
+    x = x_BTE.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + eps)
+    scale, bias = scale_E.astype(jnp.float32), bias_E.astype(jnp.float32)
+    return (y * scale[None, None, :] + bias[None, None, :]).astype(x_BTE.dtype)
+
+
+def lookup(table_PE: jax.Array, positions_BT: jax.Array) -> jax.Array:
+    """Rows of a learned position table. Positions past its end (only ever reached by padded tree
+    nodes or tokens beyond ``max_new_tokens``, whose logits are never used) take the last row."""
+    return jnp.take(table_PE, positions_BT, axis=0, mode="clip")
+
+
+def check_inputs(config, tokens, positions, mask, cache) -> None:
+    """The shapes of the forward contract (``base.Forward``); a clear error otherwise."""
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    B, T = tokens.shape
+    if positions.shape != (B, T):
+        raise ValueError(f"positions must have shape {(B, T)}, got {positions.shape}")
+    S = 0 if cache is None else cache.k.shape[2]
+    if mask.shape != (B, T, S + T) or mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be bool[{B}, {T}, {S + T}], got {mask.dtype}{mask.shape}")
+    if cache is not None:
+        want = (config.num_hidden_layers, B, S, config.num_key_value_heads, config.head_dim)
+        if cache.k.shape != want:
+            raise ValueError(f"cache.k must have shape {want}, got {cache.k.shape}")
+
+
+def window_mask(mask_BTS: jax.Array, positions_BT: jax.Array, window: int) -> jax.Array:
+    """``mask`` and ``query position - key position < window`` (a sliding / local window).
+
+    Cache slot ``s`` holds the token at position ``s`` (``kv_cache.commit`` appends in order);
+    the new tokens sit at ``positions``. Intersecting with the caller's mask makes the window
+    respect a tree mask too: a node sees its ancestors, and of those only the ones in its window.
+    A node always sees itself (distance 0), so no row becomes empty.
+    """
+    B, T, width = mask_BTS.shape
+    S = width - T
+    cache_pos_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    key_pos_BS = jnp.concatenate([cache_pos_BS, positions_BT.astype(jnp.int32)], axis=1)
+    near_BTS = positions_BT[:, :, None] - key_pos_BS[:, None, :] < window
+    return mask_BTS & near_BTS
+
+
+def attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v, mask_BTS, scale: float) -> jax.Array:
+    """Grouped-query attention of T new queries over the cache (may be None) and the T new keys.
+
+    Returns ``[B, T, NH, H]`` in the dtype of ``q``. Scores and softmax in float32; masked entries
+    get ``finfo.min`` (not -inf) so a fully masked row stays finite.
+    """
+    B, T, NH, H = q_BTNH.shape
+    KVH = k_BTKH.shape[2]
+    dtype = q_BTNH.dtype
+    q_BTKGH = q_BTNH.reshape(B, T, KVH, NH // KVH, H)
+    # The cache and the new tokens are attended separately and only the (small) scores are
+    # concatenated: concatenating keys/values would copy the whole cache every step.
+    parts = (
+        [(k_BTKH, v_BTKH)]
+        if cache_k is None
+        else [(cache_k.astype(dtype), cache_v.astype(dtype)), (k_BTKH, v_BTKH)]
+    )
+    scores = jnp.concatenate(
+        [
+            jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, keys, preferred_element_type=jnp.float32)
+            for keys, _ in parts
+        ],
+        axis=-1,
+    )  # [B, KVH, G, T, S+T]
+    scores = jnp.where(mask_BTS[:, None, None], scores * scale, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out, start = 0, 0
+    for keys, values in parts:
+        width = keys.shape[1]
+        out = out + jnp.einsum(
+            "bkgts,bskh->btkgh",
+            probs[..., start : start + width],
+            values,
+            preferred_element_type=jnp.float32,
+        )
+        start += width
+    return out.astype(dtype).reshape(B, T, NH, H)
+
+
+def lm_logits(x_BTE: jax.Array, head: jax.Array, tied: bool) -> jax.Array:
+    """float32 logits from the embedding ``[V, E]`` (tied) or a head ``[E, V]``."""
+    spec = "bte,ve->btv" if tied else "bte,ev->btv"
+    return jnp.einsum(spec, x_BTE, head, preferred_element_type=jnp.float32).astype(jnp.float32)
+
+
+def is_spec(x) -> bool:
+    """A ``(shape, axes)`` leaf of a family's ``param_shapes``."""
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
+
+
+def axes_of(shapes: dict) -> dict:
+    return jax.tree.map(lambda s: s[1], shapes, is_leaf=is_spec)
+
+
+def init_from_shapes(shapes: dict, key: jax.Array, std: float, dtype, constant) -> dict:
+    """Weights ~ N(0, std); leaves for which ``constant(name)`` is a number are filled with it.
+
+    One RNG draw is sliced into every weight: XLA compiles one threefry, not one per weight.
+    """
+    flat, treedef = jax.tree.flatten(shapes, is_leaf=is_spec)
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_spec)[0]]
+    fill = [constant(str(path[-1].key)) for path in paths]
+    sizes = [math.prod(shape) for (shape, _), c in zip(flat, fill, strict=True) if c is None]
+    noise = std * jax.random.normal(key, (sum(sizes),), jnp.float32)
+    leaves, offset = [], 0
+    for (shape, _), c in zip(flat, fill, strict=True):
+        if c is not None:
+            leaves.append(jnp.full(shape, c, dtype))
+        else:
+            size = math.prod(shape)
+            leaves.append(noise[offset : offset + size].reshape(shape).astype(dtype))
+            offset += size
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def gpt_constant(name: str) -> float | None:
+    """Init of the learned-position families: norm scales 1, biases 0, the rest random."""
+    if name.endswith("norm"):
+        return 1.0
+    if name.endswith("_b") or name in ("bq", "bk", "bv", "bo", "b_in", "b_out"):
+        return 0.0
+    return None

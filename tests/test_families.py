@@ -1,0 +1,272 @@
+"""OPT, GPT-2 and GPT-Neo ports against transformers' PyTorch models (tiny random checkpoints).
+
+Every expected value comes from transformers: full-sequence logits, sequential decoding of a
+tree's root paths, the exact law of the first two sampled tokens, and greedy ``generate``.
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from hf_checkpoints import FAMILY_CONFIGS, tiny_family, write_tiny_family
+from test_decode import (
+    MAX_NEW,
+    PROMPT,
+    ROWS,
+    SETTINGS,
+    VOCAB,
+    _chi_square_pvalue,
+    _exact_two_token_law,
+    _hf_greedy,
+)
+from test_scoring import hand_tree, prefill, random_validity, root_path, tree_scorer
+
+import asps_jax
+from asps_jax.kv_cache import commit, init_cache
+from asps_jax.models import FAMILIES, ModelConfig, base, forward_for, load_model, save_checkpoint
+from asps_jax.sharding import ShardingRules
+
+V = 96  # the vocabulary of hf_checkpoints.FAMILY_CONFIGS
+
+CASES = {
+    # name: (family, transformers config overrides)
+    "opt": ("opt", {}),
+    # opt-350m's shape: post-LN (no final layer norm) and a smaller word-embedding dimension.
+    "opt_post_ln_proj": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 24}),
+    "opt_proj_untied": ("opt", {"word_embed_proj_dim": 16, "tie_word_embeddings": False}),
+    "gpt2": ("gpt2", {}),
+    "gpt2_untied_layer_scaled": (
+        "gpt2",
+        {"tie_word_embeddings": False, "scale_attn_by_inverse_layer_idx": True},
+    ),
+    # Layers global then local with a window of 4: every test sequence is longer than that.
+    "gpt_neo": ("gpt_neo", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = {}
+    for case, (family, overrides) in CASES.items():
+        path = tmp_path_factory.mktemp(case)
+        out[case] = (write_tiny_family(path, family, seed=0, **overrides), load_model(path))
+    return out
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+def causal(B, T):
+    return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_full_sequence_matches_transformers(saved, case):
+    hf, m = saved[case]
+    assert m.family is FAMILIES[CASES[case][0]]
+    B, T = 2, 12
+    tokens = np.random.default_rng(1).integers(0, V, (B, T)).astype(np.int32)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    logits, kv = jax.jit(m.forward)(m.params, jnp.asarray(tokens), positions, causal(B, T), None)
+    np.testing.assert_allclose(np.asarray(logits), hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+    assert kv.k.shape == (2, B, T, 4, 8)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_then_decode_matches_full_forward(saved, case):
+    hf, m = saved[case]
+    B, T, P = 2, 10, 4
+    tokens = np.random.default_rng(2).integers(0, V, (B, T)).astype(np.int32)
+    expected = hf_logits(hf, tokens)
+
+    @jax.jit
+    def run(cache, chunk, start):
+        t = chunk.shape[1]
+        pos = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (B, t))
+        slots = jnp.arange(T)[None, None, :] < cache.lengths[:, None, None]
+        mask = jnp.concatenate([jnp.broadcast_to(slots, (B, t, T)), causal(B, t)], axis=-1)
+        logits, kv = m.forward(m.params, chunk, pos, mask, cache)
+        nodes = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (B, t))
+        return logits, commit(cache, kv, nodes, jnp.full((B,), t, jnp.int32))
+
+    logits, cache = run(init_cache(m.config, B, T), jnp.asarray(tokens[:, :P]), 0)
+    got = [np.asarray(logits)]
+    for i in range(P, T):
+        logits, cache = run(cache, jnp.asarray(tokens[:, i : i + 1]), i)
+        got.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(got, axis=1), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["opt_post_ln_proj", "gpt2", "gpt_neo"])
+def test_tree_scoring_equals_sequential_decoding(saved, case):
+    """Positions are prefix length + depth; GPT-Neo's local window (4) meets the tree mask."""
+    hf, m = saved[case]
+    rng = np.random.default_rng(3)
+    tree = hand_tree()
+    B, N = 3, tree.num_nodes
+    prompts = [list(rng.integers(0, V, n)) for n in (4, 7, 2)]
+    cache, roots = prefill(m, prompts)
+    valid = random_validity(tree, rng, B)
+    valid[1] = True  # row 1: every node, depth 3 after 6 cached tokens (past the window)
+    toks = rng.integers(0, V, (B, N)).astype(np.int32)
+    toks[:, 0] = roots
+    logits, _ = tree_scorer(m, tree)(m.params, cache, jnp.asarray(toks), jnp.asarray(valid))
+    logits = np.asarray(logits)
+    assert np.isfinite(logits).all()
+    for b in range(B):
+        for i in range(N):
+            if valid[b, i]:
+                seq = prompts[b][:-1] + [int(toks[b, j]) for j in root_path(tree, i)]
+                np.testing.assert_allclose(logits[b, i], hf_logits(hf, [seq])[0, -1], atol=1e-4)
+
+
+def test_local_window_matters(saved):
+    """The parity above can fail: without the window, every position past it is far off."""
+    hf, m = saved["gpt_neo"]
+    tokens = np.random.default_rng(4).integers(0, V, (1, 12)).astype(np.int32)
+    pos = jnp.arange(12, dtype=jnp.int32)[None]
+    wide = dataclasses.replace(m.config, window_size=64)
+    logits, _ = jax.jit(forward_for(wide))(m.params, jnp.asarray(tokens), pos, causal(1, 12), None)
+    diff = np.abs(np.asarray(logits) - hf_logits(hf, tokens))[0].max(-1)
+    assert diff[:4].max() < 1e-4 and diff[4:].min() > 0.1
+
+
+def test_float16_checkpoint_stays_float16(tmp_path):
+    """facebook/opt-* ship float16 weights: they load as float16, logits come out float32."""
+    hf = tiny_family("opt", seed=6, do_layer_norm_before=False, word_embed_proj_dim=24)
+    tokens = np.random.default_rng(6).integers(0, V, (1, 10)).astype(np.int32)
+    expected = hf_logits(hf, tokens)
+    hf.to(torch.float16).save_pretrained(tmp_path)
+    m = load_model(tmp_path)
+    assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(m.params))
+    pos = jnp.arange(10, dtype=jnp.int32)[None]
+    logits, _ = jax.jit(m.forward)(m.params, jnp.asarray(tokens), pos, causal(1, 10), None)
+    assert logits.dtype == jnp.float32
+    rel = np.linalg.norm(np.asarray(logits) - expected) / np.linalg.norm(expected)
+    assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 24}),
+        ("gpt2", {}),
+        ("gpt_neo", {"attention_types": [[["local", "global"], 1]], "window_size": 3}),
+    ],
+)
+def test_save_checkpoint_loads_in_transformers(tmp_path, family, overrides):
+    """Our writer (split, conv1d, transposes, config.json) read back by transformers."""
+    hf = tiny_family(family, seed=5, **overrides)
+    hf.save_pretrained(tmp_path / "hf")
+    m = load_model(tmp_path / "hf")
+    save_checkpoint(tmp_path / "ours", m.config, m.params)
+    written = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert written["model_type"] == family
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ours", attn_implementation="eager"
+    ).eval()
+    for (name, p), (_, q) in zip(hf.state_dict().items(), back.state_dict().items(), strict=True):
+        np.testing.assert_array_equal(p.numpy(), q.numpy(), err_msg=name)
+    again = load_model(tmp_path / "ours")
+    assert again.config == m.config
+    jax.tree.map(np.testing.assert_array_equal, again.params, m.params)
+
+
+@pytest.mark.parametrize("family", ["opt", "gpt2", "gpt_neo"])
+def test_params_shard_by_their_logical_axes(family):
+    """Every logical axis (learned position tables included) has a sharding rule."""
+    config_name, _, defaults = FAMILY_CONFIGS[family]
+    extra = {"word_embed_proj_dim": 16} if family == "opt" else {}
+    hf_config = getattr(transformers, config_name)(**defaults, **extra)
+    config = FAMILIES[family].config_from_hf(hf_config.to_dict())
+    assert isinstance(config, ModelConfig) and hash(config) == hash(dataclasses.replace(config))
+    shapes = FAMILIES[family].param_shapes(config)
+    specs = jax.tree.map(
+        lambda s: ShardingRules().partition_spec(s[1], s[0], {"data": 2, "model": 4}),
+        shapes,
+        is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple),
+    )
+    assert tuple(specs["positions"]) == (None, None)
+    assert tuple(specs["layers"]["wq"]) == (None, None, "model", None)
+    params = FAMILIES[family].init_params(config, jax.random.key(0))
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(
+        lambda s: s[0], shapes, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
+    )
+
+
+# --- End to end: sample() with OPT, GPT-2 and GPT-Neo/GPT-2 pairs --------------------------
+
+PAIRS = {
+    # name: (target family, draft family, index into test_decode.SETTINGS); one setting per pair
+    # halves the rows, and the two settings are each covered by some pair.
+    "opt": ("opt", "opt", 1),
+    "gpt2": ("gpt2", "gpt2", 0),
+    "gpt_neo_gpt2": ("gpt_neo", "gpt2", 1),  # the ASpS paper's cross-family pair, in miniature
+}
+GREEDY_PROMPTS = [PROMPT, [4, 7, 9, 1, 0, 11, 6], [2]]
+# Smaller than the parity models (the loop runs ROWS rows); VOCAB (12) tokens for the law.
+SMALL = {
+    "opt": {"hidden_size": 16, "ffn_dim": 32, "num_attention_heads": 2, "init_std": 0.4},
+    "gpt2": {"n_embd": 16, "n_inner": 32, "n_head": 2, "initializer_range": 0.4},
+    "gpt_neo": {"hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                "initializer_range": 0.4},
+}  # fmt: skip
+
+
+def _write_pair(root, target_family, draft_family):
+    """Large weights (std 0.4) give peaked laws, so drafts are sometimes rejected."""
+    hf_t = write_tiny_family(
+        root / "target", target_family, seed=0, vocab_size=VOCAB, **SMALL[target_family]
+    )
+    draft_kw = dict(noise_from=hf_t) if draft_family == target_family else {}
+    write_tiny_family(
+        root / "draft", draft_family, seed=1, vocab_size=VOCAB, **SMALL[draft_family], **draft_kw
+    )
+    return hf_t, load_model(root / "target"), load_model(root / "draft")
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_sample_follows_the_target_law_and_greedy_is_generate(tmp_path, pair):
+    """One compiled call per pair: ROWS law rows + greedy rows (temperature 0) side by side."""
+    target_family, draft_family, which = PAIRS[pair]
+    hf_t, target, draft = _write_pair(tmp_path, target_family, draft_family)
+    setting, greedy = SETTINGS[which], len(GREEDY_PROMPTS)
+    per_row = {
+        name: np.concatenate([np.full(ROWS, setting[name]), np.full(greedy, default)])
+        for name, default in (("temperature", 0.0), ("draft_temperature", 0.0), ("top_p", 1.0))
+    }
+    out = asps_jax.sample(
+        target,
+        draft,
+        [PROMPT] * ROWS + GREEDY_PROMPTS,
+        method="asps",
+        key=jax.random.key(100),
+        max_new_tokens=MAX_NEW,
+        num_draft_tokens=2,
+        eos_token_id=-1,
+        top_k=np.concatenate([np.full(ROWS, setting["top_k"]), np.zeros(greedy, int)]),
+        **per_row,
+    )
+    tokens = np.asarray(out.tokens)
+    for g, prompt in enumerate(GREEDY_PROMPTS):
+        assert tokens[ROWS + g].tolist() == _hf_greedy(hf_t, prompt, MAX_NEW), prompt
+    counts = np.zeros((VOCAB, VOCAB))
+    np.add.at(counts, (tokens[:ROWS, 0], tokens[:ROWS, 1]), 1)
+    law = _exact_two_token_law(hf_t, setting["temperature"], setting["top_k"], setting["top_p"])
+    pvalue = _chi_square_pvalue(counts, law)
+    assert pvalue > 1e-3, f"{pair} {setting}: chi-square p-value {pvalue:.2e}"
+    tps = np.asarray(out.stats["tokens_per_step"])[:ROWS]
+    assert tps.mean() > 1.05  # drafts are accepted: the pair really speculates
+
+
+def test_registry_checks_the_family_contract():
+    assert list(FAMILIES) == ["llama", "opt", "gpt2", "gpt_neo"]
+    with pytest.raises(TypeError, match=r"model family 'layers' lacks \['MODEL_TYPE'"):
+        base._register(["layers"])  # a module of asps_jax.models that is not a family
