@@ -210,10 +210,11 @@ def chain_draws(target, drafts, n):
             yield weight, tokens, q, p
 
 
-def without_replacement_draws(target, draft, parents, restricted_laws):
-    """Every draw of a tree whose sibling groups are drawn without replacement from one draft
-    model: yields ``(weight, tokens, q, p)``; ``q[i]`` is the draft law after i's parent,
-    restricted to tokens its earlier siblings did not take when ``restricted_laws``."""
+def tree_draws(target, draft, parents, replace, restricted_laws=False):
+    """Every draw of a static tree from one draft model: each sibling group is drawn i.i.d.
+    (``replace``) or without replacement. Yields ``(weight, tokens, q, p)``; ``q[i]`` is the draft
+    law after i's parent, restricted to the tokens its earlier siblings did not take when
+    ``restricted_laws`` (drawn without replacement)."""
     vocab = target[0].shape[-1]
     num = len(parents)
     prefix = [()] * num
@@ -229,8 +230,9 @@ def without_replacement_draws(target, draft, parents, restricted_laws):
                 prefix[i] = prefix[par] + (int(tokens[i]),)
                 law = np.array(draft[len(prefix[par])][prefix[par]])
                 left = law.copy()
-                left[taken[par]] = 0.0
-                if left.sum() <= 0 or tokens[i] in taken[par]:
+                if not replace:
+                    left[taken[par]] = 0.0
+                if left.sum() <= 0 or left[tokens[i]] <= 0:
                     weight = 0.0
                     break
                 left /= left.sum()

@@ -98,8 +98,10 @@ def _events(tree: trees.TokenTree, node, valid_slot):
     return jnp.lexsort(tuple(key[:, j] for j in reversed(range(max_depth)))).astype(jnp.int32)
 
 
-def _traversal_outcome(tree, tokens, q, p, node, parent, real, valid_slot, with_replacement):
-    """TV / TV-wr: ``(stop [N], emit [N, V])`` indexed by slot (probabilities)."""
+def _traversal_outcome(tree, tokens, q, p, node, parent, real, valid_slot, restrict, walk_all):
+    """TV (``restrict``: later siblings' laws restricted to untried tokens) and TV-wr
+    (``walk_all``: walkers bringing a tried token still apply the residual update):
+    ``(stop [N], emit [N, V])`` indexed by slot (probabilities)."""
     n_nodes, vocab = q.shape
     dtype = q.dtype
     max_depth = tree.max_depth
@@ -111,15 +113,13 @@ def _traversal_outcome(tree, tokens, q, p, node, parent, real, valid_slot, with_
 
     # --- Step 1: the law each real slot is verified with; TV restricts it to untried tokens ---
     q_at_tok = jnp.take_along_axis(q, tokens[None, :], axis=1)  # [i, j] = q_i(x_j)
-    if with_replacement:
-        tried_before = jnp.zeros((n_nodes, n_nodes), bool)
-    else:
-        tried_before = (
-            real[:, None]
-            & real[None, :]
-            & (parent[:, None] == parent[None, :])
-            & (slots[None, :] < slots[:, None])
-        )
+    tried_before = (
+        real[:, None]
+        & real[None, :]
+        & (parent[:, None] == parent[None, :])
+        & (slots[None, :] < slots[:, None])
+        & restrict
+    )
     kept_mass = 1.0 - jnp.sum(jnp.where(tried_before, q_at_tok, 0.0), axis=1)
     qx = jnp.diagonal(q_at_tok) / jnp.where(kept_mass > 0, kept_mass, 1.0)
     qx = jnp.where(kept_mass > 0, qx, 0.0)
@@ -142,7 +142,7 @@ def _traversal_outcome(tree, tokens, q, p, node, parent, real, valid_slot, with_
         w, P, visited = carry
         h = jnp.where(is_root[e], 1.0, jnp.where(real[e], w[e], 0.0)).astype(dtype)
         visited = visited.at[e].set(True)
-        updates = valid_slot[e] & ~is_root[e] & (real[e] | with_replacement)
+        updates = valid_slot[e] & ~is_root[e] & (real[e] | walk_all)
         v = safe_parent[e]
         # --- the residual update of v with the law slot e was verified with ---
         excluded = jnp.zeros((vocab,), bool).at[tokens].max(tried_before[e])
@@ -345,9 +345,9 @@ def tree_outcome(tree, node_tokens, draft_logprobs, target_logprobs, valid, meth
     if method in ("tv", "tv_wr"):
         if options:
             raise ValueError(f"verify_tree: method {method!r} takes no options, got {options}")
-        return _traversal_outcome(
-            tree, node_tokens, q, p, node, parent, real, valid_slot, method == "tv_wr"
-        )
+        tv = method == "tv"
+        args = (tree, node_tokens, q, p, node, parent, real, valid_slot)
+        return _traversal_outcome(*args, restrict=tv, walk_all=not tv)
     rule = options.pop("rule", FixedOrderRule())
     alive = options.pop("alive", "walkers")
     if options:
