@@ -174,87 +174,89 @@ def _traversal_outcome(tree, tokens, q, p, node, parent, real, valid_slot, restr
 
 
 class SelectionRule(Protocol):
-    """An importance-sampling selection rule for the walkers at one node, with its exact law.
+    """An importance-sampling selection rule for the walkers of one node, with its exact law.
 
-    ``law_walkers(p, q_WV, walkers_W) -> q_I [V]``: the law of the selected token when the walkers
-    marked in ``walkers_W`` are independent draws from their rows of ``q_WV``;
-    ``law_count(p, q_V, pi_M) -> q_I [V]``: the same for m i.i.d. draws from ``q_V`` with
-    m ~ ``pi_M`` (m = 0..M-1); ``survivors(p, q_V, pi_M, z) -> [M]``: P(z selected and j of the m
-    draws show z), j = 0..M-1;
-    ``select(p, q_WV, tokens_W, walkers_W) -> int32[]``: the walker whose token is selected.
+    ``walkers(p, q_WV, tokens_W, alive_W) -> (pick, q_I [V])``: the walker whose token is
+    selected, and the law of the selected token when the alive walkers are independent draws from
+    their rows of ``q_WV``.
+
+    ``counted(p, q_V, pi_M, tokens_W, alive_W) -> (pick, q_I [V], survivors [M])``: the same for
+    m i.i.d. draws from ``q_V`` with m ~ ``pi_M`` (m = 0..M-1), and ``survivors[j]`` = P(the
+    selected token is selected and shown by j of the m draws), the law of the number of drafts
+    still alive below it.
     """
 
-    def law_walkers(self, p, q_WV, walkers_W): ...
+    def walkers(self, p, q_WV, tokens_W, alive_W): ...
 
-    def law_count(self, p, q_V, pi_M): ...
-
-    def survivors(self, p, q_V, pi_M, z): ...
-
-    def select(self, p, q_WV, tokens_W, walkers_W): ...
+    def counted(self, p, q_V, pi_M, tokens_W, alive_W): ...
 
 
 @dataclasses.dataclass(frozen=True)
 class FixedOrderRule:
-    """Select the walker token of highest rank, ranking tokens by ``p / mean(q)`` (ties by token
-    id). Deterministic given the tokens. With ``B_w(z)`` the mass of q_w ranked below z and
-    ``A_w = q_w + B_w``, ``q_I(z) = prod_w A_w(z) - prod_w B_w(z)``, built from the non-negative
-    terms ``sum_k prod_{w<k} B_w(z) q_k(z) prod_{w>k} A_w(z)``."""
+    """Select the walker token of highest rank, ranking tokens by ``log p - log mean(q)`` (ties:
+    the smaller token id ranks higher). Deterministic given the tokens.
 
-    def _rank_key(self, p, q_mean):
-        return jnp.where(q_mean > 0, _log(p) - _log(q_mean), -jnp.inf)
+    With ``B_w(z)`` the mass of q_w ranked below z and ``A_w = q_w + B_w``,
+    ``q_I(z) = prod_w A_w(z) - prod_w B_w(z)``, built from the non-negative terms
+    ``sum_k prod_{w<k} B_w(z) q_k(z) prod_{w>k} A_w(z)``; for m i.i.d. draws
+    ``A^m - B^m = q sum_{i<m} A^i B^(m-1-i)`` and P(z selected, j draws show z) =
+    ``C(m, j) q(z)^j B(z)^(m-j)``. One sort of the vocabulary per node.
+    """
 
-    def _below(self, key, q_WV):
-        """``B [W, V]``: mass of each row ranked strictly below each token."""
-        order = jnp.lexsort((-jnp.arange(key.shape[0]), key))  # ascending rank: lowest first
-        q_sorted = q_WV[:, order]
-        below_sorted = jnp.cumsum(q_sorted, axis=1) - q_sorted
-        return jnp.zeros_like(q_WV).at[:, order].set(below_sorted)
+    def _ascending(self, p, q_mean):
+        """Tokens from the lowest rank to the highest: ``int32[V]``."""
+        key = jnp.where(q_mean > 0, _log(p) - _log(q_mean), -jnp.inf)
+        vocab = key.shape[0]
+        # Stable sort of the reversed keys: among equal keys the larger token id comes first.
+        return (vocab - 1 - jnp.argsort(jnp.flip(key), stable=True)).astype(jnp.int32)
 
-    def _position(self, key):
-        order = jnp.lexsort((-jnp.arange(key.shape[0]), key))
-        ranks = jnp.arange(key.shape[0], dtype=jnp.int32)
-        return jnp.zeros(key.shape, jnp.int32).at[order].set(ranks)
+    def _pick(self, order, tokens_W, alive_W):
+        position = (
+            jnp.zeros(order.shape, jnp.int32)
+            .at[order]
+            .set(jnp.arange(order.shape[0], dtype=jnp.int32))
+        )
+        return jnp.argmax(jnp.where(alive_W, position[tokens_W], -1)).astype(jnp.int32)
 
-    def law_walkers(self, p, q_WV, walkers_W):
-        count = jnp.maximum(jnp.sum(walkers_W), 1)
-        key = self._rank_key(p, jnp.sum(jnp.where(walkers_W[:, None], q_WV, 0.0), 0) / count)
-        b = jnp.where(walkers_W[:, None], self._below(key, q_WV), 1.0)
-        a = jnp.where(walkers_W[:, None], q_WV + self._below(key, q_WV), 1.0)
+    def walkers(self, p, q_WV, tokens_W, alive_W):
+        count = jnp.maximum(jnp.sum(alive_W), 1)
+        order = self._ascending(p, jnp.sum(jnp.where(alive_W[:, None], q_WV, 0.0), 0) / count)
+        q_s = q_WV[:, order]  # [W, V] in ascending rank
+        b_s = jnp.cumsum(q_s, axis=1) - q_s
+        b = jnp.where(alive_W[:, None], b_s, 1.0)
+        a = jnp.where(alive_W[:, None], q_s + b_s, 1.0)
         before = jnp.concatenate([jnp.ones_like(b[:1]), jnp.cumprod(b, axis=0)[:-1]])
         after = jnp.flip(jnp.cumprod(jnp.flip(a, 0), axis=0), 0)
         after = jnp.concatenate([after[1:], jnp.ones_like(a[:1])])
-        terms = jnp.where(walkers_W[:, None], before * q_WV * after, 0.0)
-        return jnp.sum(terms, axis=0)
+        law_s = jnp.sum(jnp.where(alive_W[:, None], before * q_s * after, 0.0), axis=0)
+        law = jnp.zeros_like(law_s).at[order].set(law_s)
+        return self._pick(order, tokens_W, alive_W), law
 
-    def law_count(self, p, q_V, pi_M):
-        b = self._below(self._rank_key(p, q_V), q_V[None])[0]
-        a = q_V + b
+    def counted(self, p, q_V, pi_M, tokens_W, alive_W):
+        size = pi_M.shape[0]
+        order = self._ascending(p, q_V)
+        q_s = q_V[order]
+        b_s = jnp.cumsum(q_s) - q_s
+        a_s = q_s + b_s
 
-        # A^m - B^m = q * G_m with G_m = sum_{i<m} A^i B^(m-1-i): G_{m+1} = A^m + B G_m.
+        # G_m = sum_{i<m} A^i B^(m-1-i): G_0 = 0, G_{m+1} = A^m + B G_m.
         def power(carry, _):
             g, a_m = carry
-            return (a_m + b * g, a_m * a), g
+            return (a_m + b_s * g, a_m * a_s), g
 
-        zero = jnp.zeros_like(q_V)
-        _, g_MV = jax.lax.scan(power, (zero, jnp.ones_like(q_V)), None, length=pi_M.shape[0])
-        return q_V * jnp.einsum("m,mv->v", pi_M, g_MV)
-
-    def survivors(self, p, q_V, pi_M, z):
-        size = pi_M.shape[0]
-        b = self._below(self._rank_key(p, q_V), q_V[None])[0][z]
+        init = (jnp.zeros_like(q_s), jnp.ones_like(q_s))
+        _, g_MV = jax.lax.scan(power, init, None, length=size)
+        law = jnp.zeros_like(q_s).at[order].set(q_s * jnp.einsum("m,mv->v", pi_M, g_MV))
+        pick = self._pick(order, tokens_W, alive_W)
+        z = tokens_W[pick]
         m = np.arange(size)[:, None]
         j = np.arange(size)[None, :]
-        binom = np.array([[math.comb(mm, jj) for jj in range(size)] for mm in range(size)])
-        ok = (j >= 1) & (j <= m)
-        terms = binom.astype(np.float64) * ok
-        joint = jnp.asarray(terms, q_V.dtype) * q_V[z] ** j * b ** np.maximum(m - j, 0)
-        return jnp.einsum("m,mj->j", pi_M, joint)
-
-    def select(self, p, q_WV, tokens_W, walkers_W):
-        count = jnp.maximum(jnp.sum(walkers_W), 1)
-        key = self._rank_key(p, jnp.sum(jnp.where(walkers_W[:, None], q_WV, 0.0), 0) / count)
-        pos = self._position(key)[tokens_W]
-        return jnp.argmax(jnp.where(walkers_W, pos, -1)).astype(jnp.int32)
+        binom = np.array(
+            [[math.comb(mm, jj) * (1 <= jj <= mm) for jj in range(size)] for mm in m[:, 0]]
+        )
+        b_z = b_s[jnp.argmax(order == z)]
+        joint = jnp.asarray(binom, q_V.dtype) * q_V[z] ** j * b_z ** np.maximum(m - j, 0)
+        return pick, law, jnp.einsum("m,mj->j", pi_M, joint)
 
 
 def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, alive):
@@ -262,25 +264,25 @@ def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, ali
     n_nodes, vocab = q.shape
     dtype = q.dtype
     max_depth = tree.max_depth
+    # The walkers of one node all sit at one depth: gather at most that many rows.
+    max_walkers = int(np.bincount(tree.depth).max()) if max_depth else 1
     if alive == "count":
         widths = _uniform_widths(tree)
         size = n_nodes + 1
         pi0 = jnp.zeros((size,), dtype).at[widths[0] if widths else 0].set(1.0)
+        next_width = jnp.asarray(widths[1:] + (1,), jnp.int32)
     else:
-        widths, pi0 = (), jnp.zeros((1,), dtype)
+        pi0 = jnp.zeros((1,), dtype)
 
     def level(carry, t):
         v, going, pi = carry
-        walkers = valid_slot & (parent == v) & going
-        has = jnp.any(walkers)
-        pick = rule.select(p[v], q, tokens, walkers)
-        c = node[pick]
+        is_walker = valid_slot & (parent == v) & going
+        has = jnp.any(is_walker)
+        slots_W = jnp.nonzero(is_walker, size=max_walkers, fill_value=0)[0]
+        alive_W = jnp.arange(max_walkers) < jnp.sum(is_walker)
         if alive == "count":
-            first = jnp.argmax(walkers)
-            law = rule.law_count(p[v], q[first], pi)
-            surv = rule.survivors(p[v], q[first], pi, tokens[pick])
-            nxt_width = jnp.asarray(widths + (1,), jnp.int32)[jnp.minimum(t + 1, len(widths))]
-            idx = jnp.arange(size) * nxt_width
+            pick, law, surv = rule.counted(p[v], q[slots_W[0]], pi, tokens[slots_W], alive_W)
+            idx = jnp.arange(size) * next_width[t]
             pi_next = (
                 jnp.zeros_like(pi)
                 .at[jnp.minimum(idx, size - 1)]
@@ -288,8 +290,9 @@ def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, ali
             )
             pi_next = _normalise(pi_next, pi)
         else:
-            law = rule.law_walkers(p[v], q, walkers)
+            pick, law = rule.walkers(p[v], q[slots_W], tokens[slots_W], alive_W)
             pi_next = pi
+        c = node[slots_W[pick]]
         going = going & has
         return (jnp.where(going, c, v), going, pi_next), (jnp.where(going, c, -1), law)
 
@@ -330,41 +333,62 @@ def _uniform_widths(tree: trees.TokenTree) -> tuple[int, ...]:
     return tuple(widths)
 
 
+def _check_options(tree, method: str, options: dict) -> dict:
+    """Validate the options of ``method`` (plain Python values) before anything is traced."""
+    if method not in TREE_METHODS:
+        raise ValueError(
+            f"verify_tree: unknown method {method!r}; choose one of {', '.join(TREE_METHODS)}"
+        )
+    if method != "is_bv":
+        if options:
+            raise ValueError(f"verify_tree: method {method!r} takes no options, got {options}")
+        return {}
+    unknown = sorted(set(options) - {"rule", "alive"})
+    if unknown:
+        raise ValueError(f"verify_tree: unknown option(s) {unknown} for method 'is_bv'")
+    alive = options.get("alive", "walkers")
+    if alive not in ALIVE_MODES:
+        raise ValueError(f"verify_tree: alive must be one of {ALIVE_MODES}, got {alive!r}")
+    if alive == "count":
+        _uniform_widths(tree)
+    return {"rule": options.get("rule", FixedOrderRule()), "alive": alive}
+
+
+def _outcome(tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options):
+    q = jnp.exp(draft_logprobs)
+    p = jnp.exp(target_logprobs)
+    node, parent, real = trees.merge_duplicates(tree, node_tokens, valid)
+    args = (tree, node_tokens, q, p, node, parent, real, node >= 0)
+    if method == "is_bv":
+        stop, emit = _is_bv_outcome(*args, options["rule"], options["alive"])
+    else:
+        stop, emit = _traversal_outcome(*args, restrict=method == "tv", walk_all=method == "tv_wr")
+    return stop, emit, node
+
+
 def tree_outcome(tree, node_tokens, draft_logprobs, target_logprobs, valid, method, **options):
-    """Exact outcome law of ``method`` for one drawn tree.
+    """Exact outcome law of ``method`` for one drawn tree (arguments as :func:`verify_tree`).
 
     Returns:
       ``(stop [N], emit [N, V])`` in the input dtype, indexed by slot: ``stop[i]`` is the
       probability that the step emits the root path of node i and then one token drawn from
       ``emit[i]``; ``stop`` is zero off the merged tree and sums to 1.
     """
-    q = jnp.exp(draft_logprobs)
-    p = jnp.exp(target_logprobs)
-    node, parent, real = trees.merge_duplicates(tree, node_tokens, valid)
-    valid_slot = node >= 0
-    if method in ("tv", "tv_wr"):
-        if options:
-            raise ValueError(f"verify_tree: method {method!r} takes no options, got {options}")
-        tv = method == "tv"
-        args = (tree, node_tokens, q, p, node, parent, real, valid_slot)
-        return _traversal_outcome(*args, restrict=tv, walk_all=not tv)
-    rule = options.pop("rule", FixedOrderRule())
-    alive = options.pop("alive", "walkers")
-    if options:
-        raise ValueError(f"verify_tree: unknown option(s) {sorted(options)} for method 'is_bv'")
-    if alive not in ALIVE_MODES:
-        raise ValueError(f"verify_tree: alive must be one of {ALIVE_MODES}, got {alive!r}")
-    return _is_bv_outcome(tree, node_tokens, q, p, node, parent, real, valid_slot, rule, alive)
+    options = _check_options(tree, method, options)
+    stop, emit, _ = _outcome(
+        tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options
+    )
+    return stop, emit
 
 
 def sample_tree(key, tree, node_tokens, draft_logprobs, target_logprobs, valid, method, **options):
     """One verification step: the outcome law, one stop draw and one token draw."""
-    stop, emit = tree_outcome(
-        tree, node_tokens, draft_logprobs, target_logprobs, valid, method, **options
+    options = _check_options(tree, method, options)
+    stop, emit, node = _outcome(
+        tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options
     )
     stop_node = jax.random.categorical(jax.random.fold_in(key, _STOP), _log(stop))
     last = jax.random.categorical(jax.random.fold_in(key, _TOKEN), _log(emit[stop_node]))
-    node, _, _ = trees.merge_duplicates(tree, node_tokens, valid)
     paths = jnp.asarray(tree.paths)
     depth = jnp.asarray(tree.depth)[stop_node]
     steps = jnp.arange(tree.max_depth + 1)
@@ -410,10 +434,6 @@ def verify_tree(
     Returns:
       A :class:`TreeVerdict` with ``tokens`` and ``path`` int32[D+1].
     """
-    if method not in TREE_METHODS:
-        raise ValueError(
-            f"verify_tree: unknown method {method!r}; choose one of {', '.join(TREE_METHODS)}"
-        )
     if isinstance(tree, trees.Tree):
         tree = trees.token_tree_of(tree)
     if not isinstance(tree, trees.TokenTree):
