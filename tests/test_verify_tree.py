@@ -277,12 +277,14 @@ def test_statistical_through_verify_tree():
     keys = jax.random.split(jax.random.key(3), size)
 
     def verdicts(k, t, a, b):
-        return {m: verify_tree(k, tree, t, a, b, method=m) for m in EXACT}
+        out = {m: verify_tree(k, tree, t, a, b, method=m) for m in EXACT}
+        out["is_bv_count"] = verify_tree(k, tree, t, a, b, method="is_bv", alive="count")
+        return out
 
     out = jax.tree.map(np.asarray, jax.jit(jax.vmap(verdicts))(keys, tokens, lq, lp))
     draws = list(ref.chain_draws(target, drafts, n))
     rows = np.arange(size)[:, None]
-    for method in EXACT:
+    for method in EXACT + ("is_bv_count",):
         verdict = out[method]
         exact, _ = enumerate_method(tree, method, draws, target)
         law = np.concatenate(
@@ -302,6 +304,75 @@ def test_statistical_through_verify_tree():
         assert tab.chi_square_pvalue(index, bins, law) > 1e-3, method
         mean = ref.mean_length(exact)
         assert abs(num.mean() - mean) < 5 * num.std() / np.sqrt(size), method
+
+
+def test_only_merged_nodes_need_target_laws():
+    """Target rows of slots that repeat an earlier sibling are never read: a step can score the
+    merged tree alone (fewer nodes) and gets the same tokens for the same key."""
+    num_drafts, n, vocab, size = 3, 3, 2, 512
+    tree = trees.chains_token_tree(num_drafts, n)
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(0, vocab, (size, tree.num_nodes)).astype(np.int32)
+    lq = np.log(rng.dirichlet(np.ones(vocab), (size, tree.num_nodes))).astype(np.float32)
+    lp = np.log(rng.dirichlet(np.ones(vocab), (size, tree.num_nodes))).astype(np.float32)
+    merged = jax.vmap(lambda t: trees.merge_chains(t[0], t[1:].reshape(num_drafts, n)))(tokens)
+    valid = np.asarray(merged.valid)
+    assert (valid.sum(1) < tree.num_nodes).all()  # two tokens, three chains: always shared
+    # Equal prefixes get equal target laws (as scoring gives them); repeats get garbage.
+    canon = np.asarray(
+        jax.vmap(lambda t: trees.merge_duplicates(tree, t, np.ones(t.shape, bool))[0])(tokens)
+    )
+    lp = np.take_along_axis(lp, canon[..., None], axis=1)
+    garbage = np.where(valid[..., None], lp, rng.normal(size=lp.shape).astype(np.float32))
+    keys = jax.random.split(jax.random.key(5), size)
+
+    def both(k, t, a, b, c):
+        return [
+            (verify_tree(k, tree, t, a, b, method=m), verify_tree(k, tree, t, a, c, method=m))
+            for m in vt.TREE_METHODS
+        ]
+
+    for full, scored in jax.jit(jax.vmap(both))(keys, tokens, lq, lp, garbage):
+        jax.tree.map(np.testing.assert_array_equal, full, scored)
+        assert valid[np.arange(size)[:, None], np.maximum(full.path, 0)].all()
+
+
+def test_sparse_float32_laws_never_emit_a_zero_probability_token():
+    """-inf log-probabilities (top-k / top-p) flow through without NaN; every emitted token has
+    positive target probability after its prefix."""
+    num_drafts, n, vocab, size = 3, 3, 6, 2048
+    tree = trees.chains_token_tree(num_drafts, n)
+    rng = np.random.default_rng(9)
+
+    def sparse_laws(shape):
+        law = rng.dirichlet(np.ones(vocab), shape) * (rng.random(shape + (vocab,)) < 0.5)
+        law[..., 0] += 1e-3  # keep every row non-empty
+        return law / law.sum(-1, keepdims=True)
+
+    q, p = sparse_laws((size, tree.num_nodes)), sparse_laws((size, tree.num_nodes))
+    p[:, :, 1] = np.where(rng.random((size, tree.num_nodes)) < 0.5, 0.0, p[:, :, 1])
+    p /= p.sum(-1, keepdims=True)
+    tokens = (rng.random((size, tree.num_nodes, 1)) > np.cumsum(q, -1)).sum(-1).astype(np.int32)
+    tokens = np.minimum(tokens, vocab - 1)
+    # Equal prefixes get equal target laws.
+    canon = jax.vmap(lambda t: trees.merge_duplicates(tree, t, np.ones(t.shape, bool))[0])(tokens)
+    p = np.take_along_axis(p, np.asarray(canon)[..., None], axis=1)
+    with np.errstate(divide="ignore"):
+        lq, lp = np.log(q).astype(np.float32), np.log(p).astype(np.float32)
+    keys = jax.random.split(jax.random.key(6), size)
+    run = jax.jit(
+        jax.vmap(lambda k, t, a, b: [verify_tree(k, tree, t, a, b, method=m) for m in EXACT])
+    )
+    rows = np.arange(size)
+    for verdict in jax.tree.map(np.asarray, run(keys, tokens, lq, lp)):
+        num = verdict.num_tokens
+        assert ((num >= 1) & (num <= n + 1)).all()
+        for t in range(n + 1):
+            live = num > t
+            parent = verdict.path[rows, np.minimum(t, num - 1)]
+            assert (verdict.tokens[live, t] >= 0).all()
+            prob = p[rows, np.maximum(parent, 0), np.maximum(verdict.tokens[:, t], 0)]
+            assert (prob[live] > 0).all(), t
 
 
 def test_same_key_same_verdict_and_merged_path():
