@@ -375,6 +375,20 @@ def test_sparse_float32_laws_never_emit_a_zero_probability_token():
             assert (prob[live] > 0).all(), t
 
 
+def test_no_draft_token_gives_the_bonus_at_the_root():
+    """A root-only tree, and a tree whose slots are all invalid: one token from the root law."""
+    with np.errstate(divide="ignore"):
+        lp = np.log(np.eye(3)[[2] * 5])  # the target always says 2
+    tree = trees.TokenTree((-1,))
+    run = jax.jit(lambda k, t, a: {m: verify_tree(k, tree, t, a, a, method=m) for m in EXACT})
+    for verdict in run(jax.random.key(1), jnp.zeros(1, jnp.int32), lp[:1]).values():
+        assert verdict.tokens.tolist() == [2] and verdict.path.tolist() == [0]
+    tree = trees.chains_token_tree(2, 2)
+    draw = (1.0, np.zeros(5, np.int64), np.full((5, 3), 1 / 3), np.exp(lp))
+    for method in EXACT:
+        assert library_laws(tree, method, [draw], np.arange(5) == 0) == [{(2,): 1.0}]
+
+
 def test_same_key_same_verdict_and_merged_path():
     """Chains sharing a prefix: the path names merged nodes; one key gives one verdict."""
     vocab = 5
