@@ -120,7 +120,12 @@ def _traversal_outcome(tree, tokens, q, p, node, parent, real, valid_slot, restr
         & (slots[None, :] < slots[:, None])
         & restrict
     )
-    kept_mass = 1.0 - jnp.sum(jnp.where(tried_before, q_at_tok, 0.0), axis=1)
+    # excluded[i, y]: y is the token of a sibling tried before i (the mass is summed over the
+    # kept tokens, not as 1 - excluded mass, so that the law and its value at x_i agree in f32).
+    rows = jnp.broadcast_to(slots[:, None], tried_before.shape)
+    cols = jnp.broadcast_to(tokens[None, :], tried_before.shape)
+    excluded = jnp.zeros((n_nodes, vocab), bool).at[rows, cols].max(tried_before)
+    kept_mass = jnp.sum(jnp.where(excluded, 0.0, q), axis=1)
     qx = jnp.diagonal(q_at_tok) / jnp.where(kept_mass > 0, kept_mass, 1.0)
     qx = jnp.where(kept_mass > 0, qx, 0.0)
 
@@ -145,8 +150,7 @@ def _traversal_outcome(tree, tokens, q, p, node, parent, real, valid_slot, restr
         updates = valid_slot[e] & ~is_root[e] & (real[e] | walk_all)
         v = safe_parent[e]
         # --- the residual update of v with the law slot e was verified with ---
-        excluded = jnp.zeros((vocab,), bool).at[tokens].max(tried_before[e])
-        law = _normalise(jnp.where(excluded, 0.0, q[e]), q[e])
+        law = _normalise(jnp.where(excluded[e], 0.0, q[e]), q[e])
         r = jnp.maximum(w[v] * P[v] - law, 0.0)
         s = jnp.sum(r)
         new_P = jnp.where(s > 0, r / jnp.where(s > 0, s, 1.0), P[v])
@@ -307,15 +311,11 @@ def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, ali
     stop_DV = jnp.exp(stop_DV)
     mass_D = jnp.sum(stop_DV, axis=1)
     emit_D = _normalise(stop_DV, p_MV[:max_depth])
-    last = path_M[length]
-    stop = jnp.zeros((n_nodes,), dtype)
-    stop = stop.at[jnp.maximum(path_M[:max_depth], 0)].add(
-        jnp.where(jnp.arange(max_depth) < length, mass_D, 0.0)
-    )
-    stop = stop.at[last].add(jnp.exp(log_full))
-    emit = p.at[jnp.maximum(path_M[:max_depth], 0)].set(
-        jnp.where((jnp.arange(max_depth) < length)[:, None], emit_D, p[path_M[:max_depth]])
-    )
+    # Row t of the table stops at path node t (t < length); past the path, scatter nowhere.
+    at_D = jnp.where(jnp.arange(max_depth) < length, path_M[:max_depth], n_nodes)
+    stop = jnp.zeros((n_nodes,), dtype).at[at_D].set(mass_D, mode="drop")
+    stop = stop.at[path_M[length]].add(jnp.exp(log_full))
+    emit = p.at[at_D].set(emit_D, mode="drop")
     return stop, emit
 
 
