@@ -2,6 +2,8 @@
 independent float64 reference (tree_reference.py), reductions to ASpS (K = 1) and SpecInfer
 (n = 1), mutation tests, a statistical test through ``verify_tree`` and bad input."""
 
+import dataclasses
+import math
 from collections import defaultdict
 
 import jax
@@ -315,6 +317,57 @@ def test_statistical_through_verify_tree():
 
 
 SMALL_TREE, SMALL_VOCAB, SMALL_SIZE = trees.chains_token_tree(3, 3), 3, 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformRule:
+    """A random selection rule: one alive walker uniformly. Its induced law is the walkers' mean
+    law; for i.i.d. draws it is q itself, and P(z selected, j of m show z) =
+    C(m - 1, j - 1) q^j (1 - q)^(m - j)."""
+
+    def walkers(self, p, q_WV, tokens_W, alive_W):
+        select = alive_W / jnp.sum(alive_W)
+        return select.astype(q_WV.dtype), jnp.einsum("w,wv->v", select.astype(q_WV.dtype), q_WV)
+
+    def counted(self, p, q_V, pi_M, tokens_W, alive_W):
+        size = pi_M.shape[0]
+        m, j = np.arange(size)[:, None], np.arange(size)[None, :]
+        binom = np.array(
+            [[math.comb(a - 1, b - 1) if 1 <= b <= a else 0 for b in j[0]] for a in m[:, 0]]
+        )
+        surv = jnp.einsum(
+            "m,mj,mjv->jv",
+            pi_M,
+            jnp.asarray(binom, q_V.dtype),
+            q_V[None, None] ** j[..., None]
+            * (1 - q_V[None, None]) ** np.maximum(m - j, 0)[..., None],
+        )
+        select = alive_W / jnp.sum(alive_W)
+        return select.astype(q_V.dtype), q_V, surv
+
+
+@pytest.mark.parametrize("alive", ["walkers", "count"])
+def test_random_selection_rule_plugs_in(alive):
+    """IS+BV with a uniformly random pick verifies one chain drawn from q against q: its law is
+    single-chain ASpS's (tests/tabular.py reference), whatever the alive-law mode."""
+    num_drafts, vocab, n, size = 2, 3, 2, 20_000
+    target, drafts = _chain_models(17, num_drafts, vocab, n, identical=True)
+    tree = trees.chains_token_tree(num_drafts, n)
+    tokens, lq, lp = _sample_chains(
+        np.random.default_rng(2), target, drafts[0], num_drafts, n, size
+    )
+    keys = jax.random.split(jax.random.key(4), size)
+    run = jax.jit(
+        jax.vmap(
+            lambda k, t, a, b: verify_tree(
+                k, tree, t, a, b, method="is_bv", rule=UniformRule(), alive=alive
+            )
+        )
+    )
+    verdict = jax.tree.map(np.asarray, run(keys, tokens, lq, lp))
+    law = tab.exact_emitted_law("asps", target, drafts[0], n, [n])
+    index, bins = tab.string_index(verdict.tokens, verdict.num_tokens, vocab)
+    assert tab.chi_square_pvalue(index, bins, law) > 1e-3
 
 
 def test_only_merged_nodes_need_target_laws():

@@ -45,7 +45,7 @@ from asps_jax.verify.chain import asps_outcome_logweights
 
 TREE_METHODS: tuple[str, ...] = ("tv", "tv_wr", "is_bv")
 ALIVE_MODES = ("walkers", "count")
-_STOP, _TOKEN = 0, 1
+_STOP, _TOKEN, _SELECT = 0, 1, 2
 
 
 @jax.tree_util.register_dataclass
@@ -180,14 +180,16 @@ def _traversal_outcome(tree, tokens, q, p, node, parent, real, valid_slot, restr
 class SelectionRule(Protocol):
     """An importance-sampling selection rule for the walkers of one node, with its exact law.
 
-    ``walkers(p, q_WV, tokens_W, alive_W) -> (pick, q_I [V])``: the walker whose token is
-    selected, and the law of the selected token when the alive walkers are independent draws from
-    their rows of ``q_WV``.
+    ``walkers(p, q_WV, tokens_W, alive_W) -> (select_W, q_I [V])``: P(walker w's token is
+    selected | the tokens) for each walker (zero off ``alive_W``, summing to 1), and the law of
+    the selected token when the alive walkers are independent draws from their rows of ``q_WV``
+    (marginal over the tokens and over the rule's own randomness).
 
-    ``counted(p, q_V, pi_M, tokens_W, alive_W) -> (pick, q_I [V], survivors [M])``: the same for
-    m i.i.d. draws from ``q_V`` with m ~ ``pi_M`` (m = 0..M-1), and ``survivors[j]`` = P(the
-    selected token is selected and shown by j of the m draws), the law of the number of drafts
-    still alive below it.
+    ``counted(p, q_V, pi_M, tokens_W, alive_W) -> (select_W, q_I [V], survivors [M, V])``: the
+    same for m i.i.d. draws from ``q_V`` with m ~ ``pi_M`` (m = 0..M-1); ``survivors[j, z]`` =
+    P(z is selected and shown by j of the m draws), the law of the number of drafts still alive
+    below the selected node. The pick is drawn from ``select_W`` (a one-hot ``select_W`` makes the
+    rule deterministic).
     """
 
     def walkers(self, p, q_WV, tokens_W, alive_W): ...
@@ -214,13 +216,15 @@ class FixedOrderRule:
         # Stable sort of the reversed keys: among equal keys the larger token id comes first.
         return (vocab - 1 - jnp.argsort(jnp.flip(key), stable=True)).astype(jnp.int32)
 
-    def _pick(self, order, tokens_W, alive_W):
+    def _select(self, order, tokens_W, alive_W):
+        """One-hot ``[W]``: the alive walker whose token ranks highest."""
         position = (
             jnp.zeros(order.shape, jnp.int32)
             .at[order]
             .set(jnp.arange(order.shape[0], dtype=jnp.int32))
         )
-        return jnp.argmax(jnp.where(alive_W, position[tokens_W], -1)).astype(jnp.int32)
+        best = jnp.argmax(jnp.where(alive_W, position[tokens_W], -1))
+        return jax.nn.one_hot(best, tokens_W.shape[0])
 
     def walkers(self, p, q_WV, tokens_W, alive_W):
         count = jnp.maximum(jnp.sum(alive_W), 1)
@@ -234,7 +238,7 @@ class FixedOrderRule:
         after = jnp.concatenate([after[1:], jnp.ones_like(a[:1])])
         law_s = jnp.sum(jnp.where(alive_W[:, None], before * q_s * after, 0.0), axis=0)
         law = jnp.zeros_like(law_s).at[order].set(law_s)
-        return self._pick(order, tokens_W, alive_W), law
+        return self._select(order, tokens_W, alive_W).astype(law.dtype), law
 
     def counted(self, p, q_V, pi_M, tokens_W, alive_W):
         size = pi_M.shape[0]
@@ -251,20 +255,24 @@ class FixedOrderRule:
         init = (jnp.zeros_like(q_s), jnp.ones_like(q_s))
         _, g_MV = jax.lax.scan(power, init, None, length=size)
         law = jnp.zeros_like(q_s).at[order].set(q_s * jnp.einsum("m,mv->v", pi_M, g_MV))
-        pick = self._pick(order, tokens_W, alive_W)
-        z = tokens_W[pick]
+        b = jnp.zeros_like(b_s).at[order].set(b_s)
         m = np.arange(size)[:, None]
         j = np.arange(size)[None, :]
         binom = np.array(
             [[math.comb(mm, jj) * (1 <= jj <= mm) for jj in range(size)] for mm in m[:, 0]]
         )
-        b_z = b_s[jnp.argmax(order == z)]
-        joint = jnp.asarray(binom, q_V.dtype) * q_V[z] ** j * b_z ** np.maximum(m - j, 0)
-        return pick, law, jnp.einsum("m,mj->j", pi_M, joint)
+        # survivors[j, z] = sum_m pi(m) C(m, j) q(z)^j B(z)^(m-j).
+        power_q = q_V[None, :] ** j[0][:, None]  # [j, V]
+        power_b = b[None, :] ** np.arange(size)[:, None]  # [m - j, V]
+        weight = pi_M[:, None] * jnp.asarray(binom, q_V.dtype)  # [m, j]
+        diff = np.maximum(m - j, 0)  # [m, j]
+        surv = jnp.einsum("mj,mjv->jv", weight, power_b[diff]) * power_q
+        return self._select(order, tokens_W, alive_W).astype(law.dtype), law, surv
 
 
-def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, alive):
-    """IS+BV: ``(stop [N], emit [N, V])`` indexed by slot (probabilities)."""
+def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, alive, select_key):
+    """IS+BV: ``(stop [N], emit [N, V])`` indexed by slot (probabilities), given the selection
+    drawn with ``select_key`` (irrelevant for a deterministic rule)."""
     n_nodes, vocab = q.shape
     dtype = q.dtype
     max_depth = tree.max_depth
@@ -285,7 +293,13 @@ def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, ali
         slots_W = jnp.nonzero(is_walker, size=max_walkers, fill_value=0)[0]
         alive_W = jnp.arange(max_walkers) < jnp.sum(is_walker)
         if alive == "count":
-            pick, law, surv = rule.counted(p[v], q[slots_W[0]], pi, tokens[slots_W], alive_W)
+            select, law, surv = rule.counted(p[v], q[slots_W[0]], pi, tokens[slots_W], alive_W)
+        else:
+            select, law = rule.walkers(p[v], q[slots_W], tokens[slots_W], alive_W)
+        pick = jax.random.categorical(jax.random.fold_in(select_key, t), _log(select))
+        pick = jnp.where(alive_W[pick], pick, jnp.argmax(alive_W))
+        if alive == "count":
+            surv = surv[:, tokens[slots_W[pick]]]
             idx = jnp.arange(size) * next_width[t]
             pi_next = (
                 jnp.zeros_like(pi)
@@ -294,7 +308,6 @@ def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, ali
             )
             pi_next = _normalise(pi_next, pi)
         else:
-            pick, law = rule.walkers(p[v], q[slots_W], tokens[slots_W], alive_W)
             pi_next = pi
         c = node[slots_W[pick]]
         going = going & has
@@ -354,20 +367,27 @@ def _check_options(tree, method: str, options: dict) -> dict:
     return {"rule": options.get("rule", FixedOrderRule()), "alive": alive}
 
 
-def _outcome(tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options):
+def _outcome(
+    tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
+):
     q = jnp.exp(draft_logprobs)
     p = jnp.exp(target_logprobs)
     node, parent, real = trees.merge_duplicates(tree, node_tokens, valid)
     args = (tree, node_tokens, q, p, node, parent, real, node >= 0)
     if method == "is_bv":
-        stop, emit = _is_bv_outcome(*args, options["rule"], options["alive"])
+        stop, emit = _is_bv_outcome(*args, options["rule"], options["alive"], select_key)
     else:
         stop, emit = _traversal_outcome(*args, restrict=method == "tv", walk_all=method == "tv_wr")
     return stop, emit, node
 
 
-def tree_outcome(tree, node_tokens, draft_logprobs, target_logprobs, valid, method, **options):
+def tree_outcome(
+    tree, node_tokens, draft_logprobs, target_logprobs, valid, method, *, select_key=None, **options
+):
     """Exact outcome law of ``method`` for one drawn tree (arguments as :func:`verify_tree`).
+
+    ``select_key`` draws the path of ``"is_bv"`` when its selection rule is random (the law is then
+    conditional on that draw); the default rule is deterministic.
 
     Returns:
       ``(stop [N], emit [N, V])`` in the input dtype, indexed by slot: ``stop[i]`` is the
@@ -375,17 +395,20 @@ def tree_outcome(tree, node_tokens, draft_logprobs, target_logprobs, valid, meth
       ``emit[i]``; ``stop`` is zero off the merged tree and sums to 1.
     """
     options = _check_options(tree, method, options)
+    select_key = jax.random.key(0) if select_key is None else select_key
     stop, emit, _ = _outcome(
-        tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options
+        tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
     )
     return stop, emit
 
 
 def sample_tree(key, tree, node_tokens, draft_logprobs, target_logprobs, valid, method, **options):
-    """One verification step: the outcome law, one stop draw and one token draw."""
+    """One verification step: the outcome law (after the selection draw of ``"is_bv"``), one stop
+    draw and one token draw."""
     options = _check_options(tree, method, options)
+    select_key = jax.random.fold_in(key, _SELECT)
     stop, emit, node = _outcome(
-        tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options
+        tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
     )
     stop_node = jax.random.categorical(jax.random.fold_in(key, _STOP), _log(stop))
     last = jax.random.categorical(jax.random.fold_in(key, _TOKEN), _log(emit[stop_node]))
