@@ -292,8 +292,8 @@ class MergedChains:
     """
 
     node_tokens: jax.Array  # int32[N], N = K*n + 1; entry 0 is the root token
-    parent: jax.Array  # int32[N], merged parent of each valid node, -1 for the root / invalid
-    valid: jax.Array  # bool[N]
+    parent: jax.Array  # int32[N], merged parent of each valid slot, -1 for the root / invalid
+    valid: jax.Array  # bool[N], the slot is a node of the merged tree
     node_chain: jax.Array  # int32[N], the chain that first produced the node (0 for the root)
     chain_nodes: jax.Array  # int32[K, n], node of chain k's position i (-1 past its length)
 

@@ -335,13 +335,9 @@ class UniformRule:
         binom = np.array(
             [[math.comb(a - 1, b - 1) if 1 <= b <= a else 0 for b in j[0]] for a in m[:, 0]]
         )
-        surv = jnp.einsum(
-            "m,mj,mjv->jv",
-            pi_M,
-            jnp.asarray(binom, q_V.dtype),
-            q_V[None, None] ** j[..., None]
-            * (1 - q_V[None, None]) ** np.maximum(m - j, 0)[..., None],
-        )
+        q_W = q_V[tokens_W][:, None, None]
+        powers = q_W ** j[None] * (1 - q_W) ** np.maximum(m - j, 0)[None]  # [W, m, j]
+        surv = jnp.einsum("m,mj,wmj->wj", pi_M, jnp.asarray(binom, q_V.dtype), powers)
         select = alive_W / jnp.sum(alive_W)
         return select.astype(q_V.dtype), q_V, surv
 

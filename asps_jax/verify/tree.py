@@ -185,11 +185,11 @@ class SelectionRule(Protocol):
     the selected token when the alive walkers are independent draws from their rows of ``q_WV``
     (marginal over the tokens and over the rule's own randomness).
 
-    ``counted(p, q_V, pi_M, tokens_W, alive_W) -> (select_W, q_I [V], survivors [M, V])``: the
-    same for m i.i.d. draws from ``q_V`` with m ~ ``pi_M`` (m = 0..M-1); ``survivors[j, z]`` =
-    P(z is selected and shown by j of the m draws), the law of the number of drafts still alive
-    below the selected node. The pick is drawn from ``select_W`` (a one-hot ``select_W`` makes the
-    rule deterministic).
+    ``counted(p, q_V, pi_M, tokens_W, alive_W) -> (select_W, q_I [V], survivors [W, M])``: the
+    same for m i.i.d. draws from ``q_V`` with m ~ ``pi_M`` (m = 0..M-1); ``survivors[w, j]`` =
+    P(walker w's token is selected and shown by j of the m draws), the law of the number of
+    drafts still alive below the selected node. The pick is drawn from ``select_W`` (one-hot for
+    a deterministic rule).
     """
 
     def walkers(self, p, q_WV, tokens_W, alive_W): ...
@@ -255,18 +255,19 @@ class FixedOrderRule:
         init = (jnp.zeros_like(q_s), jnp.ones_like(q_s))
         _, g_MV = jax.lax.scan(power, init, None, length=size)
         law = jnp.zeros_like(q_s).at[order].set(q_s * jnp.einsum("m,mv->v", pi_M, g_MV))
-        b = jnp.zeros_like(b_s).at[order].set(b_s)
+        b_W = jnp.zeros_like(b_s).at[order].set(b_s)[tokens_W]
         m = np.arange(size)[:, None]
         j = np.arange(size)[None, :]
         binom = np.array(
             [[math.comb(mm, jj) * (1 <= jj <= mm) for jj in range(size)] for mm in m[:, 0]]
         )
-        # survivors[j, z] = sum_m pi(m) C(m, j) q(z)^j B(z)^(m-j).
-        power_q = q_V[None, :] ** j[0][:, None]  # [j, V]
-        power_b = b[None, :] ** np.arange(size)[:, None]  # [m - j, V]
+        # survivors[w, j] = sum_m pi(m) C(m, j) q(z_w)^j B(z_w)^(m-j).
         weight = pi_M[:, None] * jnp.asarray(binom, q_V.dtype)  # [m, j]
-        diff = np.maximum(m - j, 0)  # [m, j]
-        surv = jnp.einsum("mj,mjv->jv", weight, power_b[diff]) * power_q
+        powers = (
+            q_V[tokens_W][:, None, None] ** j[None]
+            * b_W[:, None, None] ** np.maximum(m - j, 0)[None]
+        )  # [W, m, j]
+        surv = jnp.einsum("mj,wmj->wj", weight, powers)
         return self._select(order, tokens_W, alive_W).astype(law.dtype), law, surv
 
 
@@ -299,7 +300,7 @@ def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, ali
         pick = jax.random.categorical(jax.random.fold_in(select_key, t), _log(select))
         pick = jnp.where(alive_W[pick], pick, jnp.argmax(alive_W))
         if alive == "count":
-            surv = surv[:, tokens[slots_W[pick]]]
+            surv = surv[pick]
             idx = jnp.arange(size) * next_width[t]
             pi_next = (
                 jnp.zeros_like(pi)
