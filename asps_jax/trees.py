@@ -11,11 +11,20 @@ Chains are never merged, even when they share a prefix: rows of chains with equa
 equal target laws, which is what ``verify_drafts`` expects, and the shape stays fixed. Per-row
 validity (drafts shortened by EOS or ``max_new_tokens``) is a ``bool[B, N]`` mask next to the tree;
 padded nodes are masked, never dropped, and only ever attend to themselves.
+
+General trees (:class:`TokenTree`) are described by their parents alone, a static tuple: one chain,
+K chains (the layout above) or a fixed branching shape such as widths ``(4, 2, 1, 1)`` per depth.
+The tokens drawn into such a tree may repeat among siblings (drafts drawn with replacement);
+:func:`merge_duplicates` maps it, on device and with the same fixed node table, to the tree in which
+siblings with equal tokens are one node (its canonical *slot* is the first of them), and
+:func:`merge_chains` does so for K drawn chains ``int32[K, n]``. Sibling order is the order of first
+appearance, i.e. slot order (docs/algorithms.md §7).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -105,3 +114,215 @@ def attention_mask(tree: Tree, valid_BN: jax.Array) -> jax.Array:
     anc = jnp.asarray(tree.ancestors)[None]
     eye = jnp.eye(tree.num_nodes, dtype=bool)[None]
     return jnp.where(valid_BN[:, :, None], anc & valid_BN[:, None, :], eye)
+
+
+# --------------------------------------------------------------------------------------------
+# General static trees
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenTree:
+    """A static token tree, hashable by its parents (usable as a static ``jit`` argument).
+
+    ``parents[0] == -1`` is the root; every other node's parent has a smaller index, so index
+    order is a topological order and siblings are ordered by index (first appearance).
+    """
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self):
+        parents = tuple(int(p) for p in self.parents)
+        object.__setattr__(self, "parents", parents)
+        if not parents or parents[0] != -1:
+            raise ValueError(f"TokenTree: node 0 must be the root (parent -1), got {parents[:1]}")
+        bad = [i for i, p in enumerate(parents[1:], 1) if not 0 <= p < i]
+        if bad:
+            raise ValueError(
+                f"TokenTree: node {bad[0]} has parent {parents[bad[0]]}; every non-root node "
+                "needs a parent with a smaller index"
+            )
+
+    @property
+    def num_nodes(self) -> int:  # N
+        return len(self.parents)
+
+    @functools.cached_property
+    def depth(self) -> np.ndarray:
+        """int32[N], root at depth 0."""
+        depth = np.zeros(self.num_nodes, np.int32)
+        for i in range(1, self.num_nodes):
+            depth[i] = depth[self.parents[i]] + 1
+        return depth
+
+    @property
+    def max_depth(self) -> int:  # D
+        return int(self.depth.max())
+
+    @functools.cached_property
+    def paths(self) -> np.ndarray:
+        """int32[N, D+1]: ``paths[i, t]`` is the ancestor of node i at depth t (i itself at its
+        depth), -1 beyond its depth."""
+        out = np.full((self.num_nodes, self.max_depth + 1), -1, np.int32)
+        for i in range(self.num_nodes):
+            node = i
+            while node >= 0:
+                out[i, self.depth[node]] = node
+                node = self.parents[node]
+        return out
+
+    @functools.cached_property
+    def ancestors(self) -> np.ndarray:
+        """bool[N, N]; ``[i, j]`` true iff j == i or j is an ancestor of i."""
+        out = np.zeros((self.num_nodes, self.num_nodes), bool)
+        rows, cols = np.nonzero(self.paths >= 0)
+        out[rows, self.paths[rows, cols]] = True
+        return out
+
+    @functools.cached_property
+    def sibling_rank(self) -> np.ndarray:
+        """int32[N]: position of each node among its parent's children (first appearance)."""
+        rank = np.zeros(self.num_nodes, np.int32)
+        count: dict[int, int] = {}
+        for i, p in enumerate(self.parents[1:], 1):
+            rank[i] = count.get(p, 0)
+            count[p] = rank[i] + 1
+        return rank
+
+    @functools.cached_property
+    def num_children(self) -> np.ndarray:
+        """int32[N]."""
+        return np.bincount(np.asarray(self.parents[1:], np.int64), minlength=self.num_nodes).astype(
+            np.int32
+        )
+
+    @functools.cached_property
+    def postorder(self) -> tuple[int, ...]:
+        """Depth-first post-order, children in sibling order; the root comes last."""
+        children: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for i, p in enumerate(self.parents[1:], 1):
+            children[p].append(i)
+        order: list[int] = []
+        stack = [(0, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                order.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((c, False) for c in reversed(children[node]))
+        return tuple(order)
+
+
+def chain_token_tree(draft_len: int) -> TokenTree:
+    """The root and one chain of ``draft_len`` tokens."""
+    return chains_token_tree(1, draft_len)
+
+
+def chains_token_tree(num_drafts: int, draft_len: int) -> TokenTree:
+    """The root and ``num_drafts`` chains, node ``1 + k*n + i`` = token i of chain k (the layout
+    of :func:`build_chain_tree`)."""
+    return TokenTree(tuple(int(p) for p in build_chain_tree(num_drafts, draft_len).parents))
+
+
+def branching_token_tree(widths) -> TokenTree:
+    """Every node at depth d has ``widths[d]`` children, e.g. ``(4, 2, 1, 1)``; nodes are numbered
+    depth by depth, the children of a node consecutively."""
+    widths = tuple(int(w) for w in widths)
+    if any(w < 1 for w in widths):
+        raise ValueError(f"branching_token_tree: widths must be >= 1, got {widths}")
+    parents, level = [-1], [0]
+    for w in widths:
+        nxt = []
+        for node in level:
+            for _ in range(w):
+                nxt.append(len(parents))
+                parents.append(node)
+        level = nxt
+    return TokenTree(tuple(parents))
+
+
+def token_tree_of(tree: Tree) -> TokenTree:
+    """The :class:`TokenTree` with the same parents as a chain :class:`Tree`."""
+    return TokenTree(tuple(int(p) for p in tree.parents))
+
+
+# --------------------------------------------------------------------------------------------
+# Merging siblings that carry equal tokens (on device, fixed node table)
+# --------------------------------------------------------------------------------------------
+
+
+def merge_duplicates(tree: TokenTree, node_tokens: jax.Array, valid: jax.Array):
+    """Merge siblings with equal tokens: ``(node int32[N], parent int32[N], valid bool[N])``.
+
+    Args:
+      tree: the static tree the tokens were drawn into.
+      node_tokens: int32[N] (entry 0, the root, is not compared); valid: bool[N] per slot.
+
+    Returns:
+      ``node[i]``, the canonical slot of slot i: the smallest valid slot whose root path carries the
+      same tokens (-1 for an invalid slot); ``parent[i] = node[tree.parents[i]]``, its parent in
+      the merged tree (-1 for the root and invalid slots); ``valid[i]``, slot i is a node of the
+      merged tree (valid and canonical). A slot is valid only if its ancestors are.
+    """
+    n_nodes = tree.num_nodes
+    paths = jnp.asarray(tree.paths)  # [N, D+1]
+    depth = jnp.asarray(tree.depth)
+    valid = jnp.asarray(valid, bool)
+    anc = jnp.asarray(tree.ancestors)
+    valid = jnp.all(valid[None, :] | ~anc, axis=1)  # ancestor-closed
+    # Tokens along each root path (depth >= 1), -1 beyond the node's depth.
+    path_tok = jnp.where(paths[:, 1:] >= 0, node_tokens[jnp.maximum(paths[:, 1:], 0)], -1)
+    same = jnp.all(path_tok[:, None, :] == path_tok[None, :, :], axis=-1)
+    same = same & (depth[:, None] == depth[None, :]) & valid[:, None] & valid[None, :]
+    node = jnp.where(valid, jnp.argmax(same, axis=1), -1).astype(jnp.int32)
+    par = jnp.asarray(np.maximum(np.asarray(tree.parents), 0))
+    parent = jnp.where(valid & (jnp.arange(n_nodes) > 0), node[par], -1).astype(jnp.int32)
+    return node, parent, valid & (node == jnp.arange(n_nodes))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MergedChains:
+    """K drawn chains as one tree on the fixed node table of :func:`chains_token_tree`.
+
+    Slot ``1 + k*n + i`` holds token i of chain k; it is a node of the merged tree iff chain k is
+    the first chain with that prefix (``valid``), and ``chain_nodes[k, i]`` names the node that
+    carries chain k's position i.
+    """
+
+    node_tokens: jax.Array  # int32[N], N = K*n + 1; entry 0 is the root token
+    parent: jax.Array  # int32[N], merged parent of each valid slot, -1 for the root / invalid
+    valid: jax.Array  # bool[N], the slot is a node of the merged tree
+    node_chain: jax.Array  # int32[N], the chain that first produced the node (0 for the root)
+    chain_nodes: jax.Array  # int32[K, n], node of chain k's position i (-1 past its length)
+
+    @property
+    def num_nodes(self) -> jax.Array:
+        """int32[]: valid nodes, the root included."""
+        return jnp.sum(self.valid).astype(jnp.int32)
+
+
+def merge_chains(root_token, tokens_KN: jax.Array, lengths_K: jax.Array | None = None):
+    """Merge K drawn chains ``int32[K, n]`` that share prefixes into one tree.
+
+    ``lengths_K`` (default n) counts the valid tokens of each chain (EOS, ``max_new_tokens``).
+    """
+    num_drafts, n = tokens_KN.shape
+    tree = chains_token_tree(num_drafts, n)
+    lengths_K = jnp.full((num_drafts,), n, jnp.int32) if lengths_K is None else lengths_K
+    node_tokens = jnp.concatenate(
+        [jnp.asarray(root_token, jnp.int32).reshape(1), tokens_KN.reshape(-1).astype(jnp.int32)]
+    )
+    valid_in = jnp.concatenate(
+        [jnp.ones((1,), bool), (jnp.arange(n)[None, :] < lengths_K[:, None]).reshape(-1)]
+    )
+    node, parent, valid = merge_duplicates(tree, node_tokens, valid_in)
+    chain_of_slot = jnp.asarray(np.maximum((np.arange(tree.num_nodes) - 1) // max(n, 1), 0))
+    return MergedChains(
+        node_tokens=node_tokens,
+        parent=parent,
+        valid=valid,
+        node_chain=jnp.where(valid, chain_of_slot, 0).astype(jnp.int32),
+        chain_nodes=node[1:].reshape(num_drafts, n),
+    )

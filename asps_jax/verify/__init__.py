@@ -18,5 +18,6 @@ from asps_jax.verify.api import (
     verify_chain,
     verify_drafts,
 )
+from asps_jax.verify.tree import verify_tree as verify_tree
 
 __all__ = ["CHAIN_METHODS", "DRAFTS_METHODS", "Verdict", "verify_chain", "verify_drafts"]

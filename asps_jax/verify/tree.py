@@ -1,0 +1,495 @@
+"""Sequence-level verification on token trees: TV, TV-wr and IS+BV (docs/algorithms.md §7).
+
+Inputs are node-indexed over a static :class:`~asps_jax.trees.TokenTree` of N slots: node 0 is the
+root (the last committed token), ``draft_logprobs[i]`` is the law slot i's token was drawn from
+and ``target_logprobs[i]`` the target law after slot i (leaves included, for the bonus). Siblings
+that carry equal tokens (drafts drawn with replacement) are merged first
+(:func:`trees.merge_duplicates`): the first of them is the node. Every slot whose merged parent is v
+is a *walker* of v, bringing its token (new or already tried) with its own law.
+
+* ``"tv"`` -- traversal verification (Weng et al., arXiv 2505.12398). Every node v holds a weight
+  ``w_v`` and a target vector ``P_v``; a child c drawn from Q starts at
+  ``w_c = min(1, w_v P_v(x_c) / Q(x_c))``. Nodes are visited in depth-first post-order, siblings in
+  first-appearance order; node X stops the walk with probability ``w_X`` and emits its root path and
+  one token from ``P_X``. A rejection of X updates its parent with the law Q X was verified with:
+  ``R = (w_v P_v - Q)_+``, ``S = sum R``, ``P_v <- R / S``, ``w_v <- S / (S + (1 - w_v))``, then the
+  weights of v's untried subtrees are recomputed. A later sibling's law is its slot's law
+  restricted to tokens not yet tried at v, renormalised (trees drawn without replacement, or
+  merged independent chains).
+* ``"tv_wr"`` -- the with-replacement rule for independent draws: every walker at v, in slot
+  order, brings its token; a new token is verified with the walker's unrestricted law, a token
+  already tried is not re-verified, and both apply the residual update with the walker's law.
+* ``"is_bv"`` -- select one root-to-leaf path top-down with an importance-sampling selection rule
+  (:class:`FixedOrderRule`), then ASpS (block verification) of that path against the *induced*
+  conditionals of the selection (exact for any rule, docs/algorithms.md §3.6).
+
+Along the all-rejected course of TV everything is deterministic, so each method is an *outcome law*
+(:func:`tree_outcome`: the probability of stopping at each node and the law of the token emitted
+there), then one stop draw and one token draw. Arithmetic follows the input dtype (float32 from the
+public API, float64 in the enumeration tests); probabilities are handled in linear space.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asps_jax import trees
+from asps_jax.logspace import NEG_INF
+from asps_jax.verify.chain import asps_outcome_logweights
+
+TREE_METHODS: tuple[str, ...] = ("tv", "tv_wr", "is_bv")
+ALIVE_MODES = ("walkers", "count")
+_STOP, _TOKEN, _SELECT = 0, 1, 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeVerdict:
+    """Result of verifying a tree.
+
+    ``tokens[:num_tokens]`` are emitted: the tokens of the accepted root path, then one recovered
+    or bonus token (-1 beyond). ``path[:num_tokens]`` are the nodes to commit: the root, then the
+    accepted nodes (canonical slots of the node table), -1 beyond.
+    """
+
+    tokens: jax.Array  # int32[D+1]
+    num_tokens: jax.Array  # int32[]
+    path: jax.Array  # int32[D+1]
+
+
+def _weight(w_par, p_x, q_x):
+    """``min(1, w_par p_x / q_x)``; 0 whenever ``w_par p_x = 0`` (never NaN)."""
+    num = w_par * p_x
+    safe_q = jnp.where(q_x > 0, q_x, 1.0)
+    return jnp.where(num <= 0, 0.0, jnp.where(num >= q_x, 1.0, num / safe_q)).astype(num.dtype)
+
+
+def _normalise(r, fallback):
+    tot = jnp.sum(r, axis=-1, keepdims=True)
+    return jnp.where(tot > 0, r / jnp.where(tot > 0, tot, 1.0), fallback)
+
+
+def _log(x):
+    return jnp.where(x > 0, jnp.log(jnp.where(x > 0, x, 1.0)), NEG_INF)
+
+
+def _events(tree: trees.TokenTree, node, valid_slot):
+    """Order of the slots: depth-first post-order over the merged tree with walkers in slot order
+    (a walker of v comes right after the subtrees of the walkers before it), invalid slots last.
+
+    Key of slot i at depth d: the merged ancestors at depths 1..d-1, then i, padded with N.
+    """
+    n_nodes, max_depth = tree.num_nodes, tree.max_depth
+    if max_depth == 0:
+        return jnp.zeros((1,), jnp.int32)
+    paths = jnp.asarray(tree.paths[:, 1:])  # [N, D]
+    depth = jnp.asarray(tree.depth)
+    level = jnp.arange(1, max_depth + 1)[None, :]
+    slot = jnp.arange(n_nodes)[:, None]
+    key = jnp.where(level < depth[:, None], node[jnp.maximum(paths, 0)], n_nodes)
+    key = jnp.where(level == depth[:, None], slot, key)
+    key = jnp.where(valid_slot[:, None], key, n_nodes + 1)
+    return jnp.lexsort(tuple(key[:, j] for j in reversed(range(max_depth)))).astype(jnp.int32)
+
+
+def _traversal_outcome(tree, tokens, q, p, node, parent, real, valid_slot, restrict, walk_all):
+    """TV (``restrict``: later siblings' laws restricted to untried tokens) and TV-wr
+    (``walk_all``: walkers bringing a tried token still apply the residual update):
+    ``(stop [N], emit [N, V])`` indexed by slot (probabilities)."""
+    n_nodes, vocab = q.shape
+    dtype = q.dtype
+    max_depth = tree.max_depth
+    slots = jnp.arange(n_nodes)
+    safe_parent = jnp.maximum(parent, 0)
+    depth = jnp.asarray(tree.depth)
+    paths = jnp.asarray(tree.paths)
+    is_root = slots == 0
+
+    # --- Step 1: the law each real slot is verified with; TV restricts it to untried tokens ---
+    q_at_tok = jnp.take_along_axis(q, tokens[None, :], axis=1)  # [i, j] = q_i(x_j)
+    tried_before = (
+        real[:, None]
+        & real[None, :]
+        & (parent[:, None] == parent[None, :])
+        & (slots[None, :] < slots[:, None])
+        & restrict
+    )
+    # excluded[i, y]: y is the token of a sibling tried before i (the mass is summed over the
+    # kept tokens, not as 1 - excluded mass, so that the law and its value at x_i agree in f32).
+    rows = jnp.broadcast_to(slots[:, None], tried_before.shape)
+    cols = jnp.broadcast_to(tokens[None, :], tried_before.shape)
+    excluded = jnp.zeros((n_nodes, vocab), bool).at[rows, cols].max(tried_before)
+    kept_mass = jnp.sum(jnp.where(excluded, 0.0, q), axis=1)
+    qx = jnp.diagonal(q_at_tok) / jnp.where(kept_mass > 0, kept_mass, 1.0)
+    qx = jnp.where(kept_mass > 0, qx, 0.0)
+
+    # A node u lies strictly below a canonical node v iff its merged ancestor at depth(v) is v.
+    anc_at = jnp.where(paths >= 0, node[jnp.maximum(paths, 0)], -1)  # [N, D+1]
+
+    def refresh(w, P, todo):
+        """Recompute ``w`` top-down on the nodes ``todo`` from their parents' current state."""
+        p_x = P[safe_parent, tokens]
+
+        def level(_, w):
+            return jnp.where(todo, _weight(w[safe_parent], p_x, qx), w)
+
+        return jax.lax.fori_loop(0, max_depth, level, w)
+
+    w0 = refresh(jnp.ones((n_nodes,), dtype), p, real & ~is_root)
+
+    def step(carry, e):
+        w, P, visited = carry
+        h = jnp.where(is_root[e], 1.0, jnp.where(real[e], w[e], 0.0)).astype(dtype)
+        visited = visited.at[e].set(True)
+        updates = valid_slot[e] & ~is_root[e] & (real[e] | walk_all)
+        v = safe_parent[e]
+        # --- the residual update of v with the law slot e was verified with ---
+        law = _normalise(jnp.where(excluded[e], 0.0, q[e]), q[e])
+        r = jnp.maximum(w[v] * P[v] - law, 0.0)
+        s = jnp.sum(r)
+        new_P = jnp.where(s > 0, r / jnp.where(s > 0, s, 1.0), P[v])
+        new_w = jnp.where(s > 0, jnp.minimum(s / (s + (1.0 - w[v])), 1.0), 0.0)
+        P = P.at[v].set(jnp.where(updates, new_P, P[v]))
+        w = w.at[v].set(jnp.where(updates, new_w, w[v]))
+        below = jnp.take(anc_at, depth[v], axis=1)
+        todo = updates & real & ~visited & (depth > depth[v]) & (below == v)
+        w = refresh(w, P, todo)
+        return (w, P, visited), h
+
+    order = _events(tree, node, valid_slot)
+    (_, P, _), h_E = jax.lax.scan(step, (w0, p, jnp.zeros((n_nodes,), bool)), order)
+    # --- Step 2: P(stop at the e-th visited slot) = h_e prod_{e' < e} (1 - h_e') ---
+    log_keep = jnp.cumsum(_log(1.0 - h_E))
+    log_before = jnp.concatenate([jnp.zeros((1,), dtype), log_keep[:-1]])
+    stop_E = jnp.exp(_log(h_E) + log_before)
+    stop = jnp.zeros((n_nodes,), dtype).at[order].set(stop_E)
+    return stop, P
+
+
+# --------------------------------------------------------------------------------------------
+# IS+BV
+# --------------------------------------------------------------------------------------------
+
+
+class SelectionRule(Protocol):
+    """An importance-sampling selection rule for the walkers of one node, with its exact law.
+
+    ``walkers(p, q_WV, tokens_W, alive_W) -> (select_W, q_I [V])``: P(walker w's token is
+    selected | the tokens) for each walker (zero off ``alive_W``, summing to 1), and the law of
+    the selected token when the alive walkers are independent draws from their rows of ``q_WV``
+    (marginal over the tokens and over the rule's own randomness).
+
+    ``counted(p, q_V, pi_M, tokens_W, alive_W) -> (select_W, q_I [V], survivors [W, M])``: the
+    same for m i.i.d. draws from ``q_V`` with m ~ ``pi_M`` (m = 0..M-1); ``survivors[w, j]`` =
+    P(walker w's token is selected and shown by j of the m draws), the law of the number of
+    drafts still alive below the selected node. The pick is drawn from ``select_W`` (one-hot for
+    a deterministic rule).
+    """
+
+    def walkers(self, p, q_WV, tokens_W, alive_W): ...
+
+    def counted(self, p, q_V, pi_M, tokens_W, alive_W): ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedOrderRule:
+    """Select the walker token of highest rank, ranking tokens by ``log p - log mean(q)`` (ties:
+    the smaller token id ranks higher). Deterministic given the tokens.
+
+    With ``B_w(z)`` the mass of q_w ranked below z and ``A_w = q_w + B_w``,
+    ``q_I(z) = prod_w A_w(z) - prod_w B_w(z)``, built from the non-negative terms
+    ``sum_k prod_{w<k} B_w(z) q_k(z) prod_{w>k} A_w(z)``; for m i.i.d. draws
+    ``A^m - B^m = q sum_{i<m} A^i B^(m-1-i)`` and P(z selected, j draws show z) =
+    ``C(m, j) q(z)^j B(z)^(m-j)``. One sort of the vocabulary per node.
+    """
+
+    def _ascending(self, p, q_mean):
+        """Tokens from the lowest rank to the highest: ``int32[V]``."""
+        key = jnp.where(q_mean > 0, _log(p) - _log(q_mean), -jnp.inf)
+        vocab = key.shape[0]
+        # Stable sort of the reversed keys: among equal keys the larger token id comes first.
+        return (vocab - 1 - jnp.argsort(jnp.flip(key), stable=True)).astype(jnp.int32)
+
+    def _select(self, order, tokens_W, alive_W):
+        """One-hot ``[W]``: the alive walker whose token ranks highest."""
+        position = (
+            jnp.zeros(order.shape, jnp.int32)
+            .at[order]
+            .set(jnp.arange(order.shape[0], dtype=jnp.int32))
+        )
+        best = jnp.argmax(jnp.where(alive_W, position[tokens_W], -1))
+        return jax.nn.one_hot(best, tokens_W.shape[0])
+
+    def walkers(self, p, q_WV, tokens_W, alive_W):
+        count = jnp.maximum(jnp.sum(alive_W), 1)
+        order = self._ascending(p, jnp.sum(jnp.where(alive_W[:, None], q_WV, 0.0), 0) / count)
+        q_s = q_WV[:, order]  # [W, V] in ascending rank
+        b_s = jnp.cumsum(q_s, axis=1) - q_s
+        b = jnp.where(alive_W[:, None], b_s, 1.0)
+        a = jnp.where(alive_W[:, None], q_s + b_s, 1.0)
+        before = jnp.concatenate([jnp.ones_like(b[:1]), jnp.cumprod(b, axis=0)[:-1]])
+        after = jnp.flip(jnp.cumprod(jnp.flip(a, 0), axis=0), 0)
+        after = jnp.concatenate([after[1:], jnp.ones_like(a[:1])])
+        law_s = jnp.sum(jnp.where(alive_W[:, None], before * q_s * after, 0.0), axis=0)
+        law = jnp.zeros_like(law_s).at[order].set(law_s)
+        return self._select(order, tokens_W, alive_W).astype(law.dtype), law
+
+    def counted(self, p, q_V, pi_M, tokens_W, alive_W):
+        size = pi_M.shape[0]
+        order = self._ascending(p, q_V)
+        q_s = q_V[order]
+        b_s = jnp.cumsum(q_s) - q_s
+        a_s = q_s + b_s
+
+        # G_m = sum_{i<m} A^i B^(m-1-i): G_0 = 0, G_{m+1} = A^m + B G_m.
+        def power(carry, _):
+            g, a_m = carry
+            return (a_m + b_s * g, a_m * a_s), g
+
+        init = (jnp.zeros_like(q_s), jnp.ones_like(q_s))
+        _, g_MV = jax.lax.scan(power, init, None, length=size)
+        law = jnp.zeros_like(q_s).at[order].set(q_s * jnp.einsum("m,mv->v", pi_M, g_MV))
+        b_W = jnp.zeros_like(b_s).at[order].set(b_s)[tokens_W]
+        m = np.arange(size)[:, None]
+        j = np.arange(size)[None, :]
+        binom = np.array(
+            [[math.comb(mm, jj) * (1 <= jj <= mm) for jj in range(size)] for mm in m[:, 0]]
+        )
+        # survivors[w, j] = sum_m pi(m) C(m, j) q(z_w)^j B(z_w)^(m-j).
+        weight = pi_M[:, None] * jnp.asarray(binom, q_V.dtype)  # [m, j]
+        powers = (
+            q_V[tokens_W][:, None, None] ** j[None]
+            * b_W[:, None, None] ** np.maximum(m - j, 0)[None]
+        )  # [W, m, j]
+        surv = jnp.einsum("mj,wmj->wj", weight, powers)
+        return self._select(order, tokens_W, alive_W).astype(law.dtype), law, surv
+
+
+def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, alive, select_key):
+    """IS+BV: ``(stop [N], emit [N, V])`` indexed by slot (probabilities), given the selection
+    drawn with ``select_key`` (irrelevant for a deterministic rule)."""
+    n_nodes, vocab = q.shape
+    dtype = q.dtype
+    max_depth = tree.max_depth
+    # The walkers of one node all sit at one depth: gather at most that many rows.
+    max_walkers = int(np.bincount(tree.depth).max()) if max_depth else 1
+    if alive == "count":
+        widths = _uniform_widths(tree)
+        size = n_nodes + 1
+        pi0 = jnp.zeros((size,), dtype).at[widths[0] if widths else 0].set(1.0)
+        next_width = jnp.asarray(widths[1:] + (1,), jnp.int32)
+    else:
+        pi0 = jnp.zeros((1,), dtype)
+
+    def level(carry, t):
+        v, going, pi = carry
+        is_walker = valid_slot & (parent == v) & going
+        has = jnp.any(is_walker)
+        slots_W = jnp.nonzero(is_walker, size=max_walkers, fill_value=0)[0]
+        alive_W = jnp.arange(max_walkers) < jnp.sum(is_walker)
+        if alive == "count":
+            select, law, surv = rule.counted(p[v], q[slots_W[0]], pi, tokens[slots_W], alive_W)
+        else:
+            select, law = rule.walkers(p[v], q[slots_W], tokens[slots_W], alive_W)
+        pick = jax.random.categorical(jax.random.fold_in(select_key, t), _log(select))
+        pick = jnp.where(alive_W[pick], pick, jnp.argmax(alive_W))
+        if alive == "count":
+            surv = surv[pick]
+            idx = jnp.arange(size) * next_width[t]
+            pi_next = (
+                jnp.zeros_like(pi)
+                .at[jnp.minimum(idx, size - 1)]
+                .add(jnp.where(idx < size, surv, 0.0))
+            )
+            pi_next = _normalise(pi_next, pi)
+        else:
+            pi_next = pi
+        c = node[slots_W[pick]]
+        going = going & has
+        return (jnp.where(going, c, v), going, pi_next), (jnp.where(going, c, -1), law)
+
+    (_, _, _), (path_D, law_DV) = jax.lax.scan(
+        level, (jnp.zeros((), jnp.int32), jnp.array(True), pi0), jnp.arange(max_depth)
+    )
+    length = jnp.sum(path_D >= 0).astype(jnp.int32)
+    path_M = jnp.concatenate([jnp.zeros((1,), jnp.int32), path_D])  # root first
+    p_MV = p[jnp.maximum(path_M, 0)]
+    x_D = tokens[jnp.maximum(path_D, 0)]
+    stop_DV, log_full = asps_outcome_logweights(x_D, _log(law_DV), _log(p_MV), length)
+    stop_DV = jnp.exp(stop_DV)
+    mass_D = jnp.sum(stop_DV, axis=1)
+    emit_D = _normalise(stop_DV, p_MV[:max_depth])
+    # Row t of the table stops at path node t (t < length); past the path, scatter nowhere.
+    at_D = jnp.where(jnp.arange(max_depth) < length, path_M[:max_depth], n_nodes)
+    stop = jnp.zeros((n_nodes,), dtype).at[at_D].set(mass_D, mode="drop")
+    stop = stop.at[path_M[length]].add(jnp.exp(log_full))
+    emit = p.at[at_D].set(emit_D, mode="drop")
+    return stop, emit
+
+
+def _uniform_widths(tree: trees.TokenTree) -> tuple[int, ...]:
+    """Children per node at each depth; ``alive="count"`` needs them equal within a depth."""
+    widths = []
+    for d in range(tree.max_depth):
+        counts = set(tree.num_children[tree.depth == d].tolist())
+        if len(counts) != 1:
+            raise ValueError(
+                'verify_tree: alive="count" needs a tree whose nodes at one depth all have the '
+                f"same number of children; depth {d} has {sorted(counts)}"
+            )
+        widths.append(counts.pop())
+    return tuple(widths)
+
+
+def _check_options(tree, method: str, options: dict) -> dict:
+    """Validate the options of ``method`` (plain Python values) before anything is traced."""
+    if method not in TREE_METHODS:
+        raise ValueError(
+            f"verify_tree: unknown method {method!r}; choose one of {', '.join(TREE_METHODS)}"
+        )
+    if method != "is_bv":
+        if options:
+            raise ValueError(f"verify_tree: method {method!r} takes no options, got {options}")
+        return {}
+    unknown = sorted(set(options) - {"rule", "alive"})
+    if unknown:
+        raise ValueError(f"verify_tree: unknown option(s) {unknown} for method 'is_bv'")
+    alive = options.get("alive", "walkers")
+    if alive not in ALIVE_MODES:
+        raise ValueError(f"verify_tree: alive must be one of {ALIVE_MODES}, got {alive!r}")
+    if alive == "count":
+        _uniform_widths(tree)
+    return {"rule": options.get("rule", FixedOrderRule()), "alive": alive}
+
+
+def _outcome(
+    tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
+):
+    q = jnp.exp(draft_logprobs)
+    p = jnp.exp(target_logprobs)
+    node, parent, real = trees.merge_duplicates(tree, node_tokens, valid)
+    args = (tree, node_tokens, q, p, node, parent, real, node >= 0)
+    if method == "is_bv":
+        stop, emit = _is_bv_outcome(*args, options["rule"], options["alive"], select_key)
+    else:
+        stop, emit = _traversal_outcome(*args, restrict=method == "tv", walk_all=method == "tv_wr")
+    return stop, emit, node
+
+
+def tree_outcome(
+    tree, node_tokens, draft_logprobs, target_logprobs, valid, method, *, select_key=None, **options
+):
+    """Exact outcome law of ``method`` for one drawn tree (arguments as :func:`verify_tree`).
+
+    ``select_key`` draws the path of ``"is_bv"`` when its selection rule is random (the law is then
+    conditional on that draw); the default rule is deterministic.
+
+    Returns:
+      ``(stop [N], emit [N, V])`` in the input dtype, indexed by slot: ``stop[i]`` is the
+      probability that the step emits the root path of node i and then one token drawn from
+      ``emit[i]``; ``stop`` is zero off the merged tree and sums to 1.
+    """
+    options = _check_options(tree, method, options)
+    select_key = jax.random.key(0) if select_key is None else select_key
+    stop, emit, _ = _outcome(
+        tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
+    )
+    return stop, emit
+
+
+def sample_tree(key, tree, node_tokens, draft_logprobs, target_logprobs, valid, method, **options):
+    """One verification step: the outcome law (after the selection draw of ``"is_bv"``), one stop
+    draw and one token draw."""
+    options = _check_options(tree, method, options)
+    select_key = jax.random.fold_in(key, _SELECT)
+    stop, emit, node = _outcome(
+        tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
+    )
+    stop_node = jax.random.categorical(jax.random.fold_in(key, _STOP), _log(stop))
+    last = jax.random.categorical(jax.random.fold_in(key, _TOKEN), _log(emit[stop_node]))
+    paths = jnp.asarray(tree.paths)
+    depth = jnp.asarray(tree.depth)[stop_node]
+    steps = jnp.arange(tree.max_depth + 1)
+    path = jnp.where(steps <= depth, node[jnp.maximum(paths[stop_node], 0)], -1)
+    tokens = jnp.where(steps < depth, node_tokens[jnp.maximum(jnp.roll(path, -1), 0)], -1)
+    tokens = jnp.where(steps == depth, last, tokens)
+    return TreeVerdict(
+        tokens=tokens.astype(jnp.int32),
+        num_tokens=(depth + 1).astype(jnp.int32),
+        path=path.astype(jnp.int32),
+    )
+
+
+def verify_tree(
+    key: jax.Array,
+    tree: trees.TokenTree | trees.Tree,
+    node_tokens: jax.Array,
+    draft_logprobs: jax.Array,
+    target_logprobs: jax.Array,
+    valid: jax.Array | None = None,
+    *,
+    method: str = "tv_wr",
+    **options,
+) -> TreeVerdict:
+    """Verify a drawn token tree against the target (docs/algorithms.md §7).
+
+    Args:
+      key: a PRNG key.
+      tree: the static tree (a :class:`~asps_jax.trees.TokenTree`, or the chain ``Tree`` of the
+        decode loop); node 0 is the root, the last committed token.
+      node_tokens: int32[N], the token of each slot (entry 0, the root, is not used).
+      draft_logprobs: float32[N, V], row i the law slot i's token was drawn from (row 0 unused).
+      target_logprobs: float32[N, V], row i the target law after slot i (leaves: the bonus law).
+      valid: bool[N], the slots that hold a drawn token (default all); ancestor-closed.
+      method: ``"tv"`` (traversal verification; trees drawn without replacement, or independent
+        draws), ``"tv_wr"`` (its with-replacement rule for independent draws) or ``"is_bv"``
+        (fixed-order IS path selection + ASpS against the induced laws; independent draws).
+      options: ``"is_bv"`` only: ``alive="walkers"`` (default; laws conditioned on the drafts
+        actually alive) or ``"count"`` (marginal over the number of alive drafts; identical draft
+        models and a tree whose nodes at one depth have equal numbers of children), and
+        ``rule=`` a :class:`SelectionRule` (default :class:`FixedOrderRule`).
+
+    Returns:
+      A :class:`TreeVerdict` with ``tokens`` and ``path`` int32[D+1].
+    """
+    if isinstance(tree, trees.Tree):
+        tree = trees.token_tree_of(tree)
+    if not isinstance(tree, trees.TokenTree):
+        raise ValueError(f"verify_tree: tree must be a TokenTree, got {type(tree).__name__}")
+    n_nodes = tree.num_nodes
+    node_tokens = jnp.asarray(node_tokens)
+    draft_logprobs = jnp.asarray(draft_logprobs)
+    target_logprobs = jnp.asarray(target_logprobs)
+    if node_tokens.shape != (n_nodes,):
+        raise ValueError(
+            f"verify_tree: node_tokens must be int32[N={n_nodes}], got shape {node_tokens.shape}"
+        )
+    if draft_logprobs.ndim != 2 or draft_logprobs.shape[0] != n_nodes:
+        raise ValueError(
+            f"verify_tree: draft_logprobs must be [N={n_nodes}, V], got shape "
+            f"{draft_logprobs.shape}"
+        )
+    if target_logprobs.shape != draft_logprobs.shape:
+        raise ValueError(
+            f"verify_tree: target_logprobs must be [N={n_nodes}, V={draft_logprobs.shape[1]}], "
+            f"got shape {target_logprobs.shape}"
+        )
+    valid = jnp.ones((n_nodes,), bool) if valid is None else jnp.asarray(valid, bool)
+    if valid.shape != (n_nodes,):
+        raise ValueError(f"verify_tree: valid must be bool[N={n_nodes}], got shape {valid.shape}")
+    return sample_tree(
+        key,
+        tree,
+        node_tokens.astype(jnp.int32),
+        draft_logprobs.astype(jnp.float32),
+        target_logprobs.astype(jnp.float32),
+        valid,
+        method,
+        **options,
+    )
