@@ -1,6 +1,7 @@
 """Multi-draft verification: exact enumeration, statistical tests through verify_drafts, the
 paper's three-letter example, optimal_acceptance, the efficiency ordering and bad input."""
 
+import functools
 import itertools
 
 import jax
@@ -22,7 +23,7 @@ from scipy import stats
 
 import asps_jax
 from asps_jax import draws as draws_mod
-from asps_jax.verify import multi, tokenlevel
+from asps_jax.verify import api, multi, tokenlevel
 from asps_jax.verify.acceptance import optimal_acceptance, sorted_prefix_acceptance
 
 
@@ -642,30 +643,49 @@ def test_tail_option_is_validated_and_sps_keeps_the_old_law():
 ALL_DRAFT_METHODS = ("specinfer", "spectr", "is", "optimal", "specinfer_wor")
 
 
-@pytest.mark.parametrize("tail", ["asps", "sps"])
-def test_zero_probability_draft_token_is_never_emitted(tail):
-    """q = p = [0, 1] with draft token 0 (p(0) = 0): no verifier may emit token 0."""
-    lq = jnp.log(jnp.asarray([[0.0, 1.0]] * 2))
-    lp = jnp.log(jnp.asarray([[0.0, 1.0]] * 3))
-    keys = jax.random.split(jax.random.key(0), 256)
-    zero = jnp.zeros((2,), jnp.int32)
-    for method in ("sps", "asps"):
-        run = jax.vmap(lambda k, m=method: asps_jax.verify_chain(k, zero, lq, lp, method=m))
-        v = run(keys)
-        assert np.all(np.asarray(v.tokens)[:, 0] == 1), method
-    for method in ALL_DRAFT_METHODS:
-        tokens = jnp.asarray([[0, 0], [1, 1]]) if method == "specinfer_wor" else zero[None] * 0
-        tokens = jnp.broadcast_to(tokens, (2, 2))
-        run = jax.vmap(
-            lambda k, m=method, t=tokens: asps_jax.verify_drafts(
-                k, t, jnp.stack([lq, lq]), jnp.stack([lp, lp]), method=m, tail=tail
-            )
-        )
-        out = np.asarray(run(keys).tokens)
-        assert not np.any(out == 0), method
+DEFECT_V, DEFECT_N = 10, 3
 
 
-def test_out_of_range_ids_are_refused_or_never_emitted():
+@functools.cache
+def _defect_runner(method):
+    """Jitted, vmapped over keys: ``fn(keys, tokens[K, n], lq[K, n, V], lp[K, n+1, V])``."""
+    if method in ("sps", "asps"):
+
+        def one(key, tokens, lq, lp):
+            return asps_jax.verify_chain(key, tokens[0], lq[0], lp[0], method=method)
+
+    else:
+
+        def one(key, tokens, lq, lp):
+            return asps_jax.verify_drafts(key, tokens, lq, lp, method=method)
+
+    return jax.jit(jax.vmap(one, in_axes=(0, None, None, None)))
+
+
+@pytest.mark.parametrize("method", ("sps", "asps") + ALL_DRAFT_METHODS)
+def test_zero_probability_and_out_of_range_tokens_are_never_emitted(method):
+    """Issue 15 defects 9 and 10 under jit (traced ids): (a) q = p = point mass on token 1 and the
+    draft token 0 (p(0) = q(0) = 0): token 0 is never emitted; (b) ids 7, 9, 100 and -5 with
+    V = 10: only ids in [0, V) are emitted, and the chain ends before the bad id."""
+    keys = jax.random.split(jax.random.key(0), 64)
+    run = _defect_runner(method)
+    point = np.full(DEFECT_V, -np.inf, np.float32)
+    point[1] = 0.0
+    lq = np.broadcast_to(point, (2, DEFECT_N, DEFECT_V))
+    lp = np.broadcast_to(point, (2, DEFECT_N + 1, DEFECT_V))
+    zero = np.array([[0, 1, 1], [1, 0, 1]] if method == "specinfer_wor" else [[0, 1, 1]] * 2)
+    out = np.asarray(run(keys, zero, lq, lp).tokens)
+    assert not np.any(out == 0), method
+    assert np.all(out[:, 0] == 1)
+    uniform = np.log(np.full((2, DEFECT_N + 1, DEFECT_V), 0.1, np.float32))
+    bad = np.array([[7, 9, 100], [2, -5, 1]])
+    verdict = run(keys, bad, uniform[:, :DEFECT_N], uniform)
+    out = np.asarray(verdict.tokens)
+    assert np.all(out < DEFECT_V), method
+    assert np.all(np.asarray(verdict.num_tokens) <= 3)
+
+
+def test_out_of_range_ids_and_dtypes_are_refused_when_concrete():
     lq = np.log(np.full((3, 10), 0.1, np.float32))
     lp = np.log(np.full((4, 10), 0.1, np.float32))
     for bad in ([7, 9, 100], [7, -1, 3]):
@@ -683,30 +703,6 @@ def test_out_of_range_ids_are_refused_or_never_emitted():
         asps_jax.verify_chain(jax.random.key(0), np.array([1.0, 2.0, 3.0]), lq, lp)
     with pytest.raises(ValueError, match="floating point"):
         asps_jax.verify_chain(jax.random.key(0), np.array([1, 2, 3]), lq.astype(int), lp)
-    keys = jax.random.split(jax.random.key(1), 64)
-    bad = jnp.asarray([7, 9, 100])
-    for method in ("sps", "asps"):
-        run = jax.jit(
-            jax.vmap(
-                lambda k, t, m=method: asps_jax.verify_chain(k, t, lq, lp, method=m),
-                in_axes=(0, None),
-            )
-        )
-        v = run(keys, bad)
-        out = np.asarray(v.tokens)
-        assert np.all(out < 10) and np.all(np.asarray(v.num_tokens) <= 3), method
-    for method in ALL_DRAFT_METHODS:
-        tokens = jnp.asarray([[7, 9, 100], [2, -5, 1]])
-        run = jax.jit(
-            jax.vmap(
-                lambda k, t, m=method: asps_jax.verify_drafts(
-                    k, t, np.stack([lq, lq]), np.stack([lp, lp]), method=m
-                ),
-                in_axes=(0, None),
-            )
-        )
-        out = np.asarray(run(keys, tokens).tokens)
-        assert np.all(out < 10), method
 
 
 def test_specinfer_wor_repeated_root_token():
@@ -721,14 +717,7 @@ def test_specinfer_wor_repeated_root_token():
             jax.random.key(0), np.array([[2], [2]]), lq, lp, method="specinfer_wor"
         )
     # A chain with draft_length 0 does not count as a root draw.
-    asps_jax.verify_drafts(
-        jax.random.key(0),
-        np.array([[2], [2]]),
-        lq,
-        lp,
-        method="specinfer_wor",
-        draft_length=np.array([1, 0]),
-    )
+    api._check_distinct_roots(np.array([[2], [2]]), np.array([1, 0]), "verify_drafts")
     with jax.enable_x64(True):
         out = tokenlevel.specinfer_without_replacement(
             jnp.asarray(p), jnp.asarray(np.stack([q, q])), jnp.asarray([2, 2]), jnp.ones(2, bool)
