@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from asps_jax.draws import draw_categorical
 from asps_jax.logspace import NEG_INF, log_normalize
 
 
@@ -95,5 +96,6 @@ def process_logits(
 
 
 def sample_token(key: jax.Array, logprobs_V: jax.Array) -> jax.Array:
-    """Draw one token per row from log-probs ``[..., V]`` (Gumbel-max; ``-inf`` is never drawn)."""
-    return jax.random.categorical(key, logprobs_V, axis=-1).astype(jnp.int32)
+    """Draw one token per row from log-probs ``[..., V]``, exactly from their normalised law (no
+    far-tail cut-off; ``-inf`` is never drawn; see :mod:`asps_jax.draws`)."""
+    return draw_categorical(key, logprobs_V)

@@ -37,7 +37,52 @@ def string_prob(laws, z) -> float:
     return prob
 
 
-def tree_law(node_law, target, drafts, n: int, lengths=None, root_weights=None, root_law=None):
+def asps_tail(target, draft, prefix, length: int, table_draft=None):
+    """Exact law of the strings ASpS emits on a chain drawn fresh from ``draft`` after ``prefix``
+    with ``length`` tokens left: dict suffix -> probability (the NumPy reference table of
+    tests/tabular.py, enumerating every draft suffix). ``table_draft`` (default ``draft``) is the
+    law the verifier is told; a different one is a deliberate mutation for the tests."""
+    table_draft = draft if table_draft is None else table_draft
+    from tabular import ref_asps_outcome
+
+    vocab = target[0].shape[-1]
+    depth = len(prefix)
+    suffixes = np.array(list(itertools.product(range(vocab), repeat=length)), np.int64)
+    suffixes = suffixes.reshape(len(suffixes), length)
+    q_rows = np.zeros((len(suffixes), length, vocab))
+    p_rows = np.zeros((len(suffixes), length + 1, vocab))
+    weight = np.ones(len(suffixes))
+    for row, s in enumerate(suffixes):
+        for i in range(length + 1):
+            at = prefix + tuple(s[:i].tolist())
+            p_rows[row, i] = target[depth + i][at]
+            if i < length:
+                q_rows[row, i] = table_draft[depth + i][at]
+                weight[row] *= draft[depth + i][at][s[i]]
+    stop, full = ref_asps_outcome(suffixes, q_rows, p_rows, length)
+    out = defaultdict(float)
+    for row, s in enumerate(suffixes):
+        if weight[row] == 0.0:
+            continue
+        s = tuple(s.tolist())
+        for t in range(length):
+            for y in np.nonzero(stop[row, t])[0]:
+                out[s[:t] + (int(y),)] += weight[row] * stop[row, t, y]
+        for z in np.nonzero(p_rows[row, length])[0]:
+            out[s + (int(z),)] += weight[row] * full[row] * p_rows[row, length, z]
+    return out
+
+
+def tree_law(
+    node_law,
+    target,
+    drafts,
+    n: int,
+    lengths=None,
+    root_weights=None,
+    root_law=None,
+    tail: bool = False,
+):
     """Exact law of the emitted string of one verification step.
 
     Args:
@@ -47,6 +92,8 @@ def tree_law(node_law, target, drafts, n: int, lengths=None, root_weights=None, 
       lengths: per-chain draft lengths (default n).
       root_weights: optional ``fn(x[M, K]) -> [M]`` replacing the root's independent draft law
         (drafts without replacement); root_law: the scheme used at the root (default node_law).
+      tail: once exactly one chain is alive, verify the rest of it with ASpS (:func:`asps_tail`)
+        instead of node by node (docs/algorithms.md §3.10, "ASpS tail").
 
     Returns:
       ``(law, marginal_error)``: dict emitted string -> probability, and the largest deviation of a
@@ -66,6 +113,11 @@ def tree_law(node_law, target, drafts, n: int, lengths=None, root_weights=None, 
         if not alive:  # the matched chains ended: bonus token from the target
             for z in range(vocab):
                 out[prefix + (z,)] += weight * p[z]
+            return
+        if tail and len(alive) == 1:
+            k = alive[0]
+            for suffix, mass in asps_tail(target, drafts[k], prefix, lengths[k] - depth).items():
+                out[prefix + suffix] += weight * mass
             return
         q = np.stack([drafts[k][depth][prefix] for k in range(num_drafts)])
         mask = np.isin(np.arange(num_drafts), alive)

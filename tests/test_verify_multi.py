@@ -1,6 +1,7 @@
 """Multi-draft verification: exact enumeration, statistical tests through verify_drafts, the
 paper's three-letter example, optimal_acceptance, the efficiency ordering and bad input."""
 
+import functools
 import itertools
 
 import jax
@@ -21,7 +22,8 @@ from multidraft_reference import (
 from scipy import stats
 
 import asps_jax
-from asps_jax.verify import multi, tokenlevel
+from asps_jax import draws as draws_mod
+from asps_jax.verify import api, multi, tokenlevel
 from asps_jax.verify.acceptance import optimal_acceptance, sorted_prefix_acceptance
 
 
@@ -183,7 +185,8 @@ def test_statistical_verify_drafts(method, options, law_name):
     if method in ("is", "optimal"):
         assert 0 < fallbacks.mean() < 2  # both paths taken
     target, drafts = _stat_models()
-    law, _ = tree_law(node_law(law_name, STAT_V), target, drafts, STAT_N, STAT_LENGTHS)
+    # verify_drafts' default tail="asps": the last alive chain is verified by ASpS.
+    law, _ = tree_law(node_law(law_name, STAT_V), target, drafts, STAT_N, STAT_LENGTHS, tail=True)
     sem = length.std() / np.sqrt(STAT_KEYS)
     assert abs(length.mean() - mean_length(law)) < 5 * sem, (length.mean(), mean_length(law))
 
@@ -474,3 +477,266 @@ def test_bench_script_single_chain(tmp_path, monkeypatch):
     assert all(r["K"] == 1 and r["V"] == 16 and r["fallbacks"] == 0 for r in rows)
     assert all(1 <= r["mean_tokens"] <= r["n"] + 1 for r in rows)
     assert all(r["ratio"] is None for r in rows)  # no sps row to divide by
+
+
+# --- ASpS tail (docs/algorithms.md §3.10): exact enumeration, E[L] versus tail="sps" ---
+
+TAIL_SCHEMES = ("specinfer", "spectr", "is_lp_s2_m3", "specinfer_wor")
+TAIL_CONFIGS = [
+    (k, n, ident, pad) for k in (2, 3) for n in (2, 3) for ident in (True, False) for pad in (0, 1)
+]
+
+
+def _tail_case(name, i, num_drafts, n, identical, pad, vocab=3):
+    target, drafts = _models(700 + i, num_drafts, vocab, n, identical, sparse=0.3 * (i % 2))
+    lengths = [n] * num_drafts
+    if pad:  # padded chains: one ended after a token, one (K = 3) never started
+        lengths[-1] = 1
+        if num_drafts == 3:
+            lengths[0] = 0
+    kwargs = {}
+    if name == "specinfer_wor":
+        for d in drafts:
+            d[0] = drafts[0][0]
+        kwargs = dict(
+            root_law=node_law("specinfer_wor", vocab),
+            root_weights=without_replacement_weights(drafts[0][0], num_drafts),
+        )
+        name = "specinfer"
+    return target, drafts, lengths, node_law(name, vocab), kwargs
+
+
+@pytest.mark.parametrize("name", TAIL_SCHEMES)
+def test_tail_exact_enumeration_and_never_shorter(name):
+    """Reference walker with the ASpS tail: the emitted string continued by the target is p
+    (float64, <= 1e-10) for K = 2, 3, n = 2, 3, identical and distinct drafts, with and without
+    padding; and E[L] with the tail is never below E[L] with tail="sps"."""
+    for i, (num_drafts, n, identical, pad) in enumerate(TAIL_CONFIGS):
+        if name == "specinfer_wor" and pad:
+            continue  # without-replacement roots are drawn for every chain
+        target, drafts, lengths, law_fn, kwargs = _tail_case(name, i, num_drafts, n, identical, pad)
+        with_tail, marginal = tree_law(law_fn, target, drafts, n, lengths, tail=True, **kwargs)
+        assert marginal <= 1e-10
+        assert abs(sum(with_tail.values()) - 1.0) <= 1e-10
+        err = continuation_error(with_tail, target, n)
+        assert err <= 1e-10, (name, num_drafts, n, identical, pad, err)
+        node_only, _ = tree_law(law_fn, target, drafts, n, lengths, **kwargs)
+        assert mean_length(with_tail) >= mean_length(node_only) - 1e-12
+
+
+def test_tail_enumeration_detects_a_wrong_tail(monkeypatch):
+    """The check has teeth: a tail whose ASpS table uses another chain's draft law than the one
+    the chain was drawn from is caught."""
+    import multidraft_reference as ref
+
+    target, drafts, lengths, law_fn, _ = _tail_case("specinfer", 0, 2, 2, False, 0)
+    real = ref.asps_tail
+
+    def mismatched(target_, draft, prefix, length):
+        other = drafts[1] if draft is drafts[0] else drafts[0]
+        return real(target_, draft, prefix, length, table_draft=other)
+
+    monkeypatch.setattr(ref, "asps_tail", mismatched)
+    bad, _ = tree_law(law_fn, target, drafts, 2, lengths, tail=True)
+    assert continuation_error(bad, target, 2) > 1e-3
+
+
+def test_tail_gain_on_tabular_models(capsys):
+    """Exact E[L] with tail="asps" vs "sps" on random tabular models (K = 2, 3; n = 3; V = 3):
+    never lower; the mean gain is printed."""
+    rows = []
+    for i in range(6):
+        for num_drafts in (2, 3):
+            target, drafts = _models(900 + i, num_drafts, 3, 3, identical=i % 2 == 0)
+            law_fn = node_law("specinfer", 3)
+            base = mean_length(tree_law(law_fn, target, drafts, 3)[0])
+            tail = mean_length(tree_law(law_fn, target, drafts, 3, tail=True)[0])
+            assert tail >= base - 1e-12
+            rows.append((num_drafts, base, tail))
+    with capsys.disabled():
+        gains = np.array([t / b - 1 for _, b, t in rows])
+        print(
+            f"\nASpS tail vs sps tail, specinfer, exact E[L]: mean gain {gains.mean():.4%}, "
+            f"max {gains.max():.4%}, min {gains.min():.4%} over {len(rows)} models"
+        )
+
+
+def _emitted_counts(out, length):
+    """Counts of each emitted string (tuple) from verdict arrays."""
+    counts = {}
+    for row, m in zip(out.tolist(), length.tolist()):
+        key = tuple(row[:m])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("method,law_name", [("specinfer", "specinfer"), ("spectr", "spectr")])
+def test_statistical_tail_emitted_law(method, law_name):
+    """10^5 calls of verify_drafts (default tail="asps"): the emitted strings themselves follow
+    the reference walker's exact law with the tail (chi-square), and never a string of zero
+    probability."""
+    target, drafts = _stat_models()
+
+    def one(key):
+        key_draft, key_verify = jax.random.split(key)
+        tokens, lq, lp = _sample_drafts(key_draft, drafts, target, False)
+        return asps_jax.verify_drafts(
+            key_verify, tokens, lq, lp, method=method, draft_length=STAT_LENGTHS
+        )
+
+    keys = jax.random.split(jax.random.key(77), STAT_KEYS)
+    verdict = jax.jit(jax.vmap(one))(keys)
+    counts = _emitted_counts(np.asarray(verdict.tokens), np.asarray(verdict.num_tokens))
+    law, _ = tree_law(node_law(law_name, STAT_V), target, drafts, STAT_N, STAT_LENGTHS, tail=True)
+    assert set(counts) <= {s for s, m in law.items() if m > 0}
+    strings = sorted(law)
+    expected = np.array([law[s] for s in strings]) * STAT_KEYS
+    observed = np.array([counts.get(s, 0) for s in strings])
+    big = expected >= 5
+    exp_bins = np.append(expected[big], expected[~big].sum())
+    obs_bins = np.append(observed[big], observed[~big].sum())
+    assert stats.chisquare(obs_bins, exp_bins).pvalue > 1e-4
+
+
+def test_tail_option_is_validated_and_sps_keeps_the_old_law():
+    tokens, lq, lp = _small_inputs()
+    for method in ("specinfer", "spectr", "is", "optimal", "specinfer_wor"):
+        with pytest.raises(ValueError, match="tail must be one of"):
+            asps_jax.verify_drafts(
+                jax.random.key(0),
+                tokens[:, ::-1] * 0 + [[0, 1], [2, 3]],
+                lq,
+                lp,
+                method=method,
+                tail="block",
+            )
+    with pytest.raises(ValueError, match="unknown option"):  # per-method checks still apply
+        asps_jax.verify_drafts(jax.random.key(0), tokens, lq, lp, method="is", tail="sps", s2=1)
+    with pytest.raises(ValueError, match="takes no options"):
+        asps_jax.verify_drafts(jax.random.key(0), tokens, lq, lp, method="spectr", tail="sps", s=1)
+    # K = 1: tail="asps" is ASpS on the chain, tail="sps" is SpS (exact E[L] of each).
+    target, drafts = _models(5, 1, 4, 2, identical=True)
+    law_fn = node_law("specinfer", 4)
+    keys = jax.random.split(jax.random.key(3), 40_000)
+    for tail in ("asps", "sps"):
+
+        def one(key, tail=tail):
+            k1, k2 = jax.random.split(key)
+            x0 = draws_mod.draw_categorical(k1, jnp.log(jnp.asarray(drafts[0][0], jnp.float32)))
+            lq1 = jnp.log(jnp.asarray(drafts[0][1], jnp.float32))[x0]
+            x1 = draws_mod.draw_categorical(k2, lq1)
+            lp = jnp.log(jnp.asarray(np.stack([target[0], target[0], target[0]]), jnp.float32))
+            lp = lp.at[1].set(jnp.log(jnp.asarray(target[1], jnp.float32))[x0])
+            lp = lp.at[2].set(jnp.log(jnp.asarray(target[2], jnp.float32))[x0, x1])
+            lq = jnp.stack([jnp.log(jnp.asarray(drafts[0][0], jnp.float32)), lq1])
+            return asps_jax.verify_drafts(
+                key, jnp.stack([x0, x1])[None], lq[None], lp[None], method="specinfer", tail=tail
+            ).num_tokens
+
+        length = np.asarray(jax.jit(jax.vmap(one))(keys))
+        exact = mean_length(tree_law(law_fn, target, drafts, 2, tail=tail == "asps")[0])
+        assert abs(length.mean() - exact) < 5 * length.std() / np.sqrt(len(keys)), tail
+
+
+# --- Out-of-contract input (issue 15 defects 9, 10) and specinfer_wor repeats (issue 9) ---
+
+ALL_DRAFT_METHODS = ("specinfer", "spectr", "is", "optimal", "specinfer_wor")
+
+
+DEFECT_V, DEFECT_N = 10, 3
+
+
+@functools.cache
+def _defect_runner(method):
+    """Jitted, vmapped over keys: ``fn(keys, tokens[K, n], lq[K, n, V], lp[K, n+1, V])``."""
+    if method in ("sps", "asps"):
+
+        def one(key, tokens, lq, lp):
+            return asps_jax.verify_chain(key, tokens[0], lq[0], lp[0], method=method)
+
+    else:
+
+        def one(key, tokens, lq, lp):
+            return asps_jax.verify_drafts(key, tokens, lq, lp, method=method)
+
+    return jax.jit(jax.vmap(one, in_axes=(0, None, None, None)))
+
+
+@pytest.mark.parametrize("method", ("sps", "asps") + ALL_DRAFT_METHODS)
+def test_zero_probability_and_out_of_range_tokens_are_never_emitted(method):
+    """Issue 15 defects 9 and 10 under jit (traced ids): (a) q = p = point mass on token 1 and the
+    draft token 0 (p(0) = q(0) = 0): token 0 is never emitted; (b) ids 7, 9, 100 and -5 with
+    V = 10: only ids in [0, V) are emitted, and the chain ends before the bad id."""
+    keys = jax.random.split(jax.random.key(0), 64)
+    run = _defect_runner(method)
+    point = np.full(DEFECT_V, -np.inf, np.float32)
+    point[1] = 0.0
+    lq = np.broadcast_to(point, (2, DEFECT_N, DEFECT_V))
+    lp = np.broadcast_to(point, (2, DEFECT_N + 1, DEFECT_V))
+    zero = np.array([[0, 1, 1], [1, 0, 1]] if method == "specinfer_wor" else [[0, 1, 1]] * 2)
+    out = np.asarray(run(keys, zero, lq, lp).tokens)
+    assert not np.any(out == 0), method
+    assert np.all(out[:, 0] == 1)
+    uniform = np.log(np.full((2, DEFECT_N + 1, DEFECT_V), 0.1, np.float32))
+    bad = np.array([[7, 9, 100], [2, -5, 1]])
+    verdict = run(keys, bad, uniform[:, :DEFECT_N], uniform)
+    out = np.asarray(verdict.tokens)
+    assert np.all(out < DEFECT_V), method
+    assert np.all(np.asarray(verdict.num_tokens) <= 3)
+
+
+def test_out_of_range_ids_and_dtypes_are_refused_when_concrete():
+    lq = np.log(np.full((3, 10), 0.1, np.float32))
+    lp = np.log(np.full((4, 10), 0.1, np.float32))
+    for bad in ([7, 9, 100], [7, -1, 3]):
+        with pytest.raises(ValueError, match=r"ids must lie in \[0, V=10\)"):
+            asps_jax.verify_chain(jax.random.key(0), np.array(bad), lq, lp)
+        with pytest.raises(ValueError, match="ids must lie"):
+            asps_jax.verify_drafts(
+                jax.random.key(0),
+                np.array([bad, [1, 2, 3]]),
+                np.stack([lq, lq]),
+                np.stack([lp, lp]),
+                method="specinfer",
+            )
+    with pytest.raises(ValueError, match="integer ids"):
+        asps_jax.verify_chain(jax.random.key(0), np.array([1.0, 2.0, 3.0]), lq, lp)
+    with pytest.raises(ValueError, match="floating point"):
+        asps_jax.verify_chain(jax.random.key(0), np.array([1, 2, 3]), lq.astype(int), lp)
+
+
+def test_specinfer_wor_repeated_root_token():
+    """Concrete repeats are refused naming the token; traced ones are never accepted. Fed i.i.d.
+    drafts (p = [.5, .3, .2], q = [.2, .3, .5], K = 2), the old rule accepted a repeat with
+    certainty (emitted law at TV 0.15 from p); now the repeat's slot is 0."""
+    p, q = np.array([0.5, 0.3, 0.2]), np.array([0.2, 0.3, 0.5])
+    lq = np.log(np.stack([np.stack([q])] * 2)).astype(np.float32)
+    lp = np.log(np.stack([np.stack([p, p])] * 2)).astype(np.float32)
+    with pytest.raises(ValueError, match="token 2 is repeated"):
+        asps_jax.verify_drafts(
+            jax.random.key(0), np.array([[2], [2]]), lq, lp, method="specinfer_wor"
+        )
+    # A chain with draft_length 0 does not count as a root draw.
+    api._check_distinct_roots(np.array([[2], [2]]), np.array([1, 0]), "verify_drafts")
+    with jax.enable_x64(True):
+        out = tokenlevel.specinfer_without_replacement(
+            jnp.asarray(p), jnp.asarray(np.stack([q, q])), jnp.asarray([2, 2]), jnp.ones(2, bool)
+        )
+        slot = np.asarray(out.slot)
+    assert slot[1] == 0.0 and slot[0] == pytest.approx(0.2 / 0.5)
+    # Exact emitted law with i.i.d. (not without-replacement) drafts, n = 1, old vs new rule.
+    xs = np.array(list(itertools.product(range(3), repeat=2)), np.int64)
+    weights = q[xs[:, 0]] * q[xs[:, 1]]
+    law = node_law("specinfer_wor", 3)(p, np.stack([q, q]), xs, np.ones(2, bool))
+    emitted = weights @ law
+    repeats = xs[:, 0] == xs[:, 1]
+    # The old rule accepted the repeat (zero proposal mass, zero target mass) with certainty, so
+    # its law on a repeated tuple was a point mass on the repeated token.
+    old_law = law.copy()
+    old_law[repeats] = np.eye(3)[xs[repeats, 0]]
+    old = weights @ old_law
+    assert 0.5 * np.abs(old - p).sum() == pytest.approx(0.15, abs=1e-12)
+    # New: the repeat falls to the residual after the first rejection, as for a fresh token.
+    for row in np.nonzero(repeats)[0]:
+        assert law[row, xs[row, 0]] == pytest.approx(min(1.0, p[xs[row, 0]] / q[xs[row, 0]]))
+    assert 0.5 * np.abs(emitted - p).sum() < 0.15

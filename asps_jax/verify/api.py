@@ -96,6 +96,47 @@ def _check_draft_length(draft_length, n: int, shape: tuple, fn_name: str) -> jax
     return jnp.clip(jnp.asarray(draft_length, jnp.int32), 0, n)
 
 
+def _concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_dtypes(draft_tokens, draft_logprobs, target_logprobs, fn_name: str) -> None:
+    """Token ids must be integers and laws floating point (dtypes are known even when traced)."""
+    if not jnp.issubdtype(draft_tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"{fn_name}: draft_tokens must be integer ids, got dtype {draft_tokens.dtype}"
+        )
+    for name, arr in (("draft_logprobs", draft_logprobs), ("target_logprobs", target_logprobs)):
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise ValueError(f"{fn_name}: {name} must be floating point, got dtype {arr.dtype}")
+
+
+def _check_token_range(draft_tokens, vocab: int, fn_name: str) -> None:
+    """Concrete ids must lie in [0, V); traced ones out of range end their chain (never emitted,
+    chain.effective_length)."""
+    if draft_tokens.size and _concrete(draft_tokens):
+        arr = np.asarray(draft_tokens)
+        bad = arr[(arr < 0) | (arr >= vocab)]
+        if bad.size:
+            raise ValueError(
+                f"{fn_name}: draft token ids must lie in [0, V={vocab}), got {bad[0].item()}"
+            )
+
+
+def _check_distinct_roots(draft_tokens, lengths, fn_name: str) -> None:
+    """Without-replacement drafts: the root tokens of the chains with draft_length > 0 must be
+    distinct (concrete input only; a traced repeat is never accepted)."""
+    if draft_tokens.shape[1] == 0 or not (_concrete(draft_tokens) and _concrete(lengths)):
+        return
+    roots = np.asarray(draft_tokens)[:, 0][np.asarray(lengths) > 0]
+    values, counts = np.unique(roots, return_counts=True)
+    if np.any(counts > 1):
+        raise ValueError(
+            f"{fn_name}: method 'specinfer_wor' needs distinct root tokens (drawn without "
+            f"replacement), but token {values[counts > 1][0].item()} is repeated"
+        )
+
+
 def verify_chain(
     key: jax.Array,
     draft_tokens: jax.Array,
@@ -139,6 +180,8 @@ def verify_chain(
             f"verify_chain: target_logprobs must be [n+1={n + 1}, V={vocab}] "
             f"(draft vocabulary), got shape {target_logprobs.shape}"
         )
+    _check_dtypes(draft_tokens, draft_logprobs, target_logprobs, "verify_chain")
+    _check_token_range(draft_tokens, vocab, "verify_chain")
     length = _check_draft_length(draft_length, n, (), "verify_chain")
     fn = _chain_methods()[method]
     return fn(
@@ -165,10 +208,14 @@ def verify_drafts(
     Args:
       draft_tokens: int32[K, n]; draft_logprobs: float32[K, n, V]; target_logprobs:
         float32[K, n+1, V] (the target along each chain).
-      method: ``"specinfer"``, ``"spectr"``, ``"is"``, ``"optimal"``, or ``"sps"`` / ``"asps"``
-        on chain 0 alone.
+      method: ``"specinfer"``, ``"spectr"``, ``"is"``, ``"optimal"``, ``"specinfer_wor"``, or
+        ``"sps"`` / ``"asps"`` on chain 0 alone.
       draft_length: int32[K], valid tokens per chain (default n).
-      options: method options (e.g. ``rule=`` for ``"is"``).
+      options: method options (e.g. ``rule=`` for ``"is"``); every multi-draft method takes
+        ``tail="asps"`` (default: ASpS verifies the rest of the last alive chain) or ``"sps"``.
+
+    Concrete inputs are validated (shapes, dtypes, token ids in [0, V), distinct root tokens for
+    ``"specinfer_wor"``); traced out-of-range ids end their chain and are never emitted.
 
     Returns:
       A :class:`Verdict`; ``draft_index`` names a chain whose prefix the emitted tokens follow.
@@ -194,7 +241,11 @@ def verify_drafts(
             f"verify_drafts: target_logprobs must be [K={num_drafts}, n+1={n + 1}, V={vocab}], "
             f"got shape {target_logprobs.shape}"
         )
+    _check_dtypes(draft_tokens, draft_logprobs, target_logprobs, "verify_drafts")
+    _check_token_range(draft_tokens, vocab, "verify_drafts")
     lengths = _check_draft_length(draft_length, n, (num_drafts,), "verify_drafts")
+    if method in WITHOUT_REPLACEMENT_METHODS:
+        _check_distinct_roots(draft_tokens, lengths, "verify_drafts")
     draft_tokens = draft_tokens.astype(jnp.int32)
     draft_logprobs = draft_logprobs.astype(jnp.float32)
     target_logprobs = target_logprobs.astype(jnp.float32)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from asps_jax.draws import accept_log, draw_categorical
 from asps_jax.logspace import NEG_INF, log_minus_exp, log_normalize
 from asps_jax.verify.api import Verdict, make_verdict
 
@@ -50,6 +51,23 @@ def _draft_token_logprobs(draft_tokens_N, draft_logprobs_NV, target_logprobs_MV)
     lq_x = jnp.take_along_axis(draft_logprobs_NV, idx, axis=-1)[:, 0]
     lp_x = jnp.take_along_axis(target_logprobs_MV[:n], idx, axis=-1)[:, 0]
     return lq_x, lp_x
+
+
+def effective_length(draft_tokens, draft_logprobs, target_logprobs, draft_length):
+    """``(tokens, length)``: ``draft_length`` cut before the first out-of-contract draft token.
+
+    A token id outside ``[0, V)`` or a token that both the draft and the target give probability
+    0 cannot have been drawn from the draft; the chain is treated as ending just before it, so it
+    is never emitted (a token of target probability 0 never is). Out-of-range ids are replaced by
+    0 (they now lie in the padding). Inside the contract nothing changes.
+    """
+    n, vocab = draft_logprobs.shape
+    in_range = (draft_tokens >= 0) & (draft_tokens < vocab)
+    tokens = jnp.where(in_range, draft_tokens, 0).astype(jnp.int32)
+    lq_x, lp_x = _draft_token_logprobs(tokens, draft_logprobs, target_logprobs)
+    bad = ~in_range | ((lq_x == NEG_INF) & (lp_x == NEG_INF))
+    first_bad = jnp.where(jnp.any(bad), jnp.argmax(bad), n) if n > 0 else 0
+    return tokens, jnp.minimum(draft_length, first_bad).astype(jnp.int32)
 
 
 def _log_ratio(lp_x: jax.Array, lq_x: jax.Array) -> jax.Array:
@@ -108,18 +126,21 @@ def sps_outcome_logweights(draft_tokens, draft_logprobs, target_logprobs, draft_
 
 
 def sps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Verdict:
-    """Standard speculative sampling: accept ``x_t`` iff ``u_t * q_t(x_t) < p_t(x_t)``.
+    """Standard speculative sampling: accept ``x_t`` with probability ``min(1, p_t/q_t (x_t))``.
 
     Shapes: draft_tokens int32[n], draft_logprobs float32[n, V], target_logprobs float32[n+1, V],
-    draft_length int32[] in [0, n]. Returns a Verdict with ``tokens`` int32[n+1].
+    draft_length int32[] in [0, n]. Returns a Verdict with ``tokens`` int32[n+1]. Out-of-contract
+    tokens end the chain (:func:`effective_length`).
     """
     n = draft_tokens.shape[0]
+    draft_tokens, draft_length = effective_length(
+        draft_tokens, draft_logprobs, target_logprobs, draft_length
+    )
     lq_x, lp_x = _draft_token_logprobs(draft_tokens, draft_logprobs, target_logprobs)
 
-    # --- Step 1: accept/reject every position at once; strict `<` in log space (no division,
-    # no underflow of tiny probabilities). log u = -inf for u = 0 accepts iff p(x) > 0.
-    u_N = jax.random.uniform(jax.random.fold_in(key, _ACCEPT), (n,), jnp.float32)
-    accepted_N = jnp.log(u_N) + lq_x < lp_x
+    # --- Step 1: accept/reject every position at once, each an exact Bernoulli (bias < 2^-64,
+    # draws.accept_log); p(x) = 0 never accepts, q(x) = 0 < p(x) always does.
+    accepted_N = accept_log(jax.random.fold_in(key, _ACCEPT), lp_x, lq_x)
     stop_N = ~accepted_N | (jnp.arange(n) >= draft_length)
     # J = number of accepted tokens = index of the first rejection, or draft_length.
     first_stop = jnp.argmax(stop_N) if n > 0 else 0
@@ -133,7 +154,7 @@ def sps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Ver
     law_J = _residual(target_logprobs[num_accepted], jnp.where(recovering, lq_J, NEG_INF))
     # One V-sized draw whose key still depends on its purpose (recovered vs bonus).
     purpose = jnp.where(recovering, _RESIDUAL, _BONUS)
-    last = jax.random.categorical(jax.random.fold_in(key, purpose), law_J).astype(jnp.int32)
+    last = draw_categorical(jax.random.fold_in(key, purpose), law_J)
 
     tokens_M = jnp.concatenate([draft_tokens, jnp.full((1,), -1, jnp.int32)])
     tokens_M = tokens_M.at[num_accepted].set(last)
@@ -240,22 +261,25 @@ def asps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Ve
 
     The outcome ``(t, y)`` is drawn in two stages, the row ``t`` from the n+1 row masses (the
     fully coupled slot is row n), then ``y`` from row ``t`` (or the bonus law): the same law as one
-    categorical over the flattened n*V+1 table, but with n+1+V Gumbel variates instead of n*V+1,
-    which dominated the cost of the one-draw form.
+    categorical over the flattened n*V+1 table at a fraction of the cost. Both draws are exact
+    (draws.draw_categorical). Out-of-contract tokens end the chain (:func:`effective_length`).
     """
     n, _ = draft_logprobs.shape
+    draft_tokens, draft_length = effective_length(
+        draft_tokens, draft_logprobs, target_logprobs, draft_length
+    )
     stop_NV, row_mass_N, log_full = _asps_table(
         draft_tokens, draft_logprobs, target_logprobs, draft_length
     )
-    # The table sums to 1 up to rounding; categorical's implicit normalisation absorbs it.
+    # The table sums to 1 up to rounding; the draw's implicit normalisation absorbs it.
     row_mass_M = jnp.concatenate([row_mass_N, log_full[None]])
-    row = jax.random.categorical(jax.random.fold_in(key, _OUTCOME), row_mass_M).astype(jnp.int32)
+    row = draw_categorical(jax.random.fold_in(key, _OUTCOME), row_mass_M)
     full = row == n
     num_accepted = jnp.where(full, draft_length, row).astype(jnp.int32)
     bonus_law = target_logprobs[draft_length]
     law = bonus_law if n == 0 else jnp.where(full, bonus_law, stop_NV[jnp.minimum(row, n - 1)])
     purpose = jnp.where(full, _BONUS, _RESIDUAL)
-    last = jax.random.categorical(jax.random.fold_in(key, purpose), law).astype(jnp.int32)
+    last = draw_categorical(jax.random.fold_in(key, purpose), law)
 
     tokens_M = jnp.concatenate([draft_tokens, jnp.full((1,), -1, jnp.int32)])
     tokens_M = tokens_M.at[num_accepted].set(last)

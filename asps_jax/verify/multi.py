@@ -22,11 +22,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from asps_jax.draws import draw_from_weights, draw_without_replacement
+from asps_jax.verify import chain
 from asps_jax.verify.api import Verdict, make_verdict
 from asps_jax.verify.selection import RULES, RuleConfig
 from asps_jax.verify.tokenlevel import (
     importance_sampling,
-    sample_outcome,
+    sample_choice,
     specinfer,
     specinfer_without_replacement,
     spectr,
@@ -36,8 +38,25 @@ IS_DEFAULTS = {"rule": "truncated_lp", "s": 5, "alphabet": 40, "lp_iters": 300, 
 OPTIMAL_DEFAULTS = {"alphabet": 16, "lp_iters": 1000, "tol": 1e-5}
 
 
+TAILS = ("asps", "sps")
+
+
+def check_tail(tail) -> None:
+    """``tail`` must be ``"asps"`` (default) or ``"sps"`` (a one-line ValueError otherwise)."""
+    if tail not in TAILS:
+        raise ValueError(f"verify_drafts: tail must be one of {TAILS}, got {tail!r}")
+
+
 def verify_tree(
-    node_fn, key, draft_tokens, draft_logprobs, target_logprobs, draft_length, *, root_fn=None
+    node_fn,
+    key,
+    draft_tokens,
+    draft_logprobs,
+    target_logprobs,
+    draft_length,
+    *,
+    root_fn=None,
+    tail="asps",
 ) -> Verdict:
     """Apply ``node_fn(p[V], q[K, V], x[K], alive[K]) -> NodeOutcome`` along K chains.
 
@@ -45,16 +64,29 @@ def verify_tree(
       node_fn: the token-level scheme; ``root_fn`` (default ``node_fn``) is used at depth 0.
       draft_tokens: int32[K, n]; draft_logprobs: [K, n, V]; target_logprobs: [K, n+1, V];
       draft_length: int32[K] in [0, n].
+      tail: ``"asps"``: once a single chain is alive at depth d, its remaining tokens are fresh
+        draws given the emitted prefix, so ASpS verifies them (d .. its draft_length) as one
+        block (exact, docs/algorithms.md §3.10 "ASpS tail"; never fewer tokens than SpS).
+        ``"sps"``: the node scheme continues token by token (single-draft SpS).
+
+    Each depth draws only a (K+1)-way choice (tokenlevel.sample_choice); the one V-sized draw of
+    the tree walk (a residual token outside the alive drafts, or the bonus) happens once after
+    the loop. Out-of-contract draft tokens end their chain (chain.effective_length).
     """
+    check_tail(tail)
     num_drafts, n = draft_tokens.shape
     root_fn = node_fn if root_fn is None else root_fn
-    key_nodes, key_bonus = jax.random.split(key)
+    draft_tokens, draft_length = jax.vmap(chain.effective_length)(
+        draft_tokens, draft_logprobs, target_logprobs, jnp.asarray(draft_length, jnp.int32)
+    )
+    key_nodes, key_final, key_tail = jax.random.split(key, 3)
 
     def step(carry, d):
-        matched, done, num_tokens, index, emitted, bonus_depth, fallbacks = carry
+        matched, done, index, emitted, final_depth, final_law, tail_depth, fallbacks = carry
         alive = matched & (draft_length > d) & ~done
         any_alive = jnp.any(alive)
         first_alive = jnp.argmax(alive)
+        handover = (jnp.sum(alive) == 1) if tail == "asps" else jnp.array(False)
         p = jnp.exp(target_logprobs[first_alive, d])  # [V], the target at the emitted prefix
         q = jnp.exp(draft_logprobs[:, d])  # [K, V]
         x = draft_tokens[:, d]  # [K]
@@ -64,49 +96,64 @@ def verify_tree(
             outcome = node_fn(p, q, x, mask)
         else:
             outcome = jax.lax.cond(d == 0, root_fn, node_fn, p, q, x, mask)
-        y = sample_outcome(jax.random.fold_in(key_nodes, d), outcome, x)
-        survivors = alive & (x == y)
-        emit = ~done & any_alive
+        choice, outside = sample_choice(jax.random.fold_in(key_nodes, d), outcome, x, alive)
+        hit = choice < num_drafts
+        y = x[jnp.minimum(choice, num_drafts - 1)]
+        emit = ~done & any_alive & ~handover
         needs_bonus = ~done & ~any_alive  # the matched chains ended before depth n
-        stop = emit & ~jnp.any(survivors)
-        emitted = emitted.at[d].set(jnp.where(emit, y, emitted[d]))
-        num_tokens = jnp.where(stop, d + 1, num_tokens)
-        # On a stop the first alive chain carries the emitted prefix; on a bonus any matched one.
-        index = jnp.where(stop, first_alive, jnp.where(needs_bonus, jnp.argmax(matched), index))
-        bonus_depth = jnp.where(needs_bonus, d, bonus_depth)
+        stop = emit & ~hit  # a residual token that no alive draft shows: drawn after the loop
+        emitted = emitted.at[d].set(jnp.where(emit & hit, y, emitted[d]))
+        bonus_chain = jnp.argmax(matched)
+        final_law = jnp.where(stop, outside, final_law)
+        final_law = jnp.where(needs_bonus, jnp.exp(target_logprobs[bonus_chain, d]), final_law)
+        final_depth = jnp.where(stop | needs_bonus, d, final_depth)
+        # On a stop or a handover the first alive chain carries the emitted prefix; on a bonus
+        # any matched one.
+        index = jnp.where(stop | handover, first_alive, index)
+        index = jnp.where(needs_bonus, bonus_chain, index)
+        tail_depth = jnp.where(~done & handover, d, tail_depth)
         fallbacks = fallbacks + jnp.where(emit, outcome.num_fallbacks, 0)
-        matched = jnp.where(emit & ~stop, survivors, matched)
-        return (
-            matched,
-            done | stop | needs_bonus,
-            num_tokens,
-            index,
-            emitted,
-            bonus_depth,
-            fallbacks,
-        ), None
+        matched = jnp.where(emit & hit, alive & (x == y), matched)
+        done = done | stop | needs_bonus | handover
+        return (matched, done, index, emitted, final_depth, final_law, tail_depth, fallbacks), None
 
+    vocab = target_logprobs.shape[-1]
     init = (
         jnp.ones((num_drafts,), bool),
         jnp.array(False),
         jnp.zeros((), jnp.int32),
-        jnp.zeros((), jnp.int32),
         jnp.full((n + 1,), -1, jnp.int32),
+        jnp.full((), n, jnp.int32),
+        jnp.zeros((vocab,), target_logprobs.dtype),
         jnp.full((), -1, jnp.int32),
         jnp.zeros((), jnp.int32),
     )
     # n == 0 (no draft tokens) is static: the step is just the bonus token at the root.
     carry = jax.lax.scan(step, init, jnp.arange(n))[0] if n else init
-    matched, done, num_tokens, index, emitted, bonus_depth, fallbacks = carry
+    matched, done, index, emitted, final_depth, final_law, tail_depth, fallbacks = carry
     # Never stopped: every surviving chain reached depth n, the bonus comes from its last row.
-    bonus_depth = jnp.where(done, bonus_depth, n)
     index = jnp.where(done, index, jnp.argmax(matched))
-    has_bonus = bonus_depth >= 0
-    bonus = jax.random.categorical(key_bonus, target_logprobs[index, jnp.maximum(bonus_depth, 0)])
-    emitted = jnp.where(
-        has_bonus & (jnp.arange(n + 1) == bonus_depth), bonus.astype(jnp.int32), emitted
-    )
-    num_tokens = jnp.where(has_bonus, bonus_depth + 1, num_tokens)
+    final_law = jnp.where(done, final_law, jnp.exp(target_logprobs[index, n]))
+    last = draw_from_weights(key_final, final_law)
+    emitted = jnp.where(jnp.arange(n + 1) == final_depth, last, emitted)
+    num_tokens = final_depth + 1
+    if tail == "asps" and n:
+        # ASpS on the suffix of the one alive chain from tail_depth, shifted to row 0 (static
+        # shapes: rows past the end are clamped copies, beyond the suffix's draft_length).
+        start = jnp.maximum(tail_depth, 0)
+        rows_n = jnp.minimum(start + jnp.arange(n), n - 1)
+        rows_m = jnp.minimum(start + jnp.arange(n + 1), n)
+        suffix = chain.asps(
+            key_tail,
+            draft_tokens[index, rows_n],
+            draft_logprobs[index, rows_n],
+            target_logprobs[index, rows_m],
+            draft_length[index] - start,
+        )
+        shifted = suffix.tokens[jnp.clip(jnp.arange(n + 1) - start, 0, n)]
+        tailed = tail_depth >= 0
+        emitted = jnp.where(tailed & (jnp.arange(n + 1) >= start), shifted, emitted)
+        num_tokens = jnp.where(tailed, start + suffix.num_tokens, num_tokens)
     return make_verdict(emitted, num_tokens, index, fallbacks)
 
 
@@ -163,39 +210,56 @@ def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
     )
 
 
-def verify_specinfer(key, tokens, lq, lp, draft_length, **options) -> Verdict:
+def verify_specinfer(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> Verdict:
     """SpecInfer: recursive rejection sampling with replacement at every node (§3.2)."""
     _reject_options("specinfer", options)
-    return verify_tree(specinfer, key, tokens, lq, lp, draft_length)
+    return verify_tree(specinfer, key, tokens, lq, lp, draft_length, tail=tail)
 
 
-def verify_specinfer_wor(key, tokens, lq, lp, draft_length, **options) -> Verdict:
+def verify_specinfer_wor(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> Verdict:
     """RRS without replacement at the root (§3.3), for root tokens drawn by
-    :func:`sample_without_replacement`; deeper nodes (independent continuations) use RRS."""
+    :func:`sample_without_replacement`; deeper nodes (independent continuations) use RRS.
+
+    Root tokens must be distinct among the chains with ``draft_length > 0``: ``verify_drafts``
+    raises a ValueError naming a repeated token on concrete input; on traced input a repeated root
+    token is never accepted (tokenlevel.specinfer_without_replacement)."""
     _reject_options("specinfer_wor", options)
     return verify_tree(
-        specinfer, key, tokens, lq, lp, draft_length, root_fn=specinfer_without_replacement
+        specinfer,
+        key,
+        tokens,
+        lq,
+        lp,
+        draft_length,
+        root_fn=specinfer_without_replacement,
+        tail=tail,
     )
 
 
-def verify_spectr(key, tokens, lq, lp, draft_length, **options) -> Verdict:
+def verify_spectr(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> Verdict:
     """SpecTr k-sequential selection with the smallest feasible division factor (§3.4)."""
     _reject_options("spectr", options)
-    return verify_tree(spectr, key, tokens, lq, lp, draft_length)
+    return verify_tree(spectr, key, tokens, lq, lp, draft_length, tail=tail)
 
 
-def verify_is(key, tokens, lq, lp, draft_length, **options) -> Verdict:
+def verify_is(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> Verdict:
     """IS selection + SpS against the exact induced law (§3.6). Options: ``rule`` in
     ``"truncated_lp"`` (default; ``s`` = 5 LP positions), ``"fixed_order"``, ``"sir"``; ``alphabet``
     (40; the SIR block, an upper bound on s), ``lp_iters`` (300), ``tol`` (1e-5, certified LP
     gap)."""
     cfg = _rule_config("is", lp.shape[-1], options)
     return verify_tree(
-        functools.partial(importance_sampling, cfg=cfg), key, tokens, lq, lp, draft_length
+        functools.partial(importance_sampling, cfg=cfg),
+        key,
+        tokens,
+        lq,
+        lp,
+        draft_length,
+        tail=tail,
     )
 
 
-def verify_optimal(key, tokens, lq, lp, draft_length, **options) -> Verdict:
+def verify_optimal(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> Verdict:
     """LP-optimal pairwise IS weights on the top ``alphabet`` (16) tokens, then SpS against q_I.
 
     Optimal among all token-level schemes for K = 2 when ``alphabet >= V`` (every IS rule for two
@@ -203,12 +267,18 @@ def verify_optimal(key, tokens, lq, lp, draft_length, **options) -> Verdict:
     """
     cfg = _rule_config("optimal", lp.shape[-1], options)
     return verify_tree(
-        functools.partial(importance_sampling, cfg=cfg), key, tokens, lq, lp, draft_length
+        functools.partial(importance_sampling, cfg=cfg),
+        key,
+        tokens,
+        lq,
+        lp,
+        draft_length,
+        tail=tail,
     )
 
 
 def sample_without_replacement(key: jax.Array, draft_logprobs: jax.Array, num_drafts: int):
-    """K distinct root tokens by Gumbel-top-k: sequential sampling without replacement from q.
+    """K distinct root tokens: sequential sampling without replacement from q (exact draws).
 
     Args:
       draft_logprobs: [V] log q at the root; num_drafts: K <= V (static).
@@ -223,8 +293,7 @@ def sample_without_replacement(key: jax.Array, draft_logprobs: jax.Array, num_dr
         raise ValueError(
             f"sample_without_replacement: num_drafts must be in [1, V={vocab}], got {num_drafts}"
         )
-    perturbed = draft_logprobs + jax.random.gumbel(key, draft_logprobs.shape, draft_logprobs.dtype)
-    return jax.lax.top_k(perturbed, num_drafts)[1].astype(jnp.int32)
+    return draw_without_replacement(key, draft_logprobs, num_drafts)
 
 
 METHODS = {

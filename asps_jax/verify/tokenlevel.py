@@ -22,6 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from asps_jax.draws import draw_from_weights
 from asps_jax.verify.selection import RuleConfig, tournament_rules, tournament_selection
 
 
@@ -34,8 +35,10 @@ class NodeOutcome:
 
 
 def _ratio_accept(num: jax.Array, den: jax.Array) -> jax.Array:
-    """``min(1, num / den)`` without dividing by zero (den = 0 means certain acceptance)."""
-    return jnp.where(num >= den, 1.0, num / jnp.where(den > 0, den, 1.0)).astype(num.dtype)
+    """``min(1, num / den)`` without dividing by zero: den = 0 < num means certain acceptance,
+    num = 0 never accepts (also when den = 0: a token of target probability 0 is never emitted)."""
+    ratio = jnp.where(num >= den, 1.0, num / jnp.where(den > 0, den, 1.0))
+    return jnp.where(num > 0, ratio, 0.0).astype(num.dtype)
 
 
 def _normalise_or(r: jax.Array, fallback: jax.Array) -> jax.Array:
@@ -67,7 +70,9 @@ def specinfer_without_replacement(p, q, x, alive) -> NodeOutcome:
     """RRS without replacement (§3.3; Jeon et al. 2024) for distinct tokens drawn by Gumbel-top-k.
 
     Draft k's proposal is q_k restricted to the tokens not drawn before it, renormalised. A rejected
-    token gets zero residual mass, so removing it from later proposals costs nothing.
+    token gets zero residual mass, so removing it from later proposals costs nothing. A token
+    repeated from an earlier alive draft (impossible without replacement) is never accepted:
+    ``verify_drafts`` refuses such concrete input, and traced input gets this rule.
     """
     vocab = p.shape[-1]
 
@@ -77,7 +82,8 @@ def specinfer_without_replacement(p, q, x, alive) -> NodeOutcome:
         prop = jnp.where(drawn, 0.0, q_k)
         has_mass = jnp.sum(prop) > 0
         prop = _normalise_or(prop, prop)
-        acc = jnp.where(alive_k & has_mass, _ratio_accept(t[x_k], prop[x_k]), 0.0)
+        fresh = ~drawn[x_k]
+        acc = jnp.where(alive_k & has_mass & fresh, _ratio_accept(t[x_k], prop[x_k]), 0.0)
         t_next = _normalise_or(jnp.maximum(t - prop, 0.0), t)
         use = alive_k & has_mass
         drawn = drawn | (alive_k & (jnp.arange(vocab) == x_k))
@@ -167,12 +173,33 @@ def outcome_law(outcome: NodeOutcome, x: jax.Array) -> jax.Array:
 
 
 def sample_outcome(key: jax.Array, outcome: NodeOutcome, x: jax.Array) -> jax.Array:
-    """Draw the emitted token: one categorical over the K accept slots and 'all rejected', and one
+    """Draw the emitted token: one exact draw over the K accept slots and 'all rejected', and one
     over the residual (used only when every accept test failed)."""
     key_slot, key_res = jax.random.split(key)
     rest = jnp.maximum(1.0 - jnp.sum(outcome.slot), 0.0)
-    probs = jnp.concatenate([outcome.slot, rest[None]])
-    choice = jax.random.categorical(key_slot, jnp.log(probs))
-    recovered = jax.random.categorical(key_res, jnp.log(outcome.residual))
+    choice = draw_from_weights(key_slot, jnp.concatenate([outcome.slot, rest[None]]))
+    recovered = draw_from_weights(key_res, outcome.residual)
     k = jnp.minimum(choice, x.shape[0] - 1)
     return jnp.where(choice < x.shape[0], x[k], recovered).astype(jnp.int32)
+
+
+def sample_choice(key: jax.Array, outcome: NodeOutcome, x: jax.Array, alive: jax.Array):
+    """The emitted token's law split without any V-sized draw: ``(choice, outside)``.
+
+    ``choice`` in [0, K] is drawn exactly: ``k < K`` means "emit ``x_k``" (its accept slot plus,
+    for the first alive draft showing that token, the residual's mass on it); ``K`` means "a
+    residual token that no alive draft shows", whose law is ``outside`` [V] (the residual with the
+    alive drafts' tokens removed, unnormalised), drawn by the caller. Same law as
+    :func:`sample_outcome`: ``pi(y | x) = sum_k slot_k [x_k = y] + rest * residual(y)``.
+    """
+    num = x.shape[0]
+    rest = jnp.maximum(1.0 - jnp.sum(outcome.slot), 0.0)
+    earlier = jnp.tril(jnp.ones((num, num), bool), -1)  # earlier[k, j]: j < k
+    repeat = jnp.any(earlier & alive[None, :] & (x[None, :] == x[:, None]), axis=-1)
+    first = alive & ~repeat
+    mass = outcome.slot + jnp.where(first, rest * outcome.residual[x], 0.0)
+    shown = jnp.zeros(outcome.residual.shape, bool).at[x].max(alive)
+    outside = jnp.where(shown, 0.0, outcome.residual)
+    other = rest * jnp.sum(outside)
+    choice = draw_from_weights(key, jnp.concatenate([mass, other[None]]))
+    return choice, outside
