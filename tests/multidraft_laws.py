@@ -53,7 +53,10 @@ SCHEMES = {
     "is_sir_m3": lambda vocab: is_law_fn(is_cfg("sir", 3, 3)(vocab)),
     "optimal": lambda vocab: is_law_fn(is_cfg("truncated_lp", 16, 16)(vocab)),
     "is_lp_no_iters": lambda vocab: is_law_fn(is_cfg("truncated_lp", 5, 40, 0)(vocab)),
-    # The public "is" defaults, as verify_drafts builds them.
+    # The level race (§3.10) on few levels and fit steps (the rates only change efficiency).
+    "is_race_j3": lambda vocab: is_law_fn(RuleConfig("level_race", levels=3, fit_steps=4)),
+    "is_race_j1": lambda vocab: is_law_fn(RuleConfig("level_race", levels=1, fit_steps=1)),
+    # The public "is" defaults (the level race, J = 16, T = 15), as verify_drafts builds them.
     "is_default": lambda vocab: is_law_fn(multi._rule_config("is", vocab, {})),
     # At V = 4 the statistical tests' "is" and "optimal" (lp_iters=60) both solve this LP.
     "stat_lp": lambda vocab: is_law_fn(is_cfg("truncated_lp", 16, 16, 60)(vocab)),

@@ -42,8 +42,8 @@ CONFIGS = [
 ]
 
 
-FULL_GRID = ("specinfer", "spectr", "optimal", "is_lp_s2_m3")
-ENUMERATED = FULL_GRID + ("is_fixed_order_m3", "is_sir_m3", "is_lp_no_iters")
+FULL_GRID = ("specinfer", "spectr", "optimal", "is_lp_s2_m3", "is_default")
+ENUMERATED = FULL_GRID + ("is_fixed_order_m3", "is_sir_m3", "is_lp_no_iters", "is_race_j3")
 
 
 @pytest.mark.parametrize("name", ENUMERATED)
@@ -165,12 +165,14 @@ def _run_statistical(method, options, without_replacement=False):
 
 
 # Few LP iterations here: the solves are vmapped 10^5 times, and a mix of LP weights and counted
-# fallbacks is exactly what must stay unbiased. At V = 4 "is" (s = 5, alphabet 40) and "optimal"
-# (alphabet 16) both solve the full pairwise LP, i.e. the scheme "stat_lp" of the enumeration.
+# fallbacks is exactly what must stay unbiased. At V = 4 "is" with the truncated LP (s = 5, alphabet
+# 40) and "optimal" (alphabet 16) both solve the full pairwise LP, i.e. the scheme "stat_lp" of the
+# enumeration. The default "is" rule is the level race (distinct draft laws here).
 STAT_METHODS = [
     ("specinfer", {}, "specinfer"),
     ("spectr", {}, "spectr"),
-    ("is", {"lp_iters": 60}, "stat_lp"),
+    ("is", {}, "is_default"),
+    ("is", {"rule": "truncated_lp", "lp_iters": 60}, "stat_lp"),
     ("optimal", {"lp_iters": 60}, "stat_lp"),
 ]
 
@@ -180,8 +182,10 @@ def test_statistical_verify_drafts(method, options, law_name):
     """10^5 vmapped calls: emitted strings continued by the target follow p (chi-square), and the
     mean emitted length matches the exact E[L] of the same scheme by enumeration."""
     length, fallbacks = _run_statistical(method, options)
-    if method in ("is", "optimal"):
+    if law_name == "stat_lp":
         assert 0 < fallbacks.mean() < 2  # both paths taken
+    else:
+        assert np.all(fallbacks == 0)
     target, drafts = _stat_models()
     law, _ = tree_law(node_law(law_name, STAT_V), target, drafts, STAT_N, STAT_LENGTHS)
     sem = length.std() / np.sqrt(STAT_KEYS)
@@ -320,13 +324,19 @@ def _small_inputs(num_drafts=2, n=2, vocab=5):
     "method,options,match",
     [
         ("is", {"rule": "greedy"}, "rule"),
-        ("is", {"s": 6, "alphabet": 5}, "larger than the alphabet"),
-        ("is", {"s": 4, "alphabet": 3}, "larger than the alphabet"),
-        ("is", {"alphabet": 6}, "larger than the vocabulary"),
-        ("is", {"alphabet": 0}, "alphabet"),
-        ("is", {"s": 0}, "s must be"),
+        ("is", {"rule": "truncated_lp", "s": 6, "alphabet": 5}, "larger than the alphabet"),
+        ("is", {"rule": "truncated_lp", "s": 4, "alphabet": 3}, "larger than the alphabet"),
+        ("is", {"rule": "truncated_lp", "alphabet": 6}, "larger than the vocabulary"),
+        ("is", {"rule": "truncated_lp", "alphabet": 0}, "alphabet"),
+        ("is", {"rule": "truncated_lp", "s": 0}, "s must be"),
         ("is", {"rule": "sir", "s": 2}, "s applies"),
-        ("is", {"lp_iters": -1}, "lp_iters"),
+        ("is", {"rule": "truncated_lp", "lp_iters": -1}, "lp_iters"),
+        ("is", {"s": 3}, "pairwise rules"),
+        ("is", {"lp_iters": 10}, "pairwise rules"),
+        ("is", {"levels": 0}, "levels must be an int >= 1"),
+        ("is", {"levels": 4.0}, "levels must be an int"),
+        ("is", {"fit_steps": 0}, "fit_steps must be an int >= 1"),
+        ("is", {"rule": "sir", "levels": 4}, "level_race' only"),
         ("is", {"temperature": 1.0}, "unknown option"),
         ("optimal", {"s": 3}, "unknown option"),
         ("specinfer", {"rule": "sir"}, "takes no options"),
@@ -355,7 +365,11 @@ def test_lp_fallback_is_counted_and_uses_the_fixed_order_law():
     enumeration of ``is_lp_no_iters``)."""
     tokens, lq, lp = _small_inputs()
     run = jax.jit(
-        jax.vmap(lambda key: asps_jax.verify_drafts(key, tokens, lq, lp, method="is", lp_iters=0))
+        jax.vmap(
+            lambda key: asps_jax.verify_drafts(
+                key, tokens, lq, lp, method="is", rule="truncated_lp", lp_iters=0
+            )
+        )
     )
     verdict = run(jax.random.split(jax.random.key(1), 64))
     assert np.all(np.asarray(verdict.num_fallbacks) >= 1)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax.verify.api import Verdict, make_verdict
-from asps_jax.verify.selection import RULES, RuleConfig
+from asps_jax.verify.selection import PAIRWISE_RULES, RULES, RuleConfig
 from asps_jax.verify.tokenlevel import (
     importance_sampling,
     sample_outcome,
@@ -32,8 +32,18 @@ from asps_jax.verify.tokenlevel import (
     spectr,
 )
 
-IS_DEFAULTS = {"rule": "truncated_lp", "s": 5, "alphabet": 40, "lp_iters": 300, "tol": 1e-5}
+IS_DEFAULTS = {
+    "rule": "level_race",
+    "levels": 16,
+    "fit_steps": 15,
+    "s": 5,
+    "alphabet": 40,
+    "lp_iters": 300,
+    "tol": 1e-5,
+}
 OPTIMAL_DEFAULTS = {"alphabet": 16, "lp_iters": 1000, "tol": 1e-5}
+RACE_OPTIONS = ("levels", "fit_steps")
+PAIRWISE_OPTIONS = ("s", "alphabet", "lp_iters", "tol")
 
 
 def verify_tree(
@@ -125,6 +135,12 @@ def _pick(method: str, options: dict, defaults: dict) -> dict:
     return {**defaults, **options}
 
 
+def _positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"verify_drafts: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
     """Validate ``options`` (plain Python values) into a static :class:`RuleConfig`."""
     if method == "optimal":
@@ -135,6 +151,23 @@ def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
         rule = opts["rule"]
         if rule not in RULES:
             raise ValueError(f"verify_drafts: unknown rule={rule!r}; choose one of {RULES}")
+    if rule == "level_race":
+        wrong = sorted(set(options) & set(PAIRWISE_OPTIONS))
+        if wrong:
+            raise ValueError(
+                f"verify_drafts: option(s) {wrong} apply to the pairwise rules "
+                f"{PAIRWISE_RULES} only, not rule='level_race' (which takes {RACE_OPTIONS})"
+            )
+        return RuleConfig(
+            rule=rule,
+            levels=_positive_int("levels", opts["levels"]),
+            fit_steps=_positive_int("fit_steps", opts["fit_steps"]),
+        )
+    wrong = sorted(set(options) & set(RACE_OPTIONS))
+    if wrong:
+        raise ValueError(
+            f"verify_drafts: option(s) {wrong} apply to rule='level_race' only, not {rule!r}"
+        )
     alphabet = opts["alphabet"]
     if not isinstance(alphabet, int) or alphabet < 1:
         raise ValueError(f"verify_drafts: alphabet must be a positive int, got {alphabet!r}")
@@ -185,10 +218,13 @@ def verify_spectr(key, tokens, lq, lp, draft_length, **options) -> Verdict:
 
 
 def verify_is(key, tokens, lq, lp, draft_length, **options) -> Verdict:
-    """IS selection + SpS against the exact induced law (§3.6). Options: ``rule`` in
-    ``"truncated_lp"`` (default; ``s`` = 5 LP positions), ``"fixed_order"``, ``"sir"``; ``alphabet``
-    (40; the SIR block, an upper bound on s), ``lp_iters`` (300), ``tol`` (1e-5, certified LP
-    gap)."""
+    """IS selection + SpS against the exact induced law (§3.6).
+
+    Options: ``rule`` in ``"level_race"`` (default, §3.10: ``levels`` J = 16, ``fit_steps``
+    T = 15), or the pairwise tournaments ``"truncated_lp"`` (``s`` = 5 LP positions),
+    ``"fixed_order"``, ``"sir"`` with ``alphabet`` (40; the SIR block, an upper bound on s),
+    ``lp_iters`` (300), ``tol`` (1e-5, certified LP gap).
+    """
     cfg = _rule_config("is", lp.shape[-1], options)
     return verify_tree(
         functools.partial(importance_sampling, cfg=cfg), key, tokens, lq, lp, draft_length
