@@ -19,14 +19,10 @@ from asps_jax.verify.selection import RuleConfig
 RACE = RuleConfig("level_race", levels=3, fit_steps=4)
 
 
-def _reference_selection(rates, grid, xs, alive):
-    """P(select k | x) [M, K] by enumerating every level tuple (NumPy float64, independent)."""
-    # P(clock >= t) at 0, t_1 .. t_{J-1}, and 0 at t_J = inf (also for a zero rate: last level).
-    survive = np.concatenate(
-        [np.exp(-np.outer(rates, np.concatenate([[0.0], grid]))), np.zeros((len(rates), 1))], axis=1
-    )
-    levels = len(grid) + 1
-    law = survive[:, :-1] - survive[:, 1:]  # [V, J]
+def _reference_selection(law, xs, alive):
+    """P(select k | x) [M, K] by enumerating every level tuple (NumPy float64, independent):
+    ``law[y, j]`` is token y's level law; the lowest level wins, ties uniformly."""
+    levels = law.shape[1]
     live = np.nonzero(alive)[0]
     out = np.zeros(xs.shape, np.float64)
     for row, x in enumerate(xs):
@@ -36,6 +32,24 @@ def _reference_selection(rates, grid, xs, alive):
             for k in winners:
                 out[row, k] += mass / len(winners)
     return out
+
+
+def test_level_laws_are_bucketed_exponential_clocks():
+    """F_y(j) = exp(-lam t_{j-1}) - exp(-lam t_j) (t_0 = 0, t_J = inf), also for lam = 0."""
+    rates = np.array([0.0, 1e-3, 0.7, 5.0, 1e4])
+    grid = level_race.level_grid(6, 3)
+    assert np.all(np.diff(grid) > 0) and grid[0] > 0
+    with jax.enable_x64(True):
+        law, after = (
+            np.asarray(a) for a in level_race.level_laws(jnp.asarray(rates), jnp.asarray(grid))
+        )
+    bounds = np.concatenate([[0.0], grid])
+    survive = np.concatenate([np.exp(-np.outer(rates, bounds)), np.zeros((5, 1))], axis=1)
+    # (the reference subtracts: rtol 1e-9 covers its cancellation at small rates)
+    np.testing.assert_allclose(law, survive[:, :-1] - survive[:, 1:], rtol=1e-9, atol=1e-300)
+    np.testing.assert_allclose(after, survive[:, 1:], rtol=1e-12, atol=1e-300)
+    np.testing.assert_allclose(law.sum(1), 1.0, atol=1e-15)
+    assert np.all(law >= 0)
 
 
 def _tuples(num_drafts, vocab):
@@ -49,10 +63,11 @@ def _tuple_probs(qs, xs, alive):
     return probs
 
 
-def _race64(p, qs, alive, levels=3, fit_steps=4):
+def _race64(p, qs, alive, levels=3, fit_steps=4, grad_steps=0):
     with jax.enable_x64(True):
         args = (jnp.asarray(p), jnp.asarray(qs), jnp.asarray(alive))
-        race = jax.jit(level_race.fit_race, static_argnums=(3, 4))(*args, levels, fit_steps)
+        fit = jax.jit(level_race.fit_race, static_argnums=(3, 4, 5))
+        race = fit(*args, levels, fit_steps, grad_steps)
         xs = jnp.asarray(_tuples(qs.shape[0], len(p)))
         sel = jax.jit(jax.vmap(lambda x: level_race.race_selection(race, x, args[2])))(xs)
         return jax.tree.map(np.asarray, race), np.asarray(sel)
@@ -86,23 +101,25 @@ def _hard_nodes(rng, num_drafts, vocab):
     ]
 
 
-@pytest.mark.parametrize("num_drafts,vocab", [(2, 4), (3, 4), (4, 3)])
-def test_selection_and_law_match_level_enumeration(num_drafts, vocab):
-    """sel and q_I of the library equal the enumeration of all level tuples, for the fitted rates
-    (any rates are exact; these are the ones the rule uses)."""
+@pytest.mark.parametrize("num_drafts,vocab,grad_steps", [(2, 4, 0), (3, 4, 5), (4, 3, 0)])
+def test_selection_and_law_match_level_enumeration(num_drafts, vocab, grad_steps):
+    """sel and q_I of the library equal the enumeration of all level tuples, for the fitted level
+    laws (any level laws are exact; these are the ones the rule uses)."""
     rng = np.random.default_rng(num_drafts)
     for name, p, qs in _hard_nodes(rng, num_drafts, vocab):
         for alive in (np.ones(num_drafts, bool), np.arange(num_drafts) != 1):
-            race, sel = _race64(p, qs, alive)
+            race, sel = _race64(p, qs, alive, grad_steps=grad_steps)
             xs = _tuples(num_drafts, vocab)
-            expected = _reference_selection(race.rates, race.grid, xs, alive)
+            if alive.sum() >= 2:
+                np.testing.assert_allclose(race.law.sum(1), 1.0, atol=1e-14)
+            expected = _reference_selection(race.law, xs, alive)
             np.testing.assert_allclose(sel, expected, atol=1e-13, err_msg=name)
             probs = _tuple_probs(qs, xs, alive)
             law = np.zeros(vocab)
             for k in range(num_drafts):
                 np.add.at(law, xs[:, k], probs * expected[:, k])
             np.testing.assert_allclose(race.q_sel, law, atol=1e-13, err_msg=name)
-            assert np.all(race.rates >= 0) and np.all(np.isfinite(race.rates))
+            assert np.all(race.law >= 0) and np.all(race.q_sel >= 0)
 
 
 @pytest.mark.parametrize("num_drafts,vocab", [(2, 4), (3, 4), (4, 3)])
@@ -204,10 +221,9 @@ def test_mutations_are_caught(monkeypatch):
 
 
 def test_single_alive_draft_skips_the_fit():
-    """One alive draft: the rule selects it, q_I = q_k exactly, unit rates (no fit)."""
+    """One alive draft: the rule selects it and q_I = q_k exactly (no fit)."""
     rng = np.random.default_rng(2)
     p, q0, q1 = (rng.dirichlet(np.ones(5)) for _ in range(3))
     race, sel = _race64(p, np.stack([q0, q1]), np.array([False, True]))
     np.testing.assert_array_equal(race.q_sel, q1)
-    np.testing.assert_array_equal(race.rates, np.ones(5))
     np.testing.assert_array_equal(sel, np.tile([0.0, 1.0], (25, 1)))

@@ -48,8 +48,7 @@ import numpy as np
 class LevelRace:
     """A fitted level race at one node and the exact law of its selected token."""
 
-    rates: jax.Array  # [V]: lam_y >= 0
-    grid: jax.Array  # [J-1]: the level boundaries t_1 .. t_{J-1}
+    law: jax.Array  # [V, J]: F_y(j), each token's level law (rows sum to 1)
     q_sel: jax.Array  # [V]: q_I, the law of the selected token
     single: jax.Array  # bool[]: one alive draft (the rule is SpS: select it)
 
@@ -98,9 +97,17 @@ def _win_weights(a: jax.Array, b: jax.Array, alive: jax.Array) -> jax.Array:
     return jnp.sum(prod * weights[None, None, :], axis=-1)
 
 
-def race_law(rates: jax.Array, q: jax.Array, alive: jax.Array, grid: jax.Array) -> jax.Array:
-    """The exact law ``q_I [V]`` of the token the race selects (a sum of non-negative terms)."""
-    law, after = level_laws(rates, grid)
+def _after(law: jax.Array) -> jax.Array:
+    """``P(level > j)`` [..., J] from level laws [..., J] (sums of non-negative terms)."""
+    tail = jnp.flip(jnp.cumsum(jnp.flip(law, -1), -1), -1)
+    return jnp.concatenate([tail[..., 1:], jnp.zeros_like(tail[..., :1])], axis=-1)
+
+
+def race_law_from_levels(
+    law: jax.Array, after: jax.Array, q: jax.Array, alive: jax.Array
+) -> jax.Array:
+    """The exact law ``q_I [V]`` of the token the race selects (a sum of non-negative terms), for
+    level laws ``law`` [V, J] and ``after`` [V, J] = P(level > j)."""
     a = q @ law  # [K, J]: a draft's chance of level j
     b = q @ after  # [K, J]: of a level above j
     win = _win_weights(a, b, alive)  # [K, J]
@@ -108,9 +115,15 @@ def race_law(rates: jax.Array, q: jax.Array, alive: jax.Array, grid: jax.Array) 
     return jnp.sum(law * own, axis=1)
 
 
+def race_law(rates: jax.Array, q: jax.Array, alive: jax.Array, grid: jax.Array) -> jax.Array:
+    """``q_I [V]`` of the exponential-clock race with rates ``lam`` [V] on ``grid``."""
+    return race_law_from_levels(*level_laws(rates, grid), q, alive)
+
+
 def race_selection(race: LevelRace, x: jax.Array, alive: jax.Array) -> jax.Array:
     """``sel [K]``: P(the race selects draft k | tokens ``x`` int32[K])."""
-    law, after = level_laws(race.rates[x], race.grid)  # [K, J]
+    law = race.law[x]  # [K, J]
+    after = _after(law)
     win = _win_weights(law, after, alive)
     sel = jnp.where(alive, jnp.sum(law * win, axis=1), 0.0)
     first = jax.nn.one_hot(jnp.argmax(alive), x.shape[0], dtype=sel.dtype)
@@ -122,15 +135,28 @@ def _efficiency(p, q_sel):
 
 
 def fit_race(
-    p: jax.Array, q: jax.Array, alive: jax.Array, num_levels: int, fit_steps: int
+    p: jax.Array,
+    q: jax.Array,
+    alive: jax.Array,
+    num_levels: int,
+    fit_steps: int,
+    grad_steps: int = 0,
+    step_size: float = 0.3,
 ) -> LevelRace:
-    """Rates by ``fit_steps`` fixed-point steps ``lam <- lam p / q_I`` (best efficiency kept).
+    """Fit a level race to p at one node (the fit depends on (p, q, alive) only).
+
+    Rates by ``fit_steps`` fixed-point steps ``lam <- lam p / q_I`` from ``lam = p / mean q``
+    (the best efficiency kept). With ``grad_steps`` > 0 the level laws are then freed from the
+    exponential-clock form: per-token logits ``F_y = softmax(L_y)``, started at the fitted clocks,
+    take ``grad_steps`` Adam ascent steps on the exact efficiency ``sum_y min(p_y, q_I(y))`` (its
+    gradient through the closed form), again keeping the best. Any level laws are exact; the fit
+    only decides the efficiency.
 
     Args:
       p: [V] target; q: [K, V] draft laws; alive: bool[K] (at least one true).
-      num_levels: J >= 1; fit_steps: T >= 1 evaluations of the law (static).
+      num_levels: J >= 1; fit_steps: T >= 1 evaluations of the law; grad_steps >= 0 (static).
     """
-    num_drafts = q.shape[0]
+    num_drafts, vocab = q.shape
     dtype = p.dtype
     grid = jnp.asarray(level_grid(num_levels, num_drafts), dtype)
     num_alive = jnp.sum(alive)
@@ -139,29 +165,65 @@ def fit_race(
         scale = jnp.sum(q_mean * rates)
         return rates / jnp.where(scale > 0, scale, 1.0)
 
-    def fit(_):
+    def fixed_point():
         weight = alive.astype(dtype) / jnp.maximum(num_alive, 1).astype(dtype)
         q_mean = weight @ q
         proposed = q_mean > 0
         rates0 = normalise(jnp.where(proposed, p / jnp.where(proposed, q_mean, 1.0), 0.0), q_mean)
 
         def step(_, carry):
-            rates, best_rates, best_law, best_value = carry
+            rates, best_rates, best_value = carry
             law = race_law(rates, q, alive, grid)
             value = _efficiency(p, law)
             better = value > best_value
             best_rates = jnp.where(better, rates, best_rates)
-            best_law = jnp.where(better, law, best_law)
             best_value = jnp.where(better, value, best_value)
             ratio = jnp.where(law > 0, p / jnp.where(law > 0, law, 1.0), 1.0)
-            return normalise(rates * ratio, q_mean), best_rates, best_law, best_value
+            return normalise(rates * ratio, q_mean), best_rates, best_value
 
-        init = (rates0, rates0, jnp.zeros_like(p), jnp.asarray(-1.0, dtype))
-        _, rates, law, _ = jax.lax.fori_loop(0, fit_steps, step, init)
-        return rates, law
+        init = (rates0, rates0, jnp.asarray(-1.0, dtype))
+        return jax.lax.fori_loop(0, fit_steps, step, init)[1:]
+
+    def ascend(law0, value0):
+        tiny = jnp.finfo(dtype).tiny
+        logits0 = jnp.log(jnp.maximum(law0, tiny))
+
+        def objective(logits):
+            law = jax.nn.softmax(logits, axis=-1)
+            return _efficiency(p, race_law_from_levels(law, _after(law), q, alive))
+
+        value_and_grad = jax.value_and_grad(objective)
+
+        def step(i, carry):
+            logits, m, v, best, best_logits = carry
+            value, grad = value_and_grad(logits)
+            better = value > best
+            best = jnp.where(better, value, best)
+            best_logits = jnp.where(better, logits, best_logits)
+            m = 0.9 * m + 0.1 * grad
+            v = 0.999 * v + 0.001 * grad * grad
+            t = (i + 1).astype(dtype)
+            m_hat = m / (1.0 - 0.9**t)
+            v_hat = v / (1.0 - 0.999**t)
+            logits = logits + step_size * m_hat / (jnp.sqrt(v_hat) + tiny**0.5)
+            return logits, m, v, best, best_logits
+
+        zeros = jnp.zeros_like(logits0)
+        init = (logits0, zeros, zeros, value0, logits0)
+        logits, _, _, best, best_logits = jax.lax.fori_loop(0, grad_steps, step, init)
+        # The last iterate has not been scored yet.
+        last = objective(logits)
+        return jax.nn.softmax(jnp.where(last > best, logits, best_logits), axis=-1)
+
+    def fit(_):
+        rates, value = fixed_point()
+        law, _ = level_laws(rates, grid)
+        if grad_steps:
+            law = ascend(law, value)
+        return law, race_law_from_levels(law, _after(law), q, alive)
 
     def single(_):
-        return jnp.ones_like(p), q[jnp.argmax(alive)]
+        return jnp.full((vocab, num_levels), 1.0 / num_levels, dtype), q[jnp.argmax(alive)]
 
-    rates, law = jax.lax.cond(num_alive >= 2, fit, single, None)
-    return LevelRace(rates=rates, grid=grid, q_sel=law, single=num_alive < 2)
+    law, q_sel = jax.lax.cond(num_alive >= 2, fit, single, None)
+    return LevelRace(law=law, q_sel=q_sel, single=num_alive < 2)

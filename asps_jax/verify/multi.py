@@ -41,7 +41,7 @@ IS_DEFAULTS = {
     "lp_iters": 300,
     "tol": 1e-5,
 }
-OPTIMAL_DEFAULTS = {"alphabet": 16, "lp_iters": 1000, "tol": 1e-5}
+OPTIMAL_DEFAULTS = {"levels": 16, "fit_steps": 15, "grad_steps": 200}
 RACE_OPTIONS = ("levels", "fit_steps")
 PAIRWISE_OPTIONS = ("s", "alphabet", "lp_iters", "tol")
 
@@ -144,13 +144,23 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
 def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
     """Validate ``options`` (plain Python values) into a static :class:`RuleConfig`."""
     if method == "optimal":
+        legacy = sorted(set(options) & set(PAIRWISE_OPTIONS))
+        if legacy:
+            raise ValueError(
+                f"verify_drafts: method 'optimal' is a gradient-fitted level race and takes no "
+                f"LP option {legacy}; the pairwise LP is method='is', rule='truncated_lp'"
+            )
         opts = _pick(method, options, OPTIMAL_DEFAULTS)
-        rule = "truncated_lp"
-    else:
-        opts = _pick(method, options, IS_DEFAULTS)
-        rule = opts["rule"]
-        if rule not in RULES:
-            raise ValueError(f"verify_drafts: unknown rule={rule!r}; choose one of {RULES}")
+        return RuleConfig(
+            rule="level_race",
+            levels=_positive_int("levels", opts["levels"]),
+            fit_steps=_positive_int("fit_steps", opts["fit_steps"]),
+            grad_steps=_positive_int("grad_steps", opts["grad_steps"], minimum=0),
+        )
+    opts = _pick(method, options, IS_DEFAULTS)
+    rule = opts["rule"]
+    if rule not in RULES:
+        raise ValueError(f"verify_drafts: unknown rule={rule!r}; choose one of {RULES}")
     if rule == "level_race":
         wrong = sorted(set(options) & set(PAIRWISE_OPTIONS))
         if wrong:
@@ -176,7 +186,7 @@ def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
             f"verify_drafts: alphabet={alphabet} is larger than the vocabulary V={vocab}"
         )
     alphabet = min(alphabet, vocab)
-    if method == "optimal" or rule == "sir":
+    if rule == "sir":
         block = alphabet
     elif rule == "fixed_order":
         block = 1

@@ -54,6 +54,7 @@ class RuleConfig:
     tol: float = 1e-5
     levels: int = 16  # J: levels of the level race
     fit_steps: int = 15  # T: fixed-point evaluations of the level race's law
+    grad_steps: int = 0  # then gradient steps on free level laws ("optimal")
 
 
 @jax.tree_util.register_dataclass
