@@ -5,8 +5,8 @@ Each case is a row ``(method, n, K, V, batch)``: K draft chains of n tokens, voc
 
 - single chain (default): ``"sps"`` and ``"asps"`` through ``verify_chain``, K = 1;
 - multi-draft (``--drafts``, implied when ``--methods`` names a multi-draft method): every method
-  of ``verify_drafts`` with its default options (``"is"``: truncated LP with s = 5 on a 40-token
-  alphabet; ``"optimal"``: full pairwise LP on 16 tokens); ``is[rule]`` rows set ``rule=``; the
+  of ``verify_drafts`` with its default options (``"is"``: the level race, J = 16, T = 15;
+  ``"optimal"``: the gradient-fitted level race); ``is[rule]`` rows set ``rule=``; the
   ``"sps"`` row verifies chain 0 only. All K chains share the root draft and target laws.
 
 The ``ratio`` column divides a case's time by ``"sps"`` on the same ``(n, K, V, batch)``; ``mean
@@ -58,6 +58,7 @@ DRAFTS_METHODS = (
     "specinfer_wor",
     "spectr",
     "is",
+    "is[truncated_lp]",
     "is[fixed_order]",
     "is[sir]",
     "optimal",

@@ -500,3 +500,26 @@ def test_bench_script_single_chain(tmp_path, monkeypatch):
     assert all(r["K"] == 1 and r["V"] == 16 and r["fallbacks"] == 0 for r in rows)
     assert all(1 <= r["mean_tokens"] <= r["n"] + 1 for r in rows)
     assert all(r["ratio"] is None for r in rows)  # no sps row to divide by
+
+
+def test_bench_script_real_laws(tmp_path, monkeypatch, capsys):
+    """--real on tiny settings: exact accept-part acceptance never above the optimum, SpS-level
+    methods ordered, and the default "is" rule (level race) timed."""
+    import json
+
+    bench = _load_bench_verify(monkeypatch)
+    out = tmp_path / "real.json"
+    argv = ["--real", "--quick", "--positions", "4", "--ks", "2", "--draft-temperatures", "1.0"]
+    argv += ["--methods", "specinfer", "spectr", "is[level_race]", "--json", str(out)]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["K"] == 2 and 0 < row["optimum"] <= 1
+    for method in ("specinfer", "spectr", "is[level_race]"):
+        assert 0 < row[method] <= row["optimum"] + 1e-5, method
+    assert list(data["rule_ms"]) == ["2048"] and data["rule_ms"]["2048"] > 0
+    assert "| draft T | K | optimum |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--real", "--ks", "1"])
+    with pytest.raises(SystemExit):
+        bench.main(["--real", "--methods", "asps"])

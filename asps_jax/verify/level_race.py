@@ -29,8 +29,14 @@ tokens fixed. Both are exact for *any* rates and grid; the rates only decide the
 they depend on (p, q, alive) only, never on the drawn tokens. With one alive draft the rule selects
 it and ``q_I = q_k`` (single-draft SpS); the fit is skipped (``lax.cond``).
 
-Cost per node with two or more alive drafts: O(T J V) for a fit of T steps on J levels, O(K^2 J)
-per token tuple.
+Nothing in the formulas needs the level laws to be bucketed clocks: ``verify_drafts(method=
+"optimal")`` starts from the fitted clocks and lets each token's level law ``F_y`` be any law on the
+J levels (``softmax`` of free logits), taking gradient-ascent steps on the exact efficiency through
+the closed form. On the bundled pair's real laws this closes most of the remaining gap to the
+optimum ``1 + min_S [p(S) - prod_k q_k(S)]`` (docs/algorithms.md §3.5).
+
+Cost per node with two or more alive drafts: O(T J V K) for a fit of T steps on J levels (K is
+small), O(K^2 J) per token tuple; gradient steps cost a small multiple of a fit step each.
 """
 
 from __future__ import annotations

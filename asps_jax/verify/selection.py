@@ -1,4 +1,7 @@
-"""Importance-sampling (IS) selection rules for K drafts and their exact induced laws.
+"""Pairwise importance-sampling (IS) selection rules for K drafts and their exact induced laws.
+
+The default IS rule is the level race (level_race.py); the pairwise tournaments here are the
+``rule="truncated_lp"``, ``"fixed_order"`` and ``"sir"`` options of ``verify_drafts(method="is")``.
 
 Khisti et al., "Multi-Draft Speculative Sampling: Canonical Architectures and Theoretical Limits"
 (arXiv 2410.18234), Theorem 1: any selection of one of the draft tokens followed by single-draft SpS
@@ -20,6 +23,10 @@ token id) brought the acceptance back down to single-draft SpS. Rules:
 * ``"truncated_lp"``: W maximises ``sum_block min(p, q_I)`` (lp.py); if the solver's certified gap
   exceeds ``tol`` the fixed-order weights are used instead and the event is counted;
 * ``"sir"``: self-normalised weights ``w_r / (w_r + w_r')``, ``w = p / ((qa + qb) / 2)``, s = M.
+
+Every induced law is a sum of non-negative terms: the block's pair part is
+``sum_j A[i, j] W[i, j] + sum_j A[j, i] (1 - W[j, i])`` (lp.selection_mass), never the cancelling
+``base + (G W)`` form, so a token that always loses keeps exactly its own mass (possibly 0).
 
 K > 2 drafts: a tournament (§3.8.5). The winner so far (law ``q_W``) meets the next alive draft; the
 pairwise rule for ``(q_W, q_k)`` picks one and ``q_W <- q_I``. The winner is independent of the next
