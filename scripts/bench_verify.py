@@ -5,16 +5,30 @@ Each case is a row ``(method, n, K, V, batch)``: K draft chains of n tokens, voc
 
 - single chain (default): ``"sps"`` and ``"asps"`` through ``verify_chain``, K = 1;
 - multi-draft (``--drafts``, implied when ``--methods`` names a multi-draft method): every method
-  of ``verify_drafts`` with its default options (``"is"``: truncated LP with s = 5 on a 40-token
-  alphabet; ``"optimal"``: full pairwise LP on 16 tokens); ``is[rule]`` rows set ``rule=``; the
+  of ``verify_drafts`` with its default options (``"is"``: the level race, J = 16, T = 15;
+  ``"optimal"``: the gradient-fitted level race); ``is[rule]`` rows set ``rule=``; the
   ``"sps"`` row verifies chain 0 only. All K chains share the root draft and target laws.
 
 The ``ratio`` column divides a case's time by ``"sps"`` on the same ``(n, K, V, batch)``; ``mean
 tokens`` is the mean number of tokens a verification emits and ``LP fallbacks`` counts selection
 solves that fell back (always 0 for one chain).
 
+``--real`` measures node acceptance instead of time, on real next-token laws: the bundled pair
+(``tinyshakespeare-target`` / ``-draft``) is run over windows of data/tinyshakespeare.txt, and at
+``--positions`` positions the target law (temperature 1) and the draft law (each
+``--draft-temperatures``) give one root node with K identical drafts. Per K and method it prints the
+mean *accept-part* acceptance, computed exactly (no sampling): the probability that an accept test
+emits a draft token (a residual draw that happens to equal a draft token is not counted), beside
+the mean ``optimal_acceptance`` (the best ``P(Y in drafts)`` of any exact scheme, exact for
+identical drafts). IS-type rules: ``sum_y min(p, q_I)``; SpecTr: ``1 - (1 - beta(rho))^K``;
+SpecInfer: ``1 - prod_k (1 - sum_y min(q, t_k))`` with the deterministic residuals ``t_k``. It also
+times the default ``is`` rule's per-node preparation (one node, K = 4) at the pair's V and at
+V = 32000.
+
     python scripts/bench_verify.py [--drafts] [--quick] [--methods M ...] [--vocab V]
                                    [--repeats R] [--json PATH]
+    python scripts/bench_verify.py --real [--positions N] [--ks K ...]
+                                   [--draft-temperatures T ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,11 +41,15 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import asps_jax
+from asps_jax.verify import multi, tokenlevel
+from asps_jax.verify.acceptance import optimal_acceptance
 
 CHAIN_METHODS = ("sps", "asps")
 DRAFTS_METHODS = (
@@ -40,6 +58,7 @@ DRAFTS_METHODS = (
     "specinfer_wor",
     "spectr",
     "is",
+    "is[truncated_lp]",
     "is[fixed_order]",
     "is[sir]",
     "optimal",
@@ -160,6 +179,167 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+CORPUS = Path(__file__).resolve().parents[1] / "data/tinyshakespeare.txt"
+REAL_METHODS = (
+    "specinfer",
+    "spectr",
+    "is[level_race]",
+    "is[truncated_lp]",
+    "is[fixed_order]",
+    "is[sir]",
+    "optimal",
+)
+
+
+def real_logits(num_positions: int, target="tinyshakespeare-target", draft="tinyshakespeare-draft"):
+    """Target and draft logits ``[N, V]`` (float32) at ``num_positions`` corpus positions.
+
+    Four windows of the corpus (evenly spaced), each read causally in one forward; the positions
+    are the last ``N / 4`` of each window, so every one has at least as many tokens of context.
+    """
+    tm, dm = asps_jax.load_model(target), asps_jax.load_model(draft)
+    windows = 4
+    per = -(-num_positions // windows)
+    length = min(max(2 * per, 64), tm.config.max_position_embeddings)
+    if per > length:
+        raise ValueError(f"--positions {num_positions} needs windows longer than the context")
+    text = CORPUS.read_text(encoding="utf-8")[:200_000]
+    ids = tm.tokenizer.encode(text, add_special_tokens=False)
+    starts = np.linspace(0, len(ids) - length - 1, windows).astype(int)
+    tokens = np.stack([ids[s : s + length] for s in starts]).astype(np.int32)
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape)
+    mask = np.broadcast_to(np.tril(np.ones((length, length), bool)), (windows, length, length))
+    out = []
+    for model in (tm, dm):
+        logits, _ = jax.jit(model.forward)(model.params, tokens, positions, mask, None)
+        out.append(logits[:, length - per :].reshape(-1, logits.shape[-1])[:num_positions])
+    return out
+
+
+def specinfer_accept(p, q, num_drafts: int):
+    """Accept part of RRS with K identical drafts: the residuals t_k are deterministic."""
+
+    def test(t, _):
+        beta = jnp.sum(jnp.minimum(q, t))
+        rest = jnp.maximum(t - q, 0.0)
+        tot = jnp.sum(rest)
+        return jnp.where(tot > 0, rest / jnp.where(tot > 0, tot, 1.0), t), 1.0 - beta
+
+    _, miss = jax.lax.scan(test, p, None, length=num_drafts)
+    return 1.0 - jnp.prod(miss)
+
+
+def spectr_accept(p, q, num_drafts: int):
+    qs = jnp.broadcast_to(q, (num_drafts,) + q.shape)
+    rho = tokenlevel.spectr_division_factor(p, qs, jnp.ones((num_drafts,), bool))
+    beta = jnp.sum(jnp.minimum(q, p / rho))
+    return 1.0 - (1.0 - beta) ** num_drafts
+
+
+def is_accept(p, q, num_drafts: int, method: str, options: dict):
+    cfg = multi._rule_config(method, p.shape[-1], options)
+    qs = jnp.broadcast_to(q, (num_drafts,) + q.shape)
+    prepared = tokenlevel.importance_sampling_rules(p, qs, jnp.ones((num_drafts,), bool), cfg)
+    q_sel = prepared.q_sel if hasattr(prepared, "q_sel") else prepared[2]
+    return jnp.sum(jnp.minimum(p, q_sel))
+
+
+def accept_fn(method: str, num_drafts: int):
+    """``fn(p [V], q [V]) -> []``: exact accept-part acceptance of ``method`` at one node."""
+    name, _, rule = method.partition("[")
+    if name == "specinfer":
+        return functools.partial(specinfer_accept, num_drafts=num_drafts)
+    if name == "spectr":
+        return functools.partial(spectr_accept, num_drafts=num_drafts)
+    options = {"rule": rule.rstrip("]")} if rule else {}
+    return functools.partial(is_accept, num_drafts=num_drafts, method=name, options=options)
+
+
+def time_rule(vocab: int, method: str = "is", num_drafts: int = 4, repeats: int = 5) -> float:
+    """Median ms of ``method``'s default rule preparation (the fit) at one node, jitted."""
+    k_p, k_q = jax.random.split(jax.random.key(0))
+    lq = jax.nn.log_softmax(3.0 * jax.random.normal(k_q, (vocab,)))
+    p = jax.nn.softmax(lq + jax.random.normal(k_p, (vocab,)))
+    qs = jnp.broadcast_to(jnp.exp(lq), (num_drafts, vocab))
+    cfg = multi._rule_config(method, vocab, {})
+    fn = jax.jit(
+        lambda p, q: (
+            tokenlevel.importance_sampling_rules(p, q, jnp.ones((num_drafts,), bool), cfg).q_sel
+        )
+    )
+    jax.block_until_ready(fn(p, qs))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(p, qs))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def real_rows(positions: int, ks, temperatures, methods) -> tuple[list[dict], int]:
+    """Rows of mean accept-part acceptance per (draft temperature, K), and the vocabulary size."""
+    target_logits, draft_logits = real_logits(positions)
+    lp = jax.nn.log_softmax(target_logits, axis=-1)
+    rows = []
+    for temp in temperatures:
+        lq = jax.nn.log_softmax(draft_logits / temp, axis=-1)
+        p, q = jnp.exp(lp), jnp.exp(lq)
+        for k in ks:
+            lqs = jnp.broadcast_to(lq[:, None], (lq.shape[0], k, lq.shape[-1]))
+            optimum = float(jnp.mean(jax.jit(optimal_acceptance)(lp, lqs)))
+            row = {"draft_temperature": temp, "K": k, "optimum": optimum}
+            for method in methods:
+                fn = jax.jit(jax.vmap(accept_fn(method, k)))
+                row[method] = float(jnp.mean(fn(p, q)))
+            rows.append(row)
+            print(f"  T={temp} K={k}: done", file=sys.stderr, flush=True)
+    return rows, lp.shape[-1]
+
+
+def real_markdown(rows: list[dict], methods) -> str:
+    lines = [
+        "| draft T | K | optimum | " + " | ".join(methods) + " |",
+        "|---:|---:|---:|" + "---:|" * len(methods),
+    ]
+    for r in rows:
+        cells = " | ".join(f"{r[m]:.4f}" for m in methods)
+        lines.append(f"| {r['draft_temperature']} | {r['K']} | {r['optimum']:.4f} | {cells} |")
+    return "\n".join(lines)
+
+
+def main_real(args, parser) -> int:
+    methods = args.methods or list(REAL_METHODS)
+    unknown = set(methods) - set(REAL_METHODS)
+    if unknown:
+        parser.error(f"--real: unknown --methods {sorted(unknown)}; choose from {REAL_METHODS}")
+    if args.positions < 1:
+        parser.error("--positions must be >= 1")
+    if not args.ks or min(args.ks) < 2:
+        parser.error("--ks: every K must be >= 2")
+    if not args.draft_temperatures or min(args.draft_temperatures) <= 0:
+        parser.error("--draft-temperatures: every temperature must be > 0")
+    rows, vocab = real_rows(args.positions, args.ks, args.draft_temperatures, methods)
+    print(
+        f"accept-part acceptance (exact), mean over {args.positions} positions of "
+        "data/tinyshakespeare.txt; target tinyshakespeare-target (T = 1), K i.i.d. drafts from "
+        "tinyshakespeare-draft at the draft temperature"
+    )
+    print(real_markdown(rows, methods))
+    timing_opt = {}
+    vocabs = (vocab,) if args.quick else tuple(dict.fromkeys((vocab, 32000)))
+    timing = {v: time_rule(v) for v in vocabs}
+    for v, ms in timing.items():
+        print(f"default is rule (level race), one node, K = 4, V = {v}: {ms:.2f} ms")
+    if "optimal" in methods:
+        timing_opt = {v: time_rule(v, "optimal") for v in vocabs}
+        for v, ms in timing_opt.items():
+            print(f"optimal (gradient-fitted level race), one node, K = 4, V = {v}: {ms:.2f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "rule_ms": timing, "optimal_ms": timing_opt}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -179,7 +359,23 @@ def main(argv=None) -> int:
         "4096 for --drafts --quick)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="node acceptance on the bundled pair's real laws instead of timings",
+    )
+    parser.add_argument("--positions", type=int, default=200, help="--real: corpus positions")
+    parser.add_argument("--ks", type=int, nargs="*", default=[2, 3, 4, 8], help="--real: K values")
+    parser.add_argument(
+        "--draft-temperatures",
+        type=float,
+        nargs="*",
+        default=[1.0, 1.4],
+        help="--real: draft temperatures",
+    )
     args = parser.parse_args(argv)
+    if args.real:
+        return main_real(args, parser)
     unknown = set(args.methods or ()) - set(known)
     if unknown:
         parser.error(f"unknown --methods {sorted(unknown)}; choose from {known}")

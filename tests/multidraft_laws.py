@@ -46,16 +46,24 @@ SCHEMES = {
     "specinfer": lambda vocab: law_fn(tokenlevel.specinfer),
     "specinfer_wor": lambda vocab: law_fn(tokenlevel.specinfer_without_replacement),
     "spectr": lambda vocab: law_fn(tokenlevel.spectr),
-    # "optimal" on V <= 16 is also the "is" default (s = 5, alphabet 40) for V <= 5. The LP's
-    # iteration count changes efficiency only: few iterations mix LP and fallback weights.
+    # The LP's iteration count changes efficiency only: few iterations mix LP and fallback weights.
     "is_lp_s2_m3": lambda vocab: is_law_fn(is_cfg("truncated_lp", 2, 3, 300)(vocab)),
     "is_fixed_order_m3": lambda vocab: is_law_fn(is_cfg("fixed_order", 1, 3)(vocab)),
     "is_sir_m3": lambda vocab: is_law_fn(is_cfg("sir", 3, 3)(vocab)),
-    "optimal": lambda vocab: is_law_fn(is_cfg("truncated_lp", 16, 16)(vocab)),
+    # The pairwise LP on 16 tokens (the old "optimal"; LP-optimal for K = 2 when V <= 16).
+    "pairwise_lp16": lambda vocab: is_law_fn(is_cfg("truncated_lp", 16, 16)(vocab)),
+    # The public "optimal" (gradient-fitted level race) and a cheaper one for the tree grids.
+    "optimal": lambda vocab: is_law_fn(multi._rule_config("optimal", vocab, {})),
+    "optimal_g20": lambda vocab: is_law_fn(
+        multi._rule_config("optimal", vocab, {"grad_steps": 20})
+    ),
     "is_lp_no_iters": lambda vocab: is_law_fn(is_cfg("truncated_lp", 5, 40, 0)(vocab)),
-    # The public "is" defaults, as verify_drafts builds them.
+    # The level race (§3.10) on few levels and fit steps (the rates only change efficiency).
+    "is_race_j3": lambda vocab: is_law_fn(RuleConfig("level_race", levels=3, fit_steps=4)),
+    "is_race_j1": lambda vocab: is_law_fn(RuleConfig("level_race", levels=1, fit_steps=1)),
+    # The public "is" defaults (the level race, J = 16, T = 15), as verify_drafts builds them.
     "is_default": lambda vocab: is_law_fn(multi._rule_config("is", vocab, {})),
-    # At V = 4 the statistical tests' "is" and "optimal" (lp_iters=60) both solve this LP.
+    # At V = 4 the statistical test's "is" with rule="truncated_lp", lp_iters=60 solves this LP.
     "stat_lp": lambda vocab: is_law_fn(is_cfg("truncated_lp", 16, 16, 60)(vocab)),
 }
 _LAW_CACHE = {}

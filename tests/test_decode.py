@@ -73,8 +73,8 @@ def _chi_square_pvalue(counts, expected_probs):
     return sps_stats.chisquare(obs[keep], exp[keep]).pvalue
 
 
-# Fewer LP iterations keep the CPU run short; exactness never depends on the solver's accuracy.
-METHOD_OPTIONS = {"optimal": dict(lp_iters=100), "is": dict(lp_iters=100)}
+# Fewer fit steps keep the CPU run short; exactness never depends on the fit's accuracy.
+METHOD_OPTIONS = {"optimal": dict(grad_steps=20), "is": dict(fit_steps=5)}
 
 
 def _sample(target, draft, prompts, method, **kw):

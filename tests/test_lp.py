@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from multidraft_reference import pairwise_lp_optimum
 
-from asps_jax.verify.lp import solve_pairwise_lp
+from asps_jax.verify.lp import selection_mass, solve_pairwise_lp
 from asps_jax.verify.selection import RuleConfig, build_pairwise, keep_first
 
 
@@ -106,3 +106,10 @@ def test_induced_law_matches_pair_enumeration(rule, block, alphabet):
             if a != b and min(level[a], level[b]) < 256:
                 expected = 0.5 if level[a] == level[b] else float(level[a] > level[b])
                 assert keep[a * vocab + b] == expected
+
+
+def test_selection_mass_has_no_cancellation():
+    """The pair part of q_I from non-negative terms: a token that always loses gets exactly 0."""
+    coupling = jnp.asarray([[0.0, 0.5], [0.25, 0.0]])
+    weights = jnp.asarray([[0.0, 0.0], [1.0, 0.0]])  # token 0 always loses
+    np.testing.assert_array_equal(np.asarray(selection_mass(weights, coupling)), [0.0, 0.75])

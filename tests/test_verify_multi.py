@@ -44,8 +44,14 @@ CONFIGS = [
 ]
 
 
-FULL_GRID = ("specinfer", "spectr", "optimal", "is_lp_s2_m3")
-ENUMERATED = FULL_GRID + ("is_fixed_order_m3", "is_sir_m3", "is_lp_no_iters")
+FULL_GRID = ("specinfer", "spectr", "optimal_g20", "is_lp_s2_m3", "is_default")
+ENUMERATED = FULL_GRID + (
+    "is_fixed_order_m3",
+    "is_sir_m3",
+    "is_lp_no_iters",
+    "is_race_j3",
+    "pairwise_lp16",
+)
 
 
 @pytest.mark.parametrize("name", ENUMERATED)
@@ -167,13 +173,15 @@ def _run_statistical(method, options, without_replacement=False):
 
 
 # Few LP iterations here: the solves are vmapped 10^5 times, and a mix of LP weights and counted
-# fallbacks is exactly what must stay unbiased. At V = 4 "is" (s = 5, alphabet 40) and "optimal"
-# (alphabet 16) both solve the full pairwise LP, i.e. the scheme "stat_lp" of the enumeration.
+# fallbacks is exactly what must stay unbiased. At V = 4 "is" with the truncated LP (s = 5, alphabet
+# 40) solves the full pairwise LP, i.e. the scheme "stat_lp" of the enumeration. The default "is"
+# rule and "optimal" are level races (distinct draft laws here).
 STAT_METHODS = [
     ("specinfer", {}, "specinfer"),
     ("spectr", {}, "spectr"),
-    ("is", {"lp_iters": 60}, "stat_lp"),
-    ("optimal", {"lp_iters": 60}, "stat_lp"),
+    ("is", {}, "is_default"),
+    ("is", {"rule": "truncated_lp", "lp_iters": 60}, "stat_lp"),
+    ("optimal", {"grad_steps": 20}, "optimal_g20"),
 ]
 
 
@@ -182,8 +190,10 @@ def test_statistical_verify_drafts(method, options, law_name):
     """10^5 vmapped calls: emitted strings continued by the target follow p (chi-square), and the
     mean emitted length matches the exact E[L] of the same scheme by enumeration."""
     length, fallbacks = _run_statistical(method, options)
-    if method in ("is", "optimal"):
+    if law_name == "stat_lp":
         assert 0 < fallbacks.mean() < 2  # both paths taken
+    else:
+        assert np.all(fallbacks == 0)
     target, drafts = _stat_models()
     # verify_drafts' default tail="asps": the last alive chain is verified by ASpS.
     law, _ = tree_law(node_law(law_name, STAT_V), target, drafts, STAT_N, STAT_LENGTHS, tail=True)
@@ -213,7 +223,8 @@ def test_three_letter_example_optimal(q2, expected):
     p = np.full(3, 1 / 3)
     q = np.array([1 / 3, q2, 2 / 3 - q2])
     qs = np.stack([q, q])
-    assert root_acceptance("optimal", p, qs) == pytest.approx(expected, abs=5e-5)
+    assert root_acceptance("pairwise_lp16", p, qs) == pytest.approx(expected, abs=5e-5)
+    assert expected - 2e-3 <= root_acceptance("optimal", p, qs) <= expected + 1e-9
     assert _optimal_acceptance64(p, qs) == pytest.approx(expected, abs=5e-5)
 
 
@@ -286,7 +297,7 @@ def test_acceptance_ordering_on_random_nodes(capsys):
     >= single-draft SpS on average, and no scheme above the closed-form optimum."""
     rng = np.random.default_rng(2025)
     vocab = 8
-    names = ["optimal", "is_default", "spectr", "specinfer"]
+    names = ["pairwise_lp16", "optimal", "is_default", "spectr", "specinfer"]
     table = {name: [] for name in names + ["sps", "bound"]}
     for _ in range(200):
         p, q = rng.dirichlet(np.ones(vocab)), rng.dirichlet(np.ones(vocab))
@@ -305,7 +316,9 @@ def test_acceptance_ordering_on_random_nodes(capsys):
     assert all(a >= b - 1e-12 for a, b in itertools.pairwise(means)), means
     for name in names + ["sps"]:
         assert np.all(table[name] <= table["bound"] + 1e-9), name
-    assert np.mean(np.abs(table["optimal"] - table["bound"]) <= 1e-6) >= 0.98
+    # K = 2, V <= 16: the pairwise LP is optimal; the level race "optimal" is within 0.002.
+    assert np.mean(np.abs(table["pairwise_lp16"] - table["bound"]) <= 1e-6) >= 0.98
+    assert np.mean(table["bound"] - table["optimal"]) <= 2e-3
 
 
 # --- Bad input and the solver fallback ---
@@ -323,15 +336,24 @@ def _small_inputs(num_drafts=2, n=2, vocab=5):
     "method,options,match",
     [
         ("is", {"rule": "greedy"}, "rule"),
-        ("is", {"s": 6, "alphabet": 5}, "larger than the alphabet"),
-        ("is", {"s": 4, "alphabet": 3}, "larger than the alphabet"),
-        ("is", {"alphabet": 6}, "larger than the vocabulary"),
-        ("is", {"alphabet": 0}, "alphabet"),
-        ("is", {"s": 0}, "s must be"),
+        ("is", {"rule": "truncated_lp", "s": 6, "alphabet": 5}, "larger than the alphabet"),
+        ("is", {"rule": "truncated_lp", "s": 4, "alphabet": 3}, "larger than the alphabet"),
+        ("is", {"rule": "truncated_lp", "alphabet": 6}, "larger than the vocabulary"),
+        ("is", {"rule": "truncated_lp", "alphabet": 0}, "alphabet"),
+        ("is", {"rule": "truncated_lp", "s": 0}, "s must be"),
         ("is", {"rule": "sir", "s": 2}, "s applies"),
-        ("is", {"lp_iters": -1}, "lp_iters"),
+        ("is", {"rule": "truncated_lp", "lp_iters": -1}, "lp_iters"),
+        ("is", {"s": 3}, "pairwise rules"),
+        ("is", {"lp_iters": 10}, "pairwise rules"),
+        ("is", {"levels": 0}, "levels must be an int >= 1"),
+        ("is", {"levels": 4.0}, "levels must be an int"),
+        ("is", {"fit_steps": 0}, "fit_steps must be an int >= 1"),
+        ("is", {"rule": "sir", "levels": 4}, "level_race' only"),
         ("is", {"temperature": 1.0}, "unknown option"),
-        ("optimal", {"s": 3}, "unknown option"),
+        ("optimal", {"s": 3}, "LP option"),
+        ("optimal", {"lp_iters": 60}, "LP option"),
+        ("optimal", {"grad_steps": -1}, "grad_steps must be an int >= 0"),
+        ("optimal", {"rule": "sir"}, "unknown option"),
         ("specinfer", {"rule": "sir"}, "takes no options"),
         ("spectr", {"s": 2}, "takes no options"),
     ],
@@ -358,7 +380,11 @@ def test_lp_fallback_is_counted_and_uses_the_fixed_order_law():
     enumeration of ``is_lp_no_iters``)."""
     tokens, lq, lp = _small_inputs()
     run = jax.jit(
-        jax.vmap(lambda key: asps_jax.verify_drafts(key, tokens, lq, lp, method="is", lp_iters=0))
+        jax.vmap(
+            lambda key: asps_jax.verify_drafts(
+                key, tokens, lq, lp, method="is", rule="truncated_lp", lp_iters=0
+            )
+        )
     )
     verdict = run(jax.random.split(jax.random.key(1), 64))
     assert np.all(np.asarray(verdict.num_fallbacks) >= 1)
@@ -740,3 +766,26 @@ def test_specinfer_wor_repeated_root_token():
     for row in np.nonzero(repeats)[0]:
         assert law[row, xs[row, 0]] == pytest.approx(min(1.0, p[xs[row, 0]] / q[xs[row, 0]]))
     assert 0.5 * np.abs(emitted - p).sum() < 0.15
+
+
+def test_bench_script_real_laws(tmp_path, monkeypatch, capsys):
+    """--real on tiny settings: exact accept-part acceptance never above the optimum, SpS-level
+    methods ordered, and the default "is" rule (level race) timed."""
+    import json
+
+    bench = _load_bench_verify(monkeypatch)
+    out = tmp_path / "real.json"
+    argv = ["--real", "--quick", "--positions", "4", "--ks", "2", "--draft-temperatures", "1.0"]
+    argv += ["--methods", "specinfer", "spectr", "is[level_race]", "--json", str(out)]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["K"] == 2 and 0 < row["optimum"] <= 1
+    for method in ("specinfer", "spectr", "is[level_race]"):
+        assert 0 < row[method] <= row["optimum"] + 1e-5, method
+    assert list(data["rule_ms"]) == ["2048"] and data["rule_ms"]["2048"] > 0
+    assert "| draft T | K | optimum |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--real", "--ks", "1"])
+    with pytest.raises(SystemExit):
+        bench.main(["--real", "--methods", "asps"])

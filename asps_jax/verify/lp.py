@@ -47,6 +47,17 @@ def selection_load(weights: jax.Array, coupling: jax.Array) -> jax.Array:
     return jnp.sum(flow, axis=1) - jnp.sum(flow, axis=0)
 
 
+def selection_mass(weights: jax.Array, coupling: jax.Array) -> jax.Array:
+    """The pair part of the induced law from non-negative terms only:
+    ``sum_j A[i, j] W[i, j] + sum_j A[j, i] (1 - W[j, i])`` for W clipped to [0, 1] -> [s].
+
+    Equals ``sum_j A[j, i] + (G W)_i``, but without the cancellation of that form: a token that
+    always loses gets exactly its own pair mass (possibly 0), never a negative rounding error.
+    """
+    w = jnp.clip(weights, 0.0, 1.0)
+    return jnp.sum(coupling * w, axis=1) + jnp.sum(coupling * (1.0 - w), axis=0)
+
+
 def primal_value(weights, target, base, coupling) -> jax.Array:
     """Exact objective ``sum_i min(p_i, c_i + (G W)_i)`` of the weights clipped to [0, 1]."""
     load = base + selection_load(jnp.clip(weights, 0.0, 1.0), coupling)

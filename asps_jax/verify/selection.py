@@ -1,4 +1,7 @@
-"""Importance-sampling (IS) selection rules for K drafts and their exact induced laws.
+"""Pairwise importance-sampling (IS) selection rules for K drafts and their exact induced laws.
+
+The default IS rule is the level race (level_race.py); the pairwise tournaments here are the
+``rule="truncated_lp"``, ``"fixed_order"`` and ``"sir"`` options of ``verify_drafts(method="is")``.
 
 Khisti et al., "Multi-Draft Speculative Sampling: Canonical Architectures and Theoretical Limits"
 (arXiv 2410.18234), Theorem 1: any selection of one of the draft tokens followed by single-draft SpS
@@ -21,6 +24,10 @@ token id) brought the acceptance back down to single-draft SpS. Rules:
   exceeds ``tol`` the fixed-order weights are used instead and the event is counted;
 * ``"sir"``: self-normalised weights ``w_r / (w_r + w_r')``, ``w = p / ((qa + qb) / 2)``, s = M.
 
+Every induced law is a sum of non-negative terms: the block's pair part is
+``sum_j A[i, j] W[i, j] + sum_j A[j, i] (1 - W[j, i])`` (lp.selection_mass), never the cancelling
+``base + (G W)`` form, so a token that always loses keeps exactly its own mass (possibly 0).
+
 K > 2 drafts: a tournament (§3.8.5). The winner so far (law ``q_W``) meets the next alive draft; the
 pairwise rule for ``(q_W, q_k)`` picks one and ``q_W <- q_I``. The winner is independent of the next
 draft, so ``q_W`` stays exact.
@@ -33,20 +40,28 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from asps_jax.verify.lp import selection_load, solve_pairwise_lp
+from asps_jax.verify.lp import selection_mass, solve_pairwise_lp
 
-RULES = ("truncated_lp", "fixed_order", "sir")
+RULES = ("level_race", "truncated_lp", "fixed_order", "sir")
+PAIRWISE_RULES = ("truncated_lp", "fixed_order", "sir")
 
 
 @dataclasses.dataclass(frozen=True)
 class RuleConfig:
-    """Static description of a pairwise rule (hashable: it shapes the traced computation)."""
+    """Static description of a selection rule (hashable: it shapes the traced computation).
+
+    ``"level_race"`` (level_race.py) uses ``levels`` and ``fit_steps`` only; the pairwise rules
+    use the other fields.
+    """
 
     rule: str = "truncated_lp"
     block: int = 5  # s: size of the weighted block (1 = fixed order everywhere)
     alphabet: int = 40  # M: the truncated alphabet (bounds the block; the block for sir/optimal)
     lp_iters: int = 300
     tol: float = 1e-5
+    levels: int = 16  # J: levels of the level race
+    fit_steps: int = 15  # T: fixed-point evaluations of the level race's law
+    grad_steps: int = 0  # then gradient steps on free level laws ("optimal")
 
 
 @jax.tree_util.register_dataclass
@@ -63,6 +78,11 @@ def _rev_exclusive_cumsum(x: jax.Array) -> jax.Array:
     tail masses carry no cancellation error and are never negative)."""
     inclusive = jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1)
     return jnp.concatenate([inclusive[1:], jnp.zeros((1,), x.dtype)])
+
+
+def _exclusive_cumsum(x: jax.Array) -> jax.Array:
+    """``out[i] = sum_{j < i} x[j]`` (shifted, so that every entry is a sum of non-negatives)."""
+    return jnp.concatenate([jnp.zeros((1,), x.dtype), jnp.cumsum(x)[:-1]])
 
 
 def ranking_key(p: jax.Array, qa: jax.Array, qb: jax.Array) -> jax.Array:
@@ -108,10 +128,11 @@ def build_pairwise(
     qb_rest = jnp.where(in_block, 0.0, qb)
     mass_a = jax.ops.segment_sum(qa_rest, bucket, NUM_BUCKETS)  # [buckets]
     mass_b = jax.ops.segment_sum(qb_rest, bucket, NUM_BUCKETS)
-    lower_a = jnp.cumsum(mass_a) - mass_a  # mass in strictly lower buckets
-    lower_b = jnp.cumsum(mass_b) - mass_b
-    below_a = lower_a[bucket] + 0.5 * (mass_a[bucket] - qa_rest)  # [V], T_a for rest tokens
-    below_b = lower_b[bucket] + 0.5 * (mass_b[bucket] - qb_rest)
+    lower_a = _exclusive_cumsum(mass_a)  # mass in strictly lower buckets
+    lower_b = _exclusive_cumsum(mass_b)
+    # [V], T_a for rest tokens: a bucket's mass without the token itself (clipped at 0: rounding)
+    below_a = lower_a[bucket] + 0.5 * jnp.maximum(mass_a[bucket] - qa_rest, 0.0)
+    below_b = lower_b[bucket] + 0.5 * jnp.maximum(mass_b[bucket] - qb_rest, 0.0)
     law = qa * qb + qa * below_b + below_a * qb
     # --- Block: ranked above every other token; pairs inside it follow W ---
     qa_s, qb_s, p_s = qa[block_ids], qb[block_ids], p[block_ids]
@@ -131,7 +152,10 @@ def build_pairwise(
         weights = jnp.where(tot > 0, w[:, None] / jnp.where(tot > 0, tot, 1.0), 0.5)
     else:
         weights = fixed
-    law = law.at[block_ids].set(base + selection_load(weights, coupling))
+    # The block law from non-negative terms only (never ``base + selection_load``, whose terms
+    # cancel: a token that always loses could get q_I <= 0 and then be accepted where p = 0).
+    own = qa_s * qb_s + qa_s * rest_b + rest_a * qb_s
+    law = law.at[block_ids].set(own + selection_mass(weights, coupling))
     # Levels: block position r -> NUM_BUCKETS + s - r (above every bucket), others their bucket.
     level = (
         jnp.where(in_block, 0, bucket)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax.draws import draw_from_weights
+from asps_jax.verify.level_race import LevelRace, fit_race, race_selection
 from asps_jax.verify.selection import RuleConfig, tournament_rules, tournament_selection
 
 
@@ -153,15 +154,26 @@ def importance_sampling(p, q, x, alive, cfg: RuleConfig) -> NodeOutcome:
 
 
 def importance_sampling_rules(p, q, alive, cfg: RuleConfig):
-    """The token-independent part of :func:`importance_sampling` (the LP solves)."""
+    """The token-independent part of :func:`importance_sampling`: the level race's fitted rates
+    (:class:`LevelRace`), or the pairwise tournament's rules (the LP solves)."""
+    if cfg.rule == "level_race":
+        return fit_race(p, q, alive, cfg.levels, cfg.fit_steps, cfg.grad_steps)
     return tournament_rules(p, q, alive, cfg)
 
 
 def importance_sampling_outcome(prepared, p, q, x, alive) -> NodeOutcome:
-    """The token-dependent part of :func:`importance_sampling`."""
-    rules, rounds, q_sel, fallbacks = prepared
-    sel = tournament_selection(rules, rounds, x, alive)
-    acc = _ratio_accept(p[x], q_sel[x])
+    """The token-dependent part of :func:`importance_sampling`.
+
+    A token is accepted only where its induced mass is positive: ``q_I(x) = 0`` (a selection whose
+    law underflowed) is a rejection, never a certain acceptance.
+    """
+    if isinstance(prepared, LevelRace):
+        sel = race_selection(prepared, x, alive)
+        q_sel, fallbacks = prepared.q_sel, jnp.zeros((), jnp.int32)
+    else:
+        rules, rounds, q_sel, fallbacks = prepared
+        sel = tournament_selection(rules, rounds, x, alive)
+    acc = jnp.where(q_sel[x] > 0, _ratio_accept(p[x], q_sel[x]), 0.0)
     residual = _normalise_or(jnp.maximum(p - q_sel, 0.0), p)
     return NodeOutcome(slot=sel * acc, residual=residual, num_fallbacks=fallbacks)
 

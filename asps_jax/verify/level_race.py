@@ -1,0 +1,235 @@
+"""The level race: an importance-sampling selection rule whose induced law has a closed form built
+from non-negative terms (docs/algorithms.md §3.10).
+
+Khisti et al. (arXiv 2410.18234, Theorem 1) show that *any* rule that selects one of the drafts'
+tokens, followed by single-draft SpS of the selected token against the exact law ``q_I`` of the
+selection, is exact. The level race is such a rule, chosen so that ``q_I`` is cheap, exact, and can
+be steered towards p:
+
+* every token y has a rate ``lam_y >= 0``; a fixed grid ``0 = t_0 < t_1 < ... < t_{J-1}``,
+  ``t_J = inf`` buckets an exponential clock of rate ``lam_y`` into J *levels*, level j having
+  probability ``F_y(j) = exp(-lam_y t_{j-1}) - exp(-lam_y t_j)`` (computed as
+  ``exp(-lam t_{j-1}) * -expm1(-lam (t_j - t_{j-1}))``: no cancellation);
+* each alive draft k draws a level from the law of its own token ``x_k``; the lowest level wins and
+  ties are broken uniformly at random.
+
+For draft k at level j, with ``a_i = P(level_i = j)`` and ``b_i = P(level_i > j)`` for the other
+alive drafts (unconditionally: ``a_i = sum_z q_i(z) F_z(j)``; given their tokens: ``F_{x_i}(j)``),
+the chance that k wins, ties shared uniformly, is ``E[1 / (1 + #ties)] = int_0^1 prod_{i != k}
+(b_i + a_i t) dt``: a polynomial of degree at most K - 1 in t, integrated exactly by Gauss-Legendre
+with ``ceil(K / 2)`` nodes (positive weights, nodes in (0, 1)). Hence, for drafts with different
+laws ``q_k`` as well as identical ones,
+
+    q_I(y) = sum_k q_k(y) sum_j F_y(j) int_0^1 prod_{i != k} (b_i(j) + a_i(j) t) dt,
+
+a sum of non-negative terms, and ``P(select k | x)`` is the same expression with the other drafts'
+tokens fixed. Both are exact for *any* rates and grid; the rates only decide the efficiency
+``sum_y min(p_y, q_I(y))``. They are fitted by a few multiplicative fixed-point steps
+``lam <- lam * p / q_I`` from ``lam = p / mean_k q_k``, keeping the rates with the best efficiency:
+they depend on (p, q, alive) only, never on the drawn tokens. With one alive draft the rule selects
+it and ``q_I = q_k`` (single-draft SpS); the fit is skipped (``lax.cond``).
+
+Nothing in the formulas needs the level laws to be bucketed clocks: ``verify_drafts(method=
+"optimal")`` starts from the fitted clocks and lets each token's level law ``F_y`` be any law on the
+J levels (``softmax`` of free logits), taking gradient-ascent steps on the exact efficiency through
+the closed form. On the bundled pair's real laws this closes most of the remaining gap to the
+optimum ``1 + min_S [p(S) - prod_k q_k(S)]`` (docs/algorithms.md §3.5).
+
+Cost per node with two or more alive drafts: O(T J V K) for a fit of T steps on J levels (K is
+small), O(K^2 J) per token tuple; gradient steps cost a small multiple of a fit step each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LevelRace:
+    """A fitted level race at one node and the exact law of its selected token."""
+
+    law: jax.Array  # [V, J]: F_y(j), each token's level law (rows sum to 1)
+    q_sel: jax.Array  # [V]: q_I, the law of the selected token
+    single: jax.Array  # bool[]: one alive draft (the rule is SpS: select it)
+
+
+def level_grid(num_levels: int, num_drafts: int) -> np.ndarray:
+    """``t_1 .. t_{J-1}`` (float64, static): geometric around the race's time scale.
+
+    With the rates normalised so that one draft's clock has rate 1 on average (``sum q lam = 1``),
+    the winning clock of m drafts rings near ``1 / m``; the grid spans six decades around it.
+    """
+    if num_levels < 2:
+        return np.zeros((0,))
+    center = 1.0 / num_drafts
+    return center * np.logspace(-3.0, 3.0, num_levels - 1)
+
+
+def level_laws(rates: jax.Array, grid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(F [V, J], after [V, J])``: P(level = j) and P(level > j) for each token's clock."""
+    dtype = rates.dtype
+    t = grid.astype(dtype)  # [J-1]
+    lam = rates[:, None]
+    # P(level >= j + 1) = exp(-lam t_j) for j = 1..J-1 (and 1 for the first level).
+    tail = jnp.exp(-lam * t[None, :])  # [V, J-1]
+    start = jnp.concatenate([jnp.ones_like(rates)[:, None], tail], axis=1)  # P(level >= j), [V, J]
+    gaps = jnp.diff(jnp.concatenate([jnp.zeros((1,), dtype), t]))  # t_j - t_{j-1}, [J-1]
+    inside = start[:, :-1] * -jnp.expm1(-lam * gaps[None, :])  # [V, J-1]
+    law = jnp.concatenate([inside, start[:, -1:]], axis=1)  # the last level takes the rest
+    after = jnp.concatenate([tail, jnp.zeros_like(rates)[:, None]], axis=1)
+    return law, after
+
+
+def _gauss_legendre(num_drafts: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """Nodes and weights on [0, 1], exact for polynomials of degree <= K - 1."""
+    nodes, weights = np.polynomial.legendre.leggauss(max(1, math.ceil(num_drafts / 2)))
+    return jnp.asarray((nodes + 1) / 2, dtype), jnp.asarray(weights / 2, dtype)
+
+
+def _win_weights(a: jax.Array, b: jax.Array, alive: jax.Array) -> jax.Array:
+    """``c [K, J]``: ``int_0^1 prod_{i != k, alive} (b_i + a_i t) dt`` for a, b [K, J]."""
+    num_drafts = a.shape[0]
+    nodes, weights = _gauss_legendre(num_drafts, a.dtype)
+    factor = b[..., None] + a[..., None] * nodes[None, None, :]  # [K, J, G], each >= 0
+    factor = jnp.where(alive[:, None, None], factor, 1.0)
+    others = ~jnp.eye(num_drafts, dtype=bool)  # [k, i]
+    prod = jnp.prod(jnp.where(others[:, :, None, None], factor[None], 1.0), axis=1)  # [K, J, G]
+    return jnp.sum(prod * weights[None, None, :], axis=-1)
+
+
+def _after(law: jax.Array) -> jax.Array:
+    """``P(level > j)`` [..., J] from level laws [..., J] (sums of non-negative terms)."""
+    tail = jnp.flip(jnp.cumsum(jnp.flip(law, -1), -1), -1)
+    return jnp.concatenate([tail[..., 1:], jnp.zeros_like(tail[..., :1])], axis=-1)
+
+
+def race_law_from_levels(
+    law: jax.Array, after: jax.Array, q: jax.Array, alive: jax.Array
+) -> jax.Array:
+    """The exact law ``q_I [V]`` of the token the race selects (a sum of non-negative terms), for
+    level laws ``law`` [V, J] and ``after`` [V, J] = P(level > j)."""
+    a = q @ law  # [K, J]: a draft's chance of level j
+    b = q @ after  # [K, J]: of a level above j
+    win = _win_weights(a, b, alive)  # [K, J]
+    own = jnp.where(alive[:, None], q, 0.0).T @ win  # [V, J]: sum_k q_k(y) c_k(j)
+    return jnp.sum(law * own, axis=1)
+
+
+def race_law(rates: jax.Array, q: jax.Array, alive: jax.Array, grid: jax.Array) -> jax.Array:
+    """``q_I [V]`` of the exponential-clock race with rates ``lam`` [V] on ``grid``."""
+    return race_law_from_levels(*level_laws(rates, grid), q, alive)
+
+
+def race_selection(race: LevelRace, x: jax.Array, alive: jax.Array) -> jax.Array:
+    """``sel [K]``: P(the race selects draft k | tokens ``x`` int32[K])."""
+    law = race.law[x]  # [K, J]
+    after = _after(law)
+    win = _win_weights(law, after, alive)
+    sel = jnp.where(alive, jnp.sum(law * win, axis=1), 0.0)
+    first = jax.nn.one_hot(jnp.argmax(alive), x.shape[0], dtype=sel.dtype)
+    return jnp.where(race.single, first, sel)
+
+
+def _efficiency(p, q_sel):
+    return jnp.sum(jnp.minimum(p, q_sel))
+
+
+def fit_race(
+    p: jax.Array,
+    q: jax.Array,
+    alive: jax.Array,
+    num_levels: int,
+    fit_steps: int,
+    grad_steps: int = 0,
+    step_size: float = 0.3,
+) -> LevelRace:
+    """Fit a level race to p at one node (the fit depends on (p, q, alive) only).
+
+    Rates by ``fit_steps`` fixed-point steps ``lam <- lam p / q_I`` from ``lam = p / mean q``
+    (the best efficiency kept). With ``grad_steps`` > 0 the level laws are then freed from the
+    exponential-clock form: per-token logits ``F_y = softmax(L_y)``, started at the fitted clocks,
+    take ``grad_steps`` Adam ascent steps on the exact efficiency ``sum_y min(p_y, q_I(y))`` (its
+    gradient through the closed form), again keeping the best. Any level laws are exact; the fit
+    only decides the efficiency.
+
+    Args:
+      p: [V] target; q: [K, V] draft laws; alive: bool[K] (at least one true).
+      num_levels: J >= 1; fit_steps: T >= 1 evaluations of the law; grad_steps >= 0 (static).
+    """
+    num_drafts, vocab = q.shape
+    dtype = p.dtype
+    grid = jnp.asarray(level_grid(num_levels, num_drafts), dtype)
+    num_alive = jnp.sum(alive)
+
+    def normalise(rates, q_mean):
+        scale = jnp.sum(q_mean * rates)
+        return rates / jnp.where(scale > 0, scale, 1.0)
+
+    def fixed_point():
+        weight = alive.astype(dtype) / jnp.maximum(num_alive, 1).astype(dtype)
+        q_mean = weight @ q
+        proposed = q_mean > 0
+        rates0 = normalise(jnp.where(proposed, p / jnp.where(proposed, q_mean, 1.0), 0.0), q_mean)
+
+        def step(_, carry):
+            rates, best_rates, best_value = carry
+            law = race_law(rates, q, alive, grid)
+            value = _efficiency(p, law)
+            better = value > best_value
+            best_rates = jnp.where(better, rates, best_rates)
+            best_value = jnp.where(better, value, best_value)
+            ratio = jnp.where(law > 0, p / jnp.where(law > 0, law, 1.0), 1.0)
+            return normalise(rates * ratio, q_mean), best_rates, best_value
+
+        init = (rates0, rates0, jnp.asarray(-1.0, dtype))
+        return jax.lax.fori_loop(0, fit_steps, step, init)[1:]
+
+    def ascend(law0, value0):
+        tiny = jnp.finfo(dtype).tiny
+        logits0 = jnp.log(jnp.maximum(law0, tiny))
+
+        def objective(logits):
+            law = jax.nn.softmax(logits, axis=-1)
+            return _efficiency(p, race_law_from_levels(law, _after(law), q, alive))
+
+        value_and_grad = jax.value_and_grad(objective)
+
+        def step(i, carry):
+            logits, m, v, best, best_logits = carry
+            value, grad = value_and_grad(logits)
+            better = value > best
+            best = jnp.where(better, value, best)
+            best_logits = jnp.where(better, logits, best_logits)
+            m = 0.9 * m + 0.1 * grad
+            v = 0.999 * v + 0.001 * grad * grad
+            t = (i + 1).astype(dtype)
+            m_hat = m / (1.0 - 0.9**t)
+            v_hat = v / (1.0 - 0.999**t)
+            logits = logits + step_size * m_hat / (jnp.sqrt(v_hat) + tiny**0.5)
+            return logits, m, v, best, best_logits
+
+        zeros = jnp.zeros_like(logits0)
+        init = (logits0, zeros, zeros, value0, logits0)
+        logits, _, _, best, best_logits = jax.lax.fori_loop(0, grad_steps, step, init)
+        # The last iterate has not been scored yet.
+        last = objective(logits)
+        return jax.nn.softmax(jnp.where(last > best, logits, best_logits), axis=-1)
+
+    def fit(_):
+        rates, value = fixed_point()
+        law, _ = level_laws(rates, grid)
+        if grad_steps:
+            law = ascend(law, value)
+        return law, race_law_from_levels(law, _after(law), q, alive)
+
+    def single(_):
+        return jnp.full((vocab, num_levels), 1.0 / num_levels, dtype), q[jnp.argmax(alive)]
+
+    law, q_sel = jax.lax.cond(num_alive >= 2, fit, single, None)
+    return LevelRace(law=law, q_sel=q_sel, single=num_alive < 2)
