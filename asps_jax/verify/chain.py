@@ -56,16 +56,16 @@ def _draft_token_logprobs(draft_tokens_N, draft_logprobs_NV, target_logprobs_MV)
 def effective_length(draft_tokens, draft_logprobs, target_logprobs, draft_length):
     """``(tokens, length)``: ``draft_length`` cut before the first out-of-contract draft token.
 
-    A token id outside ``[0, V)`` or a token that both the draft and the target give probability
-    0 cannot have been drawn from the draft; the chain is treated as ending just before it, so it
-    is never emitted (a token of target probability 0 never is). Out-of-range ids are replaced by
-    0 (they now lie in the padding). Inside the contract nothing changes.
+    A token id outside ``[0, V)`` or a token the draft gives probability 0 cannot have been drawn
+    from the draft; the chain is treated as ending just before it, so it is never emitted (a token
+    of target probability 0 never is, and ASpS's table never meets an infinite ratio). Out-of-range
+    ids are replaced by 0 (they now lie in the padding). Inside the contract nothing changes.
     """
     n, vocab = draft_logprobs.shape
     in_range = (draft_tokens >= 0) & (draft_tokens < vocab)
     tokens = jnp.where(in_range, draft_tokens, 0).astype(jnp.int32)
-    lq_x, lp_x = _draft_token_logprobs(tokens, draft_logprobs, target_logprobs)
-    bad = ~in_range | ((lq_x == NEG_INF) & (lp_x == NEG_INF))
+    lq_x, _ = _draft_token_logprobs(tokens, draft_logprobs, target_logprobs)
+    bad = ~in_range | (lq_x == NEG_INF)
     first_bad = jnp.where(jnp.any(bad), jnp.argmax(bad), n) if n > 0 else 0
     return tokens, jnp.minimum(draft_length, first_bad).astype(jnp.int32)
 
