@@ -2,7 +2,7 @@
 transformers' ``generate`` and assisted generation, on the same checkpoints, in one run.
 
 For AR, SpS / ASpS (K = 1) and each multi-draft method (K >= 2) over the chosen draft lengths n,
-ours runs the whole decoding loop (``decode.generate``: prefill + one ``lax.while_loop``, what
+ours runs the whole decoding loop (``Decoder.generate``: prefill + one ``lax.while_loop``, what
 ``asps_jax.sample`` calls) compiled ahead of time, so the timed run excludes compilation (reported
 apart). Per run: tokens per step (ATN / block efficiency, mean +- standard error over all steps of
 all rows, from ``emitted_hist``), target calls per row, token-level acceptance (accepted / verified
@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 import asps_jax
-from asps_jax import decode, sampler
+from asps_jax import decode, sampler, statistics
 from asps_jax.verify.api import CHAIN_METHODS
 
 CHAIN = tuple(m for m in sampler.METHODS if m in CHAIN_METHODS)  # sps, asps: K = 1
@@ -52,7 +52,6 @@ FALLBACK_TEXT = (
     "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. "
     "resolved.\n\nFirst Citizen:\nFirst, you know Caius Marcius is chief enemy to the people.\n"
 )
-_STATICS = ("target_config", "draft_config", "spec", "cache_len")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,14 +145,9 @@ def build_prompts(tokenizer, vocab_size: int, batch: int, length: int) -> np.nda
     return np.asarray(rows, np.int32)
 
 
-def atn(hist_BL: np.ndarray) -> tuple[float, float, int]:
+def atn(hist: np.ndarray) -> tuple[float, float, int]:
     """Tokens per step over all steps of all rows: (mean, standard error, steps)."""
-    counts = hist_BL.sum(0).astype(np.float64)
-    sizes = np.arange(counts.shape[0], dtype=np.float64)
-    steps = counts.sum()
-    mean = float((sizes * counts).sum() / steps)
-    var = float(((sizes - mean) ** 2 * counts).sum() / max(steps - 1, 1))
-    return mean, math.sqrt(var / steps), int(steps)
+    return statistics.histogram_mean_stderr(hist)
 
 
 def ratio_se(a: float, se_a: float, b: float, se_b: float) -> tuple[float, float]:
@@ -177,10 +171,11 @@ def run_ours(target, draft, prompts_BP, method, n, k, args) -> dict:
         top_p=args.top_p,
         eos_token_id=-1,
     )
+    decoder = call.pop("decoder")
     start = time.perf_counter()
-    compiled = decode.generate.lower(**call).compile()
+    compiled = decode.generate.lower(decoder, **call).compile()
     compile_s = time.perf_counter() - start
-    dynamic = {name: value for name, value in call.items() if name not in _STATICS}
+    dynamic = call  # the array pytrees; the decoder is compiled in
     jax.block_until_ready(compiled(**dynamic))  # warm-up: first-call allocations
     times = []
     for _ in range(args.repeats):
@@ -194,11 +189,11 @@ def run_ours(target, draft, prompts_BP, method, n, k, args) -> dict:
     mean, se, steps = atn(np.asarray(stats["emitted_hist"]))
     decisions = int(np.sum(stats["decisions"]))
     wall = float(np.median(times))
-    root_steps = np.asarray(stats.get("root_steps", 0))
-    root = {}
-    if np.sum(root_steps) > 0:  # pooled over rows, each row's rate weighted by its root steps
-        for name in ("root_acceptance", "root_optimal_acceptance"):
-            root[name] = float(np.sum(stats[name] * root_steps) / np.sum(root_steps))
+    # Pooled over rows, each row's rate weighted by its root steps (None without any).
+    root = {
+        name: statistics.pooled_rate(stats[name], stats["root_steps"])
+        for name in ("root_acceptance", "root_optimal_acceptance")
+    }
     return dict(
         method=method,
         n=n if method != "ar" else 0,

@@ -163,14 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _summary(session, out, args, compile_s, run_s, load_s) -> dict:
     import numpy as np
 
+    from asps_jax.statistics import histogram_mean_stderr
+
     stats = {k: np.asarray(v) for k, v in out.stats.items()}
     lengths = np.asarray(out.lengths)
     calls = stats["target_calls"]
     per_step = lengths / np.maximum(calls, 1)
-    hist = stats["emitted_hist"].sum(0)
-    steps = hist.sum()
-    mean_l = float((hist * np.arange(hist.size)).sum() / max(steps, 1))
-    var_l = float((hist * (np.arange(hist.size) - mean_l) ** 2).sum() / max(steps - 1, 1))
+    mean_l, stderr_l, _ = histogram_mean_stderr(stats["emitted_hist"])
     return {
         "method": args.method,
         "num_draft_tokens": session.spec.num_draft_tokens if args.method != "ar" else 0,
@@ -179,7 +178,7 @@ def _summary(session, out, args, compile_s, run_s, load_s) -> dict:
         "new_tokens": int(lengths.sum()),
         "target_calls": int(calls.sum()),
         "tokens_per_step": mean_l,
-        "tokens_per_step_stderr": (var_l / max(steps, 1)) ** 0.5,
+        "tokens_per_step_stderr": stderr_l,
         "tokens_per_step_by_row": per_step.round(4).tolist(),
         "acceptance": float(stats["accepted"].sum() / max(stats["decisions"].sum(), 1)),
         "lp_fallbacks": int(stats["fallbacks"].sum()),
