@@ -136,6 +136,9 @@ class Decoder:
       cache_len: S, the KV cache slots per row.
       mesh: the device mesh of a sharded run, for activation sharding constraints
         (:func:`asps_jax.sharding.constrain`); None on one device.
+      diagnostics: also measure, every step with K >= 2 drafts, ``optimal_acceptance`` at the
+        root (a V-sized sort per row and step); without it that statistic is NaN.
+        With one draft it is ``1 - TV(p, q)``, cheap, and always measured.
     """
 
     target_config: Any
@@ -143,6 +146,7 @@ class Decoder:
     spec: SpecConfig
     cache_len: int
     mesh: Mesh | None = None
+    diagnostics: bool = False
 
     # ----------------------------------------------------------------------------------------
     # Entry points (jitted; ``self`` is static)
@@ -430,10 +434,12 @@ def _commit(dec: Decoder, state, drafts: Drafts, new_kv, verdict: Verdict, num_B
 
 def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, target_lp_BKDV) -> jax.Array:
     """The best root acceptance any exact token-level scheme could reach (docs/algorithms.md
-    §3.5), float32[B]."""
+    §3.5), float32[B]; NaN for K >= 2 drafts unless ``dec.diagnostics``."""
     if dec.spec.num_drafts == 1:  # 1 - TV(p, q): no sort needed
         overlap_BV = jnp.minimum(target_lp_BKDV[:, 0, 0], drafts.logprobs_BKDV[:, 0, 0])
         return jnp.exp(jax.nn.logsumexp(overlap_BV, axis=-1))
+    if not dec.diagnostics:
+        return jnp.full(drafts.start_B.shape, jnp.nan, jnp.float32)
     return optimal_acceptance(target_lp_BKDV[:, 0, 0], drafts.logprobs_BKDV[:, :, 0])
 
 

@@ -191,6 +191,7 @@ def prepare(
     eos_token_id=None,
     mesh=None,
     prompt_lengths=None,
+    diagnostics=False,
     **options,
 ):
     """Validate the arguments of :func:`sample`; returns ``(batch, args)``.
@@ -198,7 +199,8 @@ def prepare(
     ``args["decoder"]`` is the static :class:`asps_jax.decode.Decoder`; the other entries are the
     array pytrees of ``Decoder.generate`` (``target_params``, ``draft_params``, ``sampling``,
     ``prompts_BP``, ``prompt_lengths_B``, ``row_keys_B``). ``temperature``, ``top_k``, ``top_p``
-    and ``draft_temperature`` may also be given per prompt.
+    and ``draft_temperature`` may also be given per prompt. ``diagnostics=True`` also measures
+    the root ``optimal_acceptance`` of multi-draft steps (see :class:`asps_jax.decode.Decoder`).
     """
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
     num_draft_tokens = _check_int("num_draft_tokens", num_draft_tokens, 1)
@@ -248,6 +250,7 @@ def prepare(
         spec=spec,
         cache_len=cache_len,
         mesh=mesh,
+        diagnostics=bool(diagnostics),
     )
     args = dict(
         decoder=decoder,

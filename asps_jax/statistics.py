@@ -120,7 +120,8 @@ def summarize(stats: DecodeStats, num_generated_B: jax.Array, batch: int) -> dic
     ``acceptance``: accepted / verified draft tokens; ``fallbacks``: LP solves replaced by an exact
     fallback rule; ``root_acceptance``: how often the first token of a step is one of the K root
     draft tokens, beside ``root_optimal_acceptance``, the mean of ``optimal_acceptance`` over the
-    same steps (the theoretical limit of any exact token-level scheme there).
+    same steps (the theoretical limit of any exact token-level scheme there; NaN with K >= 2 drafts
+    unless the loop ran with ``diagnostics=True``).
     """
     s = jax.tree.map(lambda a: a[:batch], stats)
     generated = num_generated_B[:batch]

@@ -170,6 +170,7 @@ def run_ours(target, draft, prompts_BP, method, n, k, args) -> dict:
         top_k=args.top_k,
         top_p=args.top_p,
         eos_token_id=-1,
+        diagnostics=True,  # the root optimal-acceptance column
     )
     decoder = call.pop("decoder")
     start = time.perf_counter()
