@@ -11,7 +11,8 @@ stages, each in its own ``jax.named_scope`` so that a profile reads as the step 
 3. ``verify``: ``verify_chain`` / ``verify_drafts``, then EOS truncation of the emitted block;
 4. ``commit``: the accepted path into both KV caches;
 5. ``metrics``: the per-row counters (``statistics.update``);
-6. ``emit``: the emitted tokens into each row's output.
+6. ``emit``: the emitted tokens, and the target's log-probability of each (gathered from the laws
+   the score stage already processed, along the accepted path), into each row's output.
 
 ``generate`` runs prefill and the whole loop in one ``lax.while_loop``; ``prefill`` + ``step`` are
 the step-wise entry points for streaming.
@@ -84,6 +85,9 @@ class DecodeState:
       root: int32[B], the last emitted token, not yet in the caches.
       tokens: int32[B, max_new_tokens + D + 1], each row's emitted tokens, -1 after its end (the
         D + 1 extra columns absorb the block of the last step).
+      logprobs: float32[B, max_new_tokens + D + 1], the target's log-probability of each emitted
+        token under the processed law (temperature / top-k / top-p; 0.0 when greedy), 0.0 after
+        the row's end.
       num_generated: int32[B], tokens emitted so far.
       done: bool[B], the row has stopped (EOS, ``max_new_tokens``, or an empty padding row).
       row_keys: typed PRNG keys [B], one base key per row.
@@ -94,6 +98,7 @@ class DecodeState:
     draft_cache: kv_cache.KVCache | None
     root: jax.Array
     tokens: jax.Array
+    logprobs: jax.Array
     num_generated: jax.Array
     done: jax.Array
     row_keys: jax.Array
@@ -229,6 +234,7 @@ def _prefill(dec: Decoder, target_params, draft_params, prompts_BP, prompt_lengt
         draft_cache=d_cache,
         root=root_B.astype(jnp.int32),
         tokens=jnp.full((batch, spec.max_new_tokens + n + 1), -1, jnp.int32),
+        logprobs=jnp.zeros((batch, spec.max_new_tokens + n + 1), jnp.float32),
         num_generated=jnp.zeros((batch,), jnp.int32),
         done=prompt_lengths_B <= 0,  # rows of length 0 pad the batch to its bucket
         row_keys=row_keys_B,
@@ -262,8 +268,11 @@ def _first_eos_length(block_BT, num_B, eos_ids):
     return jnp.where(hit, first + 1, num_B), hit
 
 
-def _emit(dec: Decoder, state: DecodeState, block_BT, num_B, extra_done_B) -> DecodeState:
-    """Write ``block[:num]`` of each active row at its output position; mark finished rows."""
+def _emit(
+    dec: Decoder, state: DecodeState, block_BT, block_lp_BT, num_B, extra_done_B
+) -> DecodeState:
+    """Write ``block[:num]`` of each active row (and the target log-probabilities of those
+    tokens, ``block_lp``) at its output position; mark finished rows."""
     active_B = ~state.done
     num_B = jnp.where(active_B, num_B, 0)
     width = block_BT.shape[1]
@@ -274,12 +283,14 @@ def _emit(dec: Decoder, state: DecodeState, block_BT, num_B, extra_done_B) -> De
         return jax.lax.dynamic_update_slice(row_out, window, (start,))
 
     out = jax.vmap(write)(state.tokens, block_BT, state.num_generated, num_B)
+    out_lp = jax.vmap(write)(state.logprobs, block_lp_BT, state.num_generated, num_B)
     generated_B = state.num_generated + num_B
     last_B = jnp.take_along_axis(block_BT, jnp.maximum(num_B - 1, 0)[:, None], axis=1)[:, 0]
     done_B = state.done | (active_B & (extra_done_B | (generated_B >= dec.spec.max_new_tokens)))
     return dataclasses.replace(
         state,
         tokens=out,
+        logprobs=out_lp,
         num_generated=generated_B,
         root=jnp.where(num_B > 0, last_B, state.root),
         done=done_B,
@@ -315,7 +326,8 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
         )
     state = dataclasses.replace(state, target_cache=t_cache, stats=stats)
     with jax.named_scope("emit"):
-        return _emit(dec, state, next_B[:, None], num_B, hit)
+        next_lp_BT = jnp.take_along_axis(logprobs_BV, next_B[:, None], axis=1)
+        return _emit(dec, state, next_B[:, None], next_lp_BT, num_B, hit)
 
 
 def _sync_draft_replicas(cache: kv_cache.KVCache, start_B, winner_B, num_drafts: int, width: int):
@@ -443,6 +455,20 @@ def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, target_lp_BKDV) -> ja
     return optimal_acceptance(target_lp_BKDV[:, 0, 0], drafts.logprobs_BKDV[:, :, 0])
 
 
+def _emitted_logprobs(target_lp_BKDV, verdict: Verdict) -> jax.Array:
+    """float32[B, D + 1]: ``log p(tokens[j] | prefix)`` for each slot of the emitted block.
+
+    The emitted tokens follow the prefix of chain ``draft_index`` (a recovered or bonus token ends
+    it), so slot j's law is that chain's target law at depth j. Slots past ``num_tokens`` (-1) read
+    token 0 and are never written out.
+    """
+    path_lp_BDV = jnp.take_along_axis(
+        target_lp_BKDV, verdict.draft_index[:, None, None, None], axis=1
+    )[:, 0]
+    tokens_BD = jnp.maximum(verdict.tokens, 0)
+    return jnp.take_along_axis(path_lp_BDV, tokens_BD[:, :, None], axis=2)[:, :, 0]
+
+
 def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     active_B = ~state.done
     with jax.named_scope("draft"):
@@ -470,7 +496,8 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         )
     new_state = dataclasses.replace(new_state, stats=stats)
     with jax.named_scope("emit"):
-        return _emit(dec, new_state, verdict.tokens, num_B, hit_eos)
+        block_lp_BT = _emitted_logprobs(target_lp_BKDV, verdict)
+        return _emit(dec, new_state, verdict.tokens, block_lp_BT, num_B, hit_eos)
 
 
 def _step(dec: Decoder, target_params, draft_params, sampling, state):

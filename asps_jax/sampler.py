@@ -44,9 +44,23 @@ class NonFiniteLogitsError(FloatingPointError):
 
 @dataclasses.dataclass(frozen=True)
 class SampleOutput:
-    tokens: jax.Array  # int32[B, M], -1 after each row's end
-    lengths: jax.Array  # int32[B]
-    stats: dict  # on-device arrays, see ``summarize_stats``
+    """What :func:`sample` returns (``M`` = ``max_new_tokens``).
+
+    Attributes:
+      tokens: int32[B, M]; row b's new tokens are ``tokens[b, :lengths[b]]``, -1 after.
+      lengths: int32[B].
+      stats: on-device arrays, see :func:`asps_jax.statistics.summarize`.
+      logprobs: float32[B, M] with ``return_logprobs=True`` (else None): the target's
+        log-probability of each emitted token under the processed law it was sampled with
+        (temperature, top-k, top-p; 0.0 at temperature 0, the greedy law). Finite for every
+        emitted token; 0.0 after ``lengths[b]``, so ``logprobs.sum(-1)`` is each row's
+        log-likelihood.
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    stats: dict
+    logprobs: jax.Array | None = None
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -272,11 +286,14 @@ def summarize_stats(state: decode.DecodeState, batch: int) -> dict:
     return statistics.summarize(state.stats, state.num_generated, batch)
 
 
-def _finish(state: decode.DecodeState, spec: decode.SpecConfig, batch: int) -> SampleOutput:
+def _finish(
+    state: decode.DecodeState, spec: decode.SpecConfig, batch: int, return_logprobs: bool
+) -> SampleOutput:
     out = SampleOutput(
         tokens=state.tokens[:batch, : spec.max_new_tokens],
         lengths=state.num_generated[:batch],
         stats=summarize_stats(state, batch),
+        logprobs=state.logprobs[:batch, : spec.max_new_tokens] if return_logprobs else None,
     )
     bad = np.asarray(out.stats["bad_logits"])
     if bad.any():
@@ -289,17 +306,21 @@ def _finish(state: decode.DecodeState, spec: decode.SpecConfig, batch: int) -> S
     return out
 
 
-def sample(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> SampleOutput:
+def sample(
+    target, draft, prompts, *, key, max_new_tokens, return_logprobs=False, **kwargs
+) -> SampleOutput:
     """Sample ``max_new_tokens`` tokens per prompt with exactly the target's law (docs/api.md §3).
 
     ``target`` / ``draft`` are :class:`asps_jax.models.Model` (``draft`` may be None for
     ``method="ar"``). See :func:`prepare` for the keyword arguments; extra keyword arguments are
-    method options (e.g. ``rule="fixed_order"`` for ``method="is"``).
+    method options (e.g. ``rule="fixed_order"`` for ``method="is"``). ``return_logprobs=True``
+    fills :attr:`SampleOutput.logprobs` (measured in the loop either way: no extra forward, no
+    recompile).
     """
     batch, args = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
     decoder = args.pop("decoder")
     state = decoder.generate(**args)
-    return _finish(state, decoder.spec, batch)
+    return _finish(state, decoder.spec, batch, return_logprobs)
 
 
 class Session:
@@ -311,7 +332,10 @@ class Session:
     ``result()`` gives the :class:`SampleOutput`.
     """
 
-    def __init__(self, target, draft, prompts, *, key, max_new_tokens, **kwargs):
+    def __init__(
+        self, target, draft, prompts, *, key, max_new_tokens, return_logprobs=False, **kwargs
+    ):
+        self.return_logprobs = bool(return_logprobs)
         self.batch_size, args = prepare(
             target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs
         )
@@ -363,7 +387,7 @@ class Session:
     def result(self) -> SampleOutput:
         if self._state is None:
             raise RuntimeError("Session.result(): run steps() to completion first")
-        return _finish(self._state, self.spec, self.batch_size)
+        return _finish(self._state, self.spec, self.batch_size, self.return_logprobs)
 
 
 def stream(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> Iterator[list[list[int]]]:

@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object (text, tokens and statistics) instead of streaming",
+        help="print one JSON object (text, tokens, the target's log-probability of each token, "
+        "statistics) instead of streaming",
     )
     return p
 
@@ -246,6 +247,7 @@ def run(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         mesh=mesh,
+        return_logprobs=args.json,
     )
     out_stream = sys.stdout
     if not args.json:
@@ -281,6 +283,8 @@ def run(args) -> int:
         rows = [tokens[b, : lengths[b]].tolist() for b in range(lengths.size)]
         summary["prompts"] = [texts[b % len(texts)] for b in range(lengths.size)]
         summary["tokens"] = rows
+        logprobs = np.asarray(out.logprobs)
+        summary["logprobs"] = [logprobs[b, : lengths[b]].tolist() for b in range(lengths.size)]
         summary["texts"] = [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
         print(json.dumps(summary))
     else:
