@@ -59,7 +59,8 @@ def commit(cache: KVCache, new_kv: KVBlock, nodes: jax.Array, num: jax.Array) ->
     """Append ``new_kv[:, b, nodes[b, j]]`` at slot ``lengths[b] + j`` for ``j < num[b]``.
 
     Args:
-      nodes: int32[B, P], the accepted nodes of each row in root-path order (extra entries ignored).
+      nodes: int32[B, P], the accepted nodes of each row in root-path order, P the longest path
+        (extra entries ignored).
       num: int32[B], how many of them to append (0 leaves the row unchanged).
 
     Writes that would land at or beyond ``max_len`` are dropped; the caller sizes the cache so
@@ -80,11 +81,11 @@ def commit(cache: KVCache, new_kv: KVBlock, nodes: jax.Array, num: jax.Array) ->
     # Slot S is out of range: with mode="drop" the unaccepted entries write nowhere.
     slots_BP = jnp.where(j < num[:, None], cache.lengths[:, None] + j, S)
 
-    def write(cache_LBSKH, block_LBTKH):
-        picked = jnp.take_along_axis(block_LBTKH, nodes[None, :, :, None, None], axis=2)
+    def write(cache_a, block_a):  # [L, B, S, KVH, H] <- [L, B, T, KVH, H]
+        picked = jnp.take_along_axis(block_a, nodes[None, :, :, None, None], axis=2)
         rows = jnp.arange(B)[:, None]
-        # [L, B, P, ...] scattered at (b, slots[b, j]) for every layer at once.
-        return cache_LBSKH.at[:, rows, slots_BP].set(picked.astype(cache_LBSKH.dtype), mode="drop")
+        # [L, B, P, KVH, H] scattered at (b, slots[b, j]) for every layer at once.
+        return cache_a.at[:, rows, slots_BP].set(picked.astype(cache_a.dtype), mode="drop")
 
     return KVCache(
         k=write(cache.k, new_kv.k),

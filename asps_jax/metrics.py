@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asps_jax.statistics import mean_stderr
 from asps_jax.verify.api import Verdict
 
 
@@ -28,19 +29,15 @@ def emitted_lengths(verdict: Verdict) -> jax.Array:
 
 
 def mean_and_stderr(lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Mean of per-step lengths over all axes and its standard error ``std(ddof=1) / sqrt(N)``.
+    """Mean of per-step lengths over all axes and its standard error ``std(ddof=1) / sqrt(N)``
+    (:func:`asps_jax.statistics.mean_stderr`).
 
     A single sample has an undefined spread; its standard error is reported as ``inf``.
     """
-    x = jnp.ravel(jnp.asarray(lengths, jnp.float32))
-    count = x.shape[0]
-    if count == 0:
+    if np.size(lengths) == 0:
         raise ValueError("mean_and_stderr: lengths must hold at least one step, got none")
-    mean = jnp.mean(x)
-    if count == 1:
-        return mean, jnp.asarray(jnp.inf, jnp.float32)
-    var = jnp.sum(jnp.square(x - mean)) / (count - 1)
-    return mean, jnp.sqrt(var / count)
+    mean, stderr, _ = mean_stderr(jnp.asarray(lengths))
+    return mean, stderr
 
 
 def tokens_per_step(verdict: Verdict) -> tuple[jax.Array, jax.Array]:

@@ -8,10 +8,14 @@ likely tokens whose mass reaches ``top_p``, keeping at least one token).
 
 ``temperature``, ``top_k`` and ``top_p`` may be Python numbers or traced scalars: changing them does
 not recompile. ``temperature == 0`` gives a point mass on the (first) argmax; ``top_k <= 0`` or
-``top_k >= V`` disables top-k; ``top_p >= 1`` disables top-p.
+``top_k >= V`` disables top-k; ``top_p >= 1`` disables top-p. :class:`SamplingParams` holds them
+per row for the decoding loop.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -99,3 +103,68 @@ def sample_token(key: jax.Array, logprobs_V: jax.Array) -> jax.Array:
     """Draw one token per row from log-probs ``[..., V]``, exactly from their normalised law (no
     far-tail cut-off; ``-inf`` is never drawn; see :mod:`asps_jax.draws`)."""
     return draw_categorical(key, logprobs_V)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling parameters and the EOS ids, passed as arrays: changing them never
+    recompiles, and rows of one batch may sample with different settings.
+
+    Attributes:
+      temperature: float32[B], the target's temperature (0 = greedy).
+      draft_temperature: float32[B], the temperature the draft samples at.
+      top_k: int32[B], 0 disables.
+      top_p: float32[B], 1 disables.
+      eos_ids: int32[num_eos]; a row stops at its first token in this set; -1 entries unused.
+    """
+
+    temperature: jax.Array
+    draft_temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    eos_ids: jax.Array
+
+    @classmethod
+    def make(
+        cls, batch, temperature=1.0, top_k=None, top_p=None, draft_temperature=None, eos_ids=()
+    ):
+        def rows(value, dtype):
+            return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
+
+        t = rows(temperature, jnp.float32)
+        return cls(
+            temperature=t,
+            draft_temperature=t
+            if draft_temperature is None
+            else rows(draft_temperature, jnp.float32),
+            top_k=rows(0 if top_k is None else top_k, jnp.int32),
+            top_p=rows(1.0 if top_p is None else top_p, jnp.float32),
+            eos_ids=jnp.asarray(list(eos_ids) or [-1], jnp.int32),
+        )
+
+    def process(self, logits_BV: jax.Array, *, draft: bool = False) -> jax.Array:
+        """Row-wise :func:`process_logits` of ``logits[B, ..., V]`` with each row's parameters."""
+        temperature = self.draft_temperature if draft else self.temperature
+
+        def filtered(logits):
+            return jax.vmap(process_logits)(logits, temperature, self.top_k, self.top_p)
+
+        def temperature_only(logits):  # no V-sized sort: the common case, and much cheaper
+            return jax.vmap(process_logits)(logits, temperature)
+
+        # A batch-level predicate, so this is a real branch (a per-row cond under vmap would
+        # run both sides).
+        any_filter = jnp.any(self.top_k > 0) | jnp.any(self.top_p < 1.0)
+        return jax.lax.cond(any_filter, filtered, temperature_only, logits_BV)
+
+    def repeat(self, k: int) -> SamplingParams:
+        """The parameters of rows ``b * k + j`` (K draft replicas per row)."""
+        rep = functools.partial(jnp.repeat, repeats=k, axis=0)
+        return dataclasses.replace(
+            self,
+            temperature=rep(self.temperature),
+            draft_temperature=rep(self.draft_temperature),
+            top_k=rep(self.top_k),
+            top_p=rep(self.top_p),
+        )

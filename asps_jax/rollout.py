@@ -4,10 +4,12 @@ The draft cache holds ``K`` replicas of every batch row (row ``b``, chain ``k`` 
 ``b * K + k``), so K independent chains roll out as one batched ``lax.scan`` over depth that writes
 its keys/values in place. The rollout feeds ``n + 1`` tokens (the root and all n draft tokens): when
 every draft token is accepted the cache then already holds the whole accepted block, and rolling
-back is only a matter of resetting the per-row lengths (see step 5 of ``decode._spec_step``).
+back is only a matter of resetting the per-row lengths (see ``decode._commit``).
 
 Each drafted token is drawn through :func:`asps_jax.processors.process_logits`, and the log-law it
 was drawn from is returned: verification must compare against exactly that law.
+
+Shape letters: R = B * K draft cache rows (one per chain), D = n draft tokens, V vocabulary.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from asps_jax import kv_cache, scoring
+from asps_jax import kv_cache, scoring, sharding
 from asps_jax.processors import sample_token
 
 
@@ -28,6 +30,7 @@ def rollout(
     *,
     draft_len: int,
     sampling,
+    mesh=None,
 ):
     """Roll out ``draft_len`` tokens for every cache row ``R = B * K``.
 
@@ -37,7 +40,9 @@ def rollout(
         ``lengths`` advanced by ``draft_len + 1`` (the caller resets lengths after verification).
       root_R: int32[R], the token every chain starts from (the last emitted token).
       keys_R: typed PRNG keys [R], one per chain; depth ``i`` uses ``fold_in(key, i)``.
-      sampling: the rows' ``decode.SamplingParams`` (batch R); drafts use ``draft_temperature``.
+      sampling: the rows' ``processors.SamplingParams`` (batch R); drafts use
+        ``draft_temperature``.
+      mesh: the mesh of a sharded run (activation constraints on the draft logits), or None.
 
     Returns:
       ``(cache, tokens int32[R, n], logprobs float32[R, n, V], logits_ok bool[R])``; ``logits_ok``
@@ -50,6 +55,7 @@ def rollout(
 
     def feed(cache, token_R, depth):
         logits_R1V, new_kv = scoring.score_chain(forward, params, cache, token_R[:, None], valid_R1)
+        logits_R1V = sharding.constrain(logits_R1V, ("batch", None, "vocab"), mesh)
         cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R)
         logprobs_RV = sampling.process(logits_R1V[:, 0], draft=True)
         depth_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, depth)

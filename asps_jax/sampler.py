@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import decode, sharding
+from asps_jax import decode, sharding, statistics
 from asps_jax.models import check_compatible
-from asps_jax.processors import validate_sampling_args
+from asps_jax.processors import SamplingParams, validate_sampling_args
 from asps_jax.verify.api import CHAIN_METHODS, DRAFTS_METHODS, WITHOUT_REPLACEMENT_METHODS
 
 # The decode loop draws K drafts independently (with replacement), so the verifier that needs
@@ -45,9 +45,23 @@ class NonFiniteLogitsError(FloatingPointError):
 
 @dataclasses.dataclass(frozen=True)
 class SampleOutput:
-    tokens: jax.Array  # int32[B, M], -1 after each row's end
-    lengths: jax.Array  # int32[B]
-    stats: dict  # on-device arrays, see ``summarize_stats``
+    """What :func:`sample` returns (``M`` = ``max_new_tokens``).
+
+    Attributes:
+      tokens: int32[B, M]; row b's new tokens are ``tokens[b, :lengths[b]]``, -1 after.
+      lengths: int32[B].
+      stats: on-device arrays, see :func:`asps_jax.statistics.summarize`.
+      logprobs: float32[B, M] with ``return_logprobs=True`` (else None): the target's
+        log-probability of each emitted token under the processed law it was sampled with
+        (temperature, top-k, top-p; 0.0 at temperature 0, the greedy law). Finite for every
+        emitted token; 0.0 after ``lengths[b]``, so ``logprobs.sum(-1)`` is each row's
+        log-likelihood.
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    stats: dict
+    logprobs: jax.Array | None = None
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -260,11 +274,16 @@ def prepare(
     eos_token_id=None,
     mesh=None,
     prompt_lengths=None,
+    diagnostics=False,
     **options,
 ):
-    """Validate the arguments of :func:`sample`; returns ``(batch, jitted-loop kwargs)``.
+    """Validate the arguments of :func:`sample`; returns ``(batch, args)``.
 
-    ``temperature``, ``top_k``, ``top_p`` and ``draft_temperature`` may also be given per prompt.
+    ``args["decoder"]`` is the static :class:`asps_jax.decode.Decoder`; the other entries are the
+    array pytrees of ``Decoder.generate`` (``target_params``, ``draft_params``, ``sampling``,
+    ``prompts_BP``, ``prompt_lengths_B``, ``row_keys_B``). ``temperature``, ``top_k``, ``top_p``
+    and ``draft_temperature`` may also be given per prompt. ``diagnostics=True`` also measures
+    the root ``optimal_acceptance`` of multi-draft steps (see :class:`asps_jax.decode.Decoder`).
     """
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
     num_draft_tokens = _check_int("num_draft_tokens", num_draft_tokens, 1)
@@ -314,7 +333,7 @@ def prepare(
         max_new_tokens=max_new_tokens,
         options=tuple(sorted(options.items())),
     )
-    sampling = decode.SamplingParams.make(
+    sampling = SamplingParams.make(
         padded,
         _per_row("temperature", temperature, batch, padded),
         _per_row("top_k", top_k, batch, padded),
@@ -325,11 +344,16 @@ def prepare(
     cache_len = _round_up(
         prompts_bp.shape[1] + max_new_tokens + num_draft_tokens + 2, _CACHE_BUCKET
     )
-    args = dict(
+    decoder = decode.Decoder(
         target_config=target.config,
         draft_config=None if draft is None else draft.config,
         spec=spec,
         cache_len=cache_len,
+        mesh=mesh,
+        diagnostics=bool(diagnostics),
+    )
+    args = dict(
+        decoder=decoder,
         target_params=target.params,
         draft_params=None if draft is None else draft.params,
         sampling=sampling,
@@ -343,37 +367,19 @@ def prepare(
 
 
 def summarize_stats(state: decode.DecodeState, batch: int) -> dict:
-    """Per-row statistics (device arrays) of the first ``batch`` rows of a decode state.
-
-    ``target_calls``: target forwards after prefill; ``tokens_per_step``: tokens emitted per target
-    call (ATN / block efficiency); ``emitted_hist[b, L]``: steps that emitted L tokens;
-    ``acceptance``: accepted / verified draft tokens; ``fallbacks``: LP solves replaced by an exact
-    fallback rule; ``root_acceptance``: how often the first token of a step is one of the K root
-    draft tokens, beside ``root_optimal_acceptance``, the mean of ``optimal_acceptance`` over the
-    same steps (the theoretical limit of any exact token-level scheme there).
-    """
-    s = jax.tree.map(lambda a: a[:batch], state.stats)
-    generated = state.num_generated[:batch]
-    return {
-        "target_calls": s.target_calls,
-        "tokens_per_step": generated / jnp.maximum(s.target_calls, 1),
-        "emitted_hist": s.emitted_hist,
-        "acceptance": s.accepted / jnp.maximum(s.decisions, 1),
-        "decisions": s.decisions,
-        "accepted": s.accepted,
-        "fallbacks": s.fallbacks,
-        "root_steps": s.root_steps,
-        "root_acceptance": s.root_accepted / jnp.maximum(s.root_steps, 1),
-        "root_optimal_acceptance": s.root_optimal / jnp.maximum(s.root_steps, 1),
-        "bad_logits": s.bad_logits,
-    }
+    """Per-row statistics (device arrays) of the first ``batch`` rows of a decode state; see
+    :func:`asps_jax.statistics.summarize` for the entries."""
+    return statistics.summarize(state.stats, state.num_generated, batch)
 
 
-def _finish(state: decode.DecodeState, spec: decode.SpecConfig, batch: int) -> SampleOutput:
+def _finish(
+    state: decode.DecodeState, spec: decode.SpecConfig, batch: int, return_logprobs: bool
+) -> SampleOutput:
     out = SampleOutput(
         tokens=state.tokens[:batch, : spec.max_new_tokens],
         lengths=state.num_generated[:batch],
         stats=summarize_stats(state, batch),
+        logprobs=state.logprobs[:batch, : spec.max_new_tokens] if return_logprobs else None,
     )
     bad = np.asarray(out.stats["bad_logits"])
     if bad.any():
@@ -386,16 +392,21 @@ def _finish(state: decode.DecodeState, spec: decode.SpecConfig, batch: int) -> S
     return out
 
 
-def sample(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> SampleOutput:
+def sample(
+    target, draft, prompts, *, key, max_new_tokens, return_logprobs=False, **kwargs
+) -> SampleOutput:
     """Sample ``max_new_tokens`` tokens per prompt with exactly the target's law (docs/api.md §3).
 
     ``target`` / ``draft`` are :class:`asps_jax.models.Model` (``draft`` may be None for
     ``method="ar"``). See :func:`prepare` for the keyword arguments; extra keyword arguments are
-    method options (e.g. ``rule="fixed_order"`` for ``method="is"``).
+    method options (e.g. ``rule="fixed_order"`` for ``method="is"``). ``return_logprobs=True``
+    fills :attr:`SampleOutput.logprobs` (measured in the loop either way: no extra forward, no
+    recompile).
     """
     batch, args = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
-    state = decode.generate(**args)
-    return _finish(state, args["spec"], batch)
+    decoder = args.pop("decoder")
+    state = decoder.generate(**args)
+    return _finish(state, decoder.spec, batch, return_logprobs)
 
 
 class Session:
@@ -407,21 +418,23 @@ class Session:
     ``result()`` gives the :class:`SampleOutput`.
     """
 
-    def __init__(self, target, draft, prompts, *, key, max_new_tokens, **kwargs):
+    def __init__(
+        self, target, draft, prompts, *, key, max_new_tokens, return_logprobs=False, **kwargs
+    ):
+        self.return_logprobs = bool(return_logprobs)
         self.batch_size, args = prepare(
             target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs
         )
-        self.spec: decode.SpecConfig = args["spec"]
-        self._statics = {k: args[k] for k in ("target_config", "draft_config", "spec")}
+        self.decoder: decode.Decoder = args.pop("decoder")
+        self.spec: decode.SpecConfig = self.decoder.spec
         self._params = {k: args[k] for k in ("target_params", "draft_params")}
         self._prefill_args = {
-            "cache_len": args["cache_len"],
             **self._params,
             **{k: args[k] for k in ("prompts_BP", "prompt_lengths_B", "row_keys_B")},
         }
         self._sampling = args["sampling"]
-        self._prefill = functools.partial(decode.prefill, **self._statics)
-        self._step = functools.partial(decode.spec_step, **self._statics)
+        self._prefill = functools.partial(decode.prefill, self.decoder)
+        self._step = functools.partial(decode.spec_step, self.decoder)
         self._state: decode.DecodeState | None = None
         mesh = kwargs.get("mesh")
         self._mesh = None if mesh is None else sharding.check_mesh(mesh)
@@ -433,17 +446,14 @@ class Session:
     def compile(self) -> float:
         """Compile prefill and the step now; returns the wall seconds spent compiling."""
         start = time.perf_counter()
-        statics = {**self._statics, "cache_len": self._prefill_args["cache_len"]}
-        prefill = decode.prefill.lower(
-            **statics, **{k: v for k, v in self._prefill_args.items() if k != "cache_len"}
-        ).compile()
+        prefill = decode.prefill.lower(self.decoder, **self._prefill_args).compile()
         state_shape = jax.eval_shape(lambda: self._prefill(**self._prefill_args))
         if self._mesh is not None:
             state_shape = sharding.sharded_shapes(state_shape, self._mesh)
         step = decode.spec_step.lower(
-            **self._statics, **self._params, sampling=self._sampling, state=state_shape
+            self.decoder, **self._params, sampling=self._sampling, state=state_shape
         ).compile()
-        self._prefill = lambda **kw: prefill(**{k: v for k, v in kw.items() if k != "cache_len"})
+        self._prefill = prefill  # compiled: called with the arrays only
         self._step = step
         return time.perf_counter() - start
 
@@ -463,7 +473,7 @@ class Session:
     def result(self) -> SampleOutput:
         if self._state is None:
             raise RuntimeError("Session.result(): run steps() to completion first")
-        return _finish(self._state, self.spec, self.batch_size)
+        return _finish(self._state, self.spec, self.batch_size, self.return_logprobs)
 
 
 def stream(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> Iterator[list[list[int]]]:

@@ -5,7 +5,8 @@ splits the parameters along their head / MLP / vocabulary axes (tensor paralleli
 parameter declares logical axis names next to its shape (``param_axes``); a
 :class:`ShardingRules` maps those names to mesh axes. Only the *inputs* of the jitted loop are
 placed: ``jax.jit`` propagates their shardings through prefill, the while loop and the caches, so
-``decode.py`` is the same program on one device and on a mesh. Step-wise streaming (``Session``)
+``decode.py`` is the same program on one device and on a mesh, plus a few activation constraints at
+known points (:func:`constrain`, the identity without a mesh). Step-wise streaming (``Session``)
 also fixes the layout of the state between two compiled steps (:func:`state_shardings`).
 
 Tokens do not depend on the mesh: a row's randomness comes from its own key (``decode.py``), and
@@ -54,13 +55,17 @@ class ShardingRules:
         """The ``PartitionSpec`` of an array of this ``shape`` whose dims are named ``axes``.
 
         ``mesh_shape``: ``{mesh axis: size}`` (``dict(mesh.shape)``). A mesh axis is used at most
-        once per array (a second logical axis mapped to it stays replicated).
+        once per array (a second logical axis mapped to it stays replicated); a ``None`` name is
+        replicated.
         """
         if len(axes) != len(shape):
             raise ValueError(f"axes {axes} do not match shape {shape}")
         used: set[str] = set()
         spec = []
         for name, size in zip(axes, shape, strict=True):
+            if name is None:
+                spec.append(None)
+                continue
             if not hasattr(self, name):
                 raise ValueError(f"no sharding rule for logical axis {name!r}")
             target = getattr(self, name)
@@ -206,6 +211,19 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 
+def constrain(x, axes: tuple, mesh: Mesh | None, rules: ShardingRules = ShardingRules()):
+    """An activation sharding constraint by logical axis names (None: replicated) inside a jitted
+    program; the identity without a mesh, so the one-device program is unchanged.
+
+    Placed at a few known points of the decoding loop (the scored logits, the draft logits) so that
+    a profile of a sharded run shows where activations are laid out, not only the inputs.
+    """
+    if mesh is None:
+        return x
+    spec = rules.partition_spec(tuple(axes), x.shape, dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def shard_state(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """``device_put`` a decode state with :func:`state_shardings` (a no-op once it is there)."""
     return jax.device_put(state, state_shardings(state, mesh, rules))
@@ -247,7 +265,7 @@ def pad_batch(prompts_BP: np.ndarray, lengths_B: np.ndarray, multiple: int):
 def shard_inputs(
     args: dict, mesh: Mesh, models: dict, rules: ShardingRules = ShardingRules()
 ) -> dict:
-    """Place the keyword arguments of ``decode.generate`` / ``prefill`` (as built by
+    """Place the array arguments of ``Decoder.generate`` / ``prefill`` (as built by
     ``sampler.prepare``) on ``mesh``: parameters by ``param_axes``, per-row inputs along data.
 
     ``models``: ``{"target": Model, "draft": Model | None}``, whose ``params`` are in ``args``.

@@ -2,7 +2,7 @@
 transformers' ``generate`` and assisted generation, on the same checkpoints, in one run.
 
 For AR, SpS / ASpS (K = 1) and each multi-draft method (K >= 2) over the chosen draft lengths n,
-ours runs the whole decoding loop (``decode.generate``: prefill + one ``lax.while_loop``, what
+ours runs the whole decoding loop (``Decoder.generate``: prefill + one ``lax.while_loop``, what
 ``asps_jax.sample`` calls) compiled ahead of time, so the timed run excludes compilation (reported
 apart). Per run: tokens per step (ATN / block efficiency, mean +- standard error over all steps of
 all rows, from ``emitted_hist``), target calls per row, token-level acceptance (accepted / verified
@@ -14,11 +14,19 @@ do_sample=True)`` on the whole batch, and assisted generation (``assistant_model
 that every step drafts exactly n tokens), which transformers supports for batch size 1 only, so it
 runs row by row. EOS never stops a row on either side: every row generates ``--max-new-tokens``.
 
-Prompts are ``--prompt-tokens`` tokens of consecutive corpus lines (tinyshakespeare, one starting
-line per row), encoded by the target's tokenizer (UTF-8 bytes modulo the vocabulary when the
-checkpoint has none).
+Prompts are, by default, ``--prompt-tokens`` tokens of consecutive corpus lines (tinyshakespeare,
+one starting line per row); ``--prompts FILE`` reads them from a file (one prompt per line, or JSON
+lines with a ``prompt`` field), and ``--task`` builds them from the papers' data sets with the
+``datasets`` package (network needed): ``wmt16`` ("Translate from English to Romanian: " + the
+English source of WMT16 ro-en test), ``cnndm`` (a CNN/DailyMail test article + "\nTL;DR:\n"),
+``dolly`` (a databricks-dolly-15k instruction, with its context when it has one). Row b takes
+prompt b (cycling when there are fewer prompts than rows), keeping its last ``--prompt-tokens``
+tokens. Text is encoded by the target's tokenizer (UTF-8 bytes modulo the vocabulary when the
+checkpoint has none). A progress bar runs on stderr when stdout is a terminal (``--quiet`` turns
+it off).
 
     python scripts/benchmark.py [--quick] [--methods M ...] [--n N ...] [--k K ...] [--json PATH]
+                                [--prompts FILE | --task wmt16|cnndm|dolly] [--quiet]
 """
 
 from __future__ import annotations
@@ -34,9 +42,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 import asps_jax
-from asps_jax import decode, sampler
+from asps_jax import decode, sampler, statistics
 from asps_jax.verify.api import CHAIN_METHODS
 
 CHAIN = tuple(m for m in sampler.METHODS if m in CHAIN_METHODS)  # sps, asps: K = 1
@@ -52,7 +61,6 @@ FALLBACK_TEXT = (
     "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. "
     "resolved.\n\nFirst Citizen:\nFirst, you know Caius Marcius is chief enemy to the people.\n"
 )
-_STATICS = ("target_config", "draft_config", "spec", "cache_len")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4, help="prompts decoded together")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per row")
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="prompts from a file: one per line, or JSON lines with a 'prompt' field",
+    )
+    source.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        help="the papers' prompts (needs the datasets package and the network): WMT16 en->ro, "
+        "CNN/DailyMail summarisation, Dolly instructions",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar or per-run lines")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 greedy)")
     p.add_argument("--top-k", type=int, default=None, help="top-k filter (default off)")
     p.add_argument("--top-p", type=float, default=None, help="top-p filter (default off)")
@@ -114,6 +135,63 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
 
 
+def _dolly_prompt(row: dict) -> str:
+    context = row.get("context") or ""
+    return row["instruction"] + (f"\n\n{context}" if context.strip() else "") + "\n"
+
+
+# task -> (datasets.load_dataset arguments, row -> prompt text)
+TASKS = {
+    "wmt16": (
+        ("wmt16", "ro-en", "test"),
+        lambda row: "Translate from English to Romanian: " + row["translation"]["en"],
+    ),
+    "cnndm": (("cnn_dailymail", "3.0.0", "test"), lambda row: row["article"] + "\nTL;DR:\n"),
+    "dolly": (("databricks/databricks-dolly-15k", None, "train"), _dolly_prompt),
+}
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts of a file: JSON lines with a ``prompt`` field, else one prompt per line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise ValueError(f"--prompts: cannot read {path}: {err.strerror or err}") from None
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompts: {path} holds no prompt")
+    if not lines[0].lstrip().startswith("{"):
+        return lines
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--prompts: {path}:{number} is not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"--prompts: {path}:{number} has no string 'prompt' field")
+        prompts.append(row["prompt"])
+    return prompts
+
+
+def task_prompts(task: str, count: int) -> list[str]:
+    """The first ``count`` prompts of a paper's data set, through the ``datasets`` package."""
+    (name, config, split), template = TASKS[task]
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(
+            f"--task {task} needs the datasets package (pip install datasets) and network "
+            "access; without them pass the prompts with --prompts FILE"
+        ) from None
+    try:
+        rows = datasets.load_dataset(name, config, split=f"{split}[:{count}]")
+    except Exception as err:  # network, hub or cache errors: one line, not a traceback
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"--task {task}: cannot load {name} ({first})") from None
+    return [template(row) for row in rows]
+
+
 def plan(methods, ns, ks) -> list[tuple[str, int, int]]:
     """``(method, n, K)`` runs: AR once, SpS/ASpS at K = 1, multi-draft methods at each K >= 2."""
     runs = [("ar", 1, 1)]
@@ -125,17 +203,31 @@ def plan(methods, ns, ks) -> list[tuple[str, int, int]]:
     return runs
 
 
-def build_prompts(tokenizer, vocab_size: int, batch: int, length: int) -> np.ndarray:
-    """int32[B, P]: row b encodes consecutive corpus lines from its own starting line."""
-    text = CORPUS.read_text(encoding="utf-8") if CORPUS.is_file() else FALLBACK_TEXT
-    lines = [line for line in text.splitlines() if line.strip()]
-    stride = max(len(lines) // batch, 1)
-
+def _encoder(tokenizer, vocab_size: int):
     def encode(s: str) -> list[int]:
         if tokenizer is None:
             return [b % vocab_size for b in s.encode("utf-8")]
         return list(tokenizer.encode(s, add_special_tokens=False))
 
+    return encode
+
+
+def encode_prompts(texts, tokenizer, vocab_size: int, batch: int, length: int) -> list[list[int]]:
+    """Row b: the last ``length`` tokens of ``texts[b % len(texts)]`` (ragged rows)."""
+    encode = _encoder(tokenizer, vocab_size)
+    rows = [encode(texts[b % len(texts)])[-length:] for b in range(batch)]
+    empty = [b for b, row in enumerate(rows) if not row]
+    if empty:
+        raise ValueError(f"prompt {empty[0] % len(texts)} encodes to no token")
+    return rows
+
+
+def build_prompts(tokenizer, vocab_size: int, batch: int, length: int) -> np.ndarray:
+    """int32[B, P]: row b encodes consecutive corpus lines from its own starting line."""
+    text = CORPUS.read_text(encoding="utf-8") if CORPUS.is_file() else FALLBACK_TEXT
+    lines = [line for line in text.splitlines() if line.strip()]
+    stride = max(len(lines) // batch, 1)
+    encode = _encoder(tokenizer, vocab_size)
     rows = []
     for b in range(batch):
         ids, i = [], b * stride
@@ -146,14 +238,9 @@ def build_prompts(tokenizer, vocab_size: int, batch: int, length: int) -> np.nda
     return np.asarray(rows, np.int32)
 
 
-def atn(hist_BL: np.ndarray) -> tuple[float, float, int]:
+def atn(hist: np.ndarray) -> tuple[float, float, int]:
     """Tokens per step over all steps of all rows: (mean, standard error, steps)."""
-    counts = hist_BL.sum(0).astype(np.float64)
-    sizes = np.arange(counts.shape[0], dtype=np.float64)
-    steps = counts.sum()
-    mean = float((sizes * counts).sum() / steps)
-    var = float(((sizes - mean) ** 2 * counts).sum() / max(steps - 1, 1))
-    return mean, math.sqrt(var / steps), int(steps)
+    return statistics.histogram_mean_stderr(hist)
 
 
 def ratio_se(a: float, se_a: float, b: float, se_b: float) -> tuple[float, float]:
@@ -162,11 +249,11 @@ def ratio_se(a: float, se_a: float, b: float, se_b: float) -> tuple[float, float
     return r, abs(r) * math.hypot(se_a / a, se_b / b)
 
 
-def run_ours(target, draft, prompts_BP, method, n, k, args) -> dict:
+def run_ours(target, draft, prompts, method, n, k, args) -> dict:
     batch, call = sampler.prepare(
         target,
         None if method == "ar" else draft,
-        prompts_BP,
+        prompts,
         key=jax.random.key(args.seed),
         max_new_tokens=args.max_new_tokens,
         method=method,
@@ -176,11 +263,13 @@ def run_ours(target, draft, prompts_BP, method, n, k, args) -> dict:
         top_k=args.top_k,
         top_p=args.top_p,
         eos_token_id=-1,
+        diagnostics=True,  # the root optimal-acceptance column
     )
+    decoder = call.pop("decoder")
     start = time.perf_counter()
-    compiled = decode.generate.lower(**call).compile()
+    compiled = decode.generate.lower(decoder, **call).compile()
     compile_s = time.perf_counter() - start
-    dynamic = {name: value for name, value in call.items() if name not in _STATICS}
+    dynamic = call  # the array pytrees; the decoder is compiled in
     jax.block_until_ready(compiled(**dynamic))  # warm-up: first-call allocations
     times = []
     for _ in range(args.repeats):
@@ -194,11 +283,11 @@ def run_ours(target, draft, prompts_BP, method, n, k, args) -> dict:
     mean, se, steps = atn(np.asarray(stats["emitted_hist"]))
     decisions = int(np.sum(stats["decisions"]))
     wall = float(np.median(times))
-    root_steps = np.asarray(stats.get("root_steps", 0))
-    root = {}
-    if np.sum(root_steps) > 0:  # pooled over rows, each row's rate weighted by its root steps
-        for name in ("root_acceptance", "root_optimal_acceptance"):
-            root[name] = float(np.sum(stats[name] * root_steps) / np.sum(root_steps))
+    # Pooled over rows, each row's rate weighted by its root steps (None without any).
+    root = {
+        name: statistics.pooled_rate(stats[name], stats["root_steps"])
+        for name in ("root_acceptance", "root_optimal_acceptance")
+    }
     return dict(
         method=method,
         n=n if method != "ar" else 0,
@@ -219,8 +308,11 @@ def run_ours(target, draft, prompts_BP, method, n, k, args) -> dict:
     )
 
 
-def run_hf(target, draft, prompts_BP, ns, args) -> list[dict]:
-    """transformers ``generate`` (whole batch) and assisted generation (row by row) per n."""
+def run_hf(target, draft, prompts, ns, args, progress=None) -> list[dict]:
+    """transformers ``generate`` (whole batch) and assisted generation (row by row) per n.
+
+    Ragged prompts are left-padded for the batched ``generate`` (with their attention mask).
+    """
     import torch
     import transformers
 
@@ -237,13 +329,17 @@ def run_hf(target, draft, prompts_BP, ns, args) -> list[dict]:
     sampling = dict(do_sample=args.temperature > 0, top_k=args.top_k or 0, top_p=args.top_p or 1.0)
     if args.temperature > 0:
         sampling["temperature"] = args.temperature
-    ids = torch.as_tensor(prompts_BP, dtype=torch.long)
+    rows_b = [list(map(int, row)) for row in prompts]
+    width = max(len(row) for row in rows_b)
+    ids = torch.as_tensor([[0] * (width - len(r)) + r for r in rows_b], dtype=torch.long)
+    mask = torch.as_tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows_b])
 
-    def generate(rows, new_tokens, **extra):
+    def generate(rows, new_tokens, attention_mask=None, **extra):
         out = hf_target.generate(
             rows,
-            attention_mask=torch.ones_like(rows),
+            attention_mask=torch.ones_like(rows) if attention_mask is None else attention_mask,
             max_new_tokens=new_tokens,
+            pad_token_id=0,
             **sampling,
             **extra,
         )
@@ -257,12 +353,17 @@ def run_hf(target, draft, prompts_BP, ns, args) -> list[dict]:
             tokens = fn()
             times.append(time.perf_counter() - start)
         wall = float(np.median(times))
+        if progress is not None:
+            progress.update()
         return dict(run=name, n=n, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall)
 
     results = []
     with torch.no_grad():
-        generate(ids[:1], 2)  # warm-up: first-call allocations are not decoding speed
-        results.append(timed("generate", 0, lambda: generate(ids, args.max_new_tokens)))
+        one = torch.as_tensor([rows_b[0]], dtype=torch.long)
+        generate(one, 2)  # warm-up: first-call allocations are not decoding speed
+        results.append(
+            timed("generate", 0, lambda: generate(ids, args.max_new_tokens, attention_mask=mask))
+        )
         config = hf_draft.generation_config
         config.num_assistant_tokens_schedule = "constant"
         config.assistant_confidence_threshold = 0.0  # off: no early exit, exactly n per step
@@ -273,8 +374,12 @@ def run_hf(target, draft, prompts_BP, ns, args) -> list[dict]:
                     "assisted",
                     n,
                     lambda: sum(
-                        generate(ids[b : b + 1], args.max_new_tokens, assistant_model=hf_draft)
-                        for b in range(ids.shape[0])
+                        generate(
+                            torch.as_tensor([row], dtype=torch.long),
+                            args.max_new_tokens,
+                            assistant_model=hf_draft,
+                        )
+                        for row in rows_b
                     ),
                 )
             )
@@ -352,6 +457,12 @@ def markdown(rows, hf, gains) -> str:
     return "\n".join(out)
 
 
+def _source(args) -> str:
+    if args.prompts:
+        return f" (at most, from {args.prompts})"
+    return f" (at most, {args.task})" if args.task else ""
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -364,22 +475,55 @@ def main(argv=None) -> int:
     except ValueError as err:
         parser.error(str(err))
 
+    try:  # prompt sources fail before any model is loaded
+        if args.prompts:
+            texts = read_prompts(args.prompts)
+        elif args.task:
+            texts = task_prompts(args.task, args.batch_size)
+        else:
+            texts = None
+    except ValueError as err:
+        parser.error(str(err))
     target = asps_jax.load_model(args.target, dtype=args.dtype)
     draft = asps_jax.load_model(args.draft, dtype=args.dtype)
-    prompts_BP = build_prompts(
-        target.tokenizer, target.vocab_size, args.batch_size, args.prompt_tokens
+    if texts is None:
+        prompts = build_prompts(
+            target.tokenizer, target.vocab_size, args.batch_size, args.prompt_tokens
+        ).tolist()
+    else:
+        prompts = encode_prompts(
+            texts, target.tokenizer, target.vocab_size, args.batch_size, args.prompt_tokens
+        )
+    runs = plan(args.methods, args.n, args.k)
+    ns = sorted(set(args.n))
+    progress = tqdm(
+        total=len(runs) + (0 if args.no_hf else 1 + len(ns)),
+        desc="benchmark",
+        unit="run",
+        file=sys.stderr,
+        delay=2.0,  # short runs show no bar
+        disable=args.quiet or not sys.stdout.isatty(),
     )
     rows = []
-    for method, n, k in plan(args.methods, args.n, args.k):
-        rows.append(run_ours(target, draft, prompts_BP, method, n, k, args))
-        print(f"# {method} n={n} K={k}: {rows[-1]['tokens_per_s']:.0f} tok/s", file=sys.stderr)
-    hf = [] if args.no_hf else run_hf(target, draft, prompts_BP, sorted(set(args.n)), args)
+    for method, n, k in runs:
+        progress.set_postfix_str(f"{method} n={n} K={k}")
+        rows.append(run_ours(target, draft, prompts, method, n, k, args))
+        progress.update()
+        if not args.quiet:
+            progress.write(
+                f"# {method} n={n} K={k}: {rows[-1]['tokens_per_s']:.0f} tok/s", file=sys.stderr
+            )
+    if not args.no_hf:
+        progress.set_postfix_str("transformers")
+    hf = [] if args.no_hf else run_hf(target, draft, prompts, ns, args, progress)
+    progress.close()
     add_speedups(rows, hf)
     gains = asps_gain(rows)
 
     header = (
         f"target {args.target}, draft {args.draft}; batch {args.batch_size}, prompt "
-        f"{args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, temperature "
+        f"{args.prompt_tokens} tokens{_source(args)},"
+        f" {args.max_new_tokens} new tokens, temperature "
         f"{args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed}; ours "
         f"{args.dtype} jax {jax.__version__} ({jax.default_backend()}); "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
@@ -394,7 +538,7 @@ def main(argv=None) -> int:
         )
     print(header + "\n\n" + markdown(rows, hf, gains))
     if args.json:
-        meta = dict(vars(args), header=header, jax=jax.__version__, prompts=prompts_BP.tolist())
+        meta = dict(vars(args), header=header, jax=jax.__version__, prompts=prompts)
         with open(args.json, "w") as f:
             json.dump(
                 {"config": meta, "ours": rows, "transformers": hf, "asps_gain": gains}, f, indent=2

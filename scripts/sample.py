@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object (text, tokens and statistics) instead of streaming",
+        help="print one JSON object (text, tokens, the target's log-probability of each token, "
+        "statistics) instead of streaming",
     )
     p.add_argument(
         "--no-compile-cache",
@@ -200,14 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _summary(session, out, args, compile_s, run_s, load_s) -> dict:
     import numpy as np
 
+    from asps_jax.statistics import histogram_mean_stderr
+
     stats = {k: np.asarray(v) for k, v in out.stats.items()}
     lengths = np.asarray(out.lengths)
     calls = stats["target_calls"]
     per_step = lengths / np.maximum(calls, 1)
-    hist = stats["emitted_hist"].sum(0)
-    steps = hist.sum()
-    mean_l = float((hist * np.arange(hist.size)).sum() / max(steps, 1))
-    var_l = float((hist * (np.arange(hist.size) - mean_l) ** 2).sum() / max(steps - 1, 1))
+    mean_l, stderr_l, _ = histogram_mean_stderr(stats["emitted_hist"])
     return {
         "method": args.method,
         "num_draft_tokens": session.spec.num_draft_tokens if args.method != "ar" else 0,
@@ -216,7 +216,7 @@ def _summary(session, out, args, compile_s, run_s, load_s) -> dict:
         "new_tokens": int(lengths.sum()),
         "target_calls": int(calls.sum()),
         "tokens_per_step": mean_l,
-        "tokens_per_step_stderr": (var_l / max(steps, 1)) ** 0.5,
+        "tokens_per_step_stderr": stderr_l,
         "tokens_per_step_by_row": per_step.round(4).tolist(),
         "acceptance": float(stats["accepted"].sum() / max(stats["decisions"].sum(), 1)),
         "lp_fallbacks": int(stats["fallbacks"].sum()),
@@ -289,6 +289,7 @@ def run(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         mesh=mesh,
+        return_logprobs=args.json,
     )
     out_stream = sys.stdout
     if not args.json:
@@ -320,6 +321,8 @@ def run(args) -> int:
         rows = [tokens[b, : lengths[b]].tolist() for b in range(lengths.size)]
         summary["prompts"] = [texts[b % len(texts)] for b in range(lengths.size)]
         summary["tokens"] = rows
+        logprobs = np.asarray(out.logprobs)
+        summary["logprobs"] = [logprobs[b, : lengths[b]].tolist() for b in range(lengths.size)]
         summary["texts"] = [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
         print(json.dumps(summary))
     else:

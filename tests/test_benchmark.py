@@ -182,3 +182,60 @@ def test_unknown_method_is_rejected(capsys):
     with pytest.raises(SystemExit):
         benchmark.main(["--methods", "beam"])
     assert "--methods" in capsys.readouterr().err
+
+
+def test_prompts_file_plain_lines_and_jsonl(tmp_path):
+    plain = tmp_path / "prompts.txt"
+    plain.write_text("first prompt\n\n  second one\n", encoding="utf-8")
+    assert benchmark.read_prompts(str(plain)) == ["first prompt", "  second one"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "a\\nb", "id": 1}\n{"prompt": "c"}\n', encoding="utf-8")
+    assert benchmark.read_prompts(str(jsonl)) == ["a\nb", "c"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 has no string 'prompt' field"):
+        benchmark.read_prompts(str(bad))
+    with pytest.raises(ValueError, match="cannot read"):
+        benchmark.read_prompts(str(tmp_path / "missing.txt"))
+    # Row b takes prompt b % count, keeping its last tokens (bytes modulo V without a tokenizer).
+    rows = benchmark.encode_prompts(["abc", "xy"], None, 64, 3, 2)
+    assert rows == [[ord("b") % 64, ord("c") % 64], [ord("x") % 64, ord("y") % 64]] + [
+        [ord("b") % 64, ord("c") % 64]
+    ]
+
+
+def test_prompts_file_drives_a_run(tiny_pair, tmp_path, capsys):
+    target, draft = tiny_pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "abc"}\n', encoding="utf-8")
+    out_json = tmp_path / "bench.json"
+    argv = ["--target", target, "--draft", draft, "--methods", "ar", "--no-hf", "--quiet"]
+    argv += ["--batch-size", "2", "--max-new-tokens", "4", "--prompt-tokens", "6"]
+    argv += ["--repeats", "1", "--prompts", str(prompts), "--json", str(out_json)]
+    assert benchmark.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "# ar" not in captured.err  # --quiet
+    result = json.loads(out_json.read_text())
+    expected = [[b % 64 for b in text.encode()][-6:] for text in ("Hello there", "abc")]
+    assert result["config"]["prompts"] == expected
+    assert result["ours"][0]["tokens"] == 2 * 4
+
+
+@pytest.mark.parametrize("task", ["wmt16", "cnndm", "dolly"])
+def test_task_without_datasets_is_a_one_line_error(task, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # import fails
+    monkeypatch.setattr(benchmark.asps_jax, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(["--task", task])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--task {task} needs the datasets package" in err and "--prompts FILE" in err
+
+
+def test_task_templates_follow_the_papers():
+    wmt = benchmark.TASKS["wmt16"][1]({"translation": {"en": "Hello.", "ro": "Salut."}})
+    assert wmt == "Translate from English to Romanian: Hello."
+    assert benchmark.TASKS["cnndm"][1]({"article": "News."}) == "News.\nTL;DR:\n"
+    dolly = benchmark.TASKS["dolly"][1]
+    assert dolly({"instruction": "Why?", "context": ""}) == "Why?\n"
+    assert dolly({"instruction": "Sum up.", "context": "Text."}) == "Sum up.\n\nText.\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -55,6 +56,9 @@ def test_every_flag_in_one_json_run(capsys):
     assert all(1 <= len(t) <= 10 for t in result["tokens"])
     assert 1.0 <= result["tokens_per_step"] <= 4.0
     assert result["target_calls"] >= 3 and result["compile_seconds"] > 0
+    # One finite, non-positive log-probability per emitted token.
+    assert [len(lp) for lp in result["logprobs"]] == [len(t) for t in result["tokens"]]
+    assert all(math.isfinite(x) and x <= 0.0 for lp in result["logprobs"] for x in lp)
 
 
 def test_greedy_ar_and_asps_print_the_same_text(capsys):
@@ -64,6 +68,7 @@ def test_greedy_ar_and_asps_print_the_same_text(capsys):
     assert cli.main(args + ["--method", "asps", "--num-draft-tokens", "4"]) == 0
     asps = json.loads(capsys.readouterr().out)
     assert ar["tokens"] == asps["tokens"]
+    assert ar["logprobs"] == asps["logprobs"] == [[0.0] * len(ar["tokens"][0])]  # greedy law
     assert asps["target_calls"] <= ar["target_calls"]
 
 

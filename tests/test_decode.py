@@ -84,6 +84,9 @@ def _sample(target, draft, prompts, method, **kw):
     kw.setdefault("max_new_tokens", MAX_NEW)
     kw.setdefault("eos_token_id", -1)
     kw.setdefault("key", jax.random.key(0))
+    # The law test reads root_optimal_acceptance; every test here enables it so that they all
+    # share one compiled loop per method.
+    kw.setdefault("diagnostics", True)
     return asps_jax.sample(target, draft if method != "ar" else None, prompts, method=method, **kw)
 
 
