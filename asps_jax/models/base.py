@@ -2,7 +2,8 @@
 
 A family is a module exposing ``MODEL_TYPE``, ``CONFIG_CLASS``, ``config_from_hf(dict)``,
 ``init_params``, ``param_shapes``, ``param_axes``, ``forward(config, params, tokens, positions,
-mask, cache)``, ``HF_TENSORS`` (and optionally ``HF_IGNORED``). Adding OPT or GPT-2 means one more
+mask, cache)``, ``HF_TENSORS`` (and optionally ``HF_IGNORED`` and ``prepare_params``, a faster
+layout of the stored parameters for its forward). Adding OPT or GPT-2 means one more
 module and one more entry in ``FAMILIES``.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any
 
 from asps_jax.models import llama
@@ -40,6 +42,31 @@ def forward_for(config):
     ``jax.jit`` then hits the compilation cache instead of recompiling per call.
     """
     return functools.partial(family_for_config(config).forward, config)
+
+
+def prepare_params(config, params):
+    """``params`` in the family's run layout (its ``prepare_params``; unchanged if it has none)."""
+    prepare = getattr(family_for_config(config), "prepare_params", None)
+    return params if prepare is None else prepare(config, params)
+
+
+# Run-layout copies, one per model (weak keys: dropping the Model frees its copy).
+_RUN_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def run_params(model, params=None):
+    """:func:`prepare_params` of ``params`` (default ``model.params``; or e.g. its copy placed
+    on a mesh), made once and remembered per model for the last ``params`` seen.
+
+    The stored layout stays what checkpoints, sharding rules and ``param_shapes`` describe; this
+    is the copy the decoding loop runs on (e.g. Llama's per-layer weights, ``llama.py``).
+    """
+    params = model.params if params is None else params
+    cached = _RUN_PARAMS.get(model)
+    if cached is None or cached[0] is not params:
+        cached = (params, prepare_params(model.config, params))
+        _RUN_PARAMS[model] = cached
+    return cached[1]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
