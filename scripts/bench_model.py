@@ -274,6 +274,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--torch-attn", default="sdpa", choices=["sdpa", "eager"], help="transformers attention"
     )
+    parser.add_argument(
+        "--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model (a quick self-test)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -289,6 +292,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    torch.set_num_threads(args.torch_threads)
     bandwidth = read_bandwidth(args.repeats, 16 if args.smoke else 256)
     rows = []
     for name, shape in shapes.items():
