@@ -21,6 +21,7 @@ import numpy as np
 
 from asps_jax import decode, sharding, statistics
 from asps_jax.models import check_compatible
+from asps_jax.models.base import run_params
 from asps_jax.processors import SamplingParams, validate_sampling_args
 from asps_jax.verify.api import CHAIN_METHODS, DRAFTS_METHODS, WITHOUT_REPLACEMENT_METHODS
 
@@ -363,6 +364,9 @@ def prepare(
     )
     if mesh is not None:  # jit propagates the input shardings through the whole loop
         args = sharding.shard_inputs(args, mesh, {"target": target, "draft": draft})
+    for which, model in (("target", target), ("draft", draft)):
+        if args[f"{which}_params"] is not None:  # the forward's fast layout, made once per model
+            args[f"{which}_params"] = run_params(model, args[f"{which}_params"])
     return batch, args
 
 

@@ -1,17 +1,26 @@
-"""Forward throughput of the JAX Llama port vs transformers' PyTorch forward, side by side.
+"""The JAX Llama port beside transformers (PyTorch) and beside the memory roofline, in one run.
 
-A llama-68m-shaped model (768 hidden, 2 layers, 12 heads, vocab 32000) with random weights is
-written by transformers, loaded by ``asps_jax.load_model``, and timed on three workloads, each
-against a prefix of ``--prefix`` tokens in the KV cache (except prefill, which fills it):
+For each shape, a model with random weights is written by transformers, loaded by
+``asps_jax.load_model`` and timed, ours and theirs in the same process, in CPU time
+(``time.process_time``: all threads of this process) and wall time, medians of ``--repeats``:
 
 * prefill: ``--prefix`` tokens in one forward;
-* decode: one token;
-* chain9: scoring a 9-node chain (root + 8 draft tokens), the target call of one SpS step.
+* decode: the one-token forward against a cached prefix of ``--prefix`` tokens;
+* chain9: scoring a 9-node chain (root + 8 draft tokens) against that prefix, the target call of
+  one SpS step;
+* ar_token: autoregressive sampling (temperature 1, no top-k/top-p, no EOS) of ``--ar-tokens``
+  tokens after a 4-token prompt, per token: ours is the jitted ``decode.generate`` loop (method
+  ``ar``), theirs ``generate(do_sample=True)``.
 
-Ours is jitted and warmed up; transformers runs ``torch.no_grad`` with its KV cache cropped back
-after every call so that each call sees the same prefix. Both in float32 on the same machine.
+Roofline: a one-token step must read every weight once (all parameters except the embedding
+table, of which it gathers one row; a tied head counts once). Its time is those bytes divided by
+the read bandwidth of a 256 MB float32 matrix-vector product measured by XLA in the same run (CPU
+and wall separately); ``roofline/ours`` is the fraction of that bound a workload reaches.
 
-    python scripts/bench_model.py [--repeats R] [--batch-size B] [--json PATH]
+Shapes: ``68m`` (llama-68m: hidden 768, 2 layers, 12 heads, MLP 3072, vocab 32000) and ``0.5b``
+(hidden 2048, 8 layers, 16 heads, MLP 5632, vocab 32000: 0.54B parameters, 2.2 GB in float32).
+
+    python scripts/bench_model.py [--shapes 68m,0.5b] [--repeats R] [--ar-tokens M] [--json PATH]
 """
 
 from __future__ import annotations
@@ -28,45 +37,82 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asps_jax import decode, sampler
 from asps_jax.kv_cache import commit, init_cache
 from asps_jax.models import load_model
+from asps_jax.models.base import run_params
 from asps_jax.scoring import score_chain, score_tree
 from asps_jax.trees import build_chain_tree
 
-SHAPE = dict(
-    vocab_size=32000,
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=2,
-    num_attention_heads=12,
-    num_key_value_heads=12,
-    max_position_embeddings=2048,
-)
+SHAPES = {
+    "68m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=2,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        max_position_embeddings=2048,
+    ),
+    "0.5b": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=2048,
+    ),
+}
 # --smoke: a tiny shape so that tests can run the whole script in seconds.
 SMOKE_SHAPE = dict(
-    SHAPE,
+    SHAPES["68m"],
     vocab_size=128,
     hidden_size=32,
     intermediate_size=64,
     num_attention_heads=4,
     num_key_value_heads=2,
 )
+AR_PROMPT = 4
+_STATICS = ("target_config", "draft_config", "spec", "cache_len")
 
 
-def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+def _median_times(fn, repeats: int, warmup: int = 1) -> tuple[float, float]:
+    """(median CPU seconds, median wall seconds) of ``fn()`` over ``repeats`` calls."""
     for _ in range(warmup):
         fn()
-    times = []
+    cpu, wall = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, w0 = time.process_time(), time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return statistics.median(cpu), statistics.median(wall)
 
 
-def _ours(model, tokens: np.ndarray, repeats: int) -> dict[str, float]:
+def read_bandwidth(repeats: int, megabytes: int = 256) -> tuple[float, float]:
+    """Bytes per CPU second and per wall second of a jitted float32 ``x @ W`` over ``W``."""
+    rows = 4096
+    cols = megabytes * 2**20 // (4 * rows)
+    w = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
+    x = jnp.ones((1, rows), jnp.float32)
+    gemv = jax.jit(lambda x, w: x @ w)
+    cpu, wall = _median_times(lambda: jax.block_until_ready(gemv(x, w)), max(repeats, 5), 2)
+    return w.nbytes / cpu, w.nbytes / wall
+
+
+def weight_bytes(model) -> int:
+    """Bytes a one-token forward reads: every parameter but the embedding table (one row)."""
+    total = sum(a.nbytes for a in jax.tree.leaves(model.params))
+    if model.config.tie_word_embeddings:
+        return total
+    return total - model.params["embed"].nbytes
+
+
+def _ours(model, tokens: np.ndarray, repeats: int) -> dict[str, tuple[float, float]]:
     B, P = tokens.shape
     fwd = model.forward
+    params = run_params(model)
     tree = build_chain_tree(1, 8)
     cache0 = init_cache(model.config, B, P + 16, jnp.float32)
 
@@ -76,20 +122,41 @@ def _ours(model, tokens: np.ndarray, repeats: int) -> dict[str, float]:
         nodes = jnp.broadcast_to(jnp.arange(toks.shape[1], dtype=jnp.int32), toks.shape)
         return logits, commit(cache, kv, nodes, jnp.full((B,), toks.shape[1], jnp.int32))
 
-    decode = jax.jit(lambda p, c, t: score_chain(fwd, p, c, t, jnp.ones(t.shape, bool)))
+    one_token = jax.jit(lambda p, c, t: score_chain(fwd, p, c, t, jnp.ones(t.shape, bool)))
     chain = jax.jit(lambda p, c, t: score_tree(fwd, p, c, t, tree, jnp.ones(t.shape, bool)))
     toks = jnp.asarray(tokens)
-    _, cache = prefill(model.params, cache0, toks)
+    _, cache = prefill(params, cache0, toks)
     one, nine = toks[:, :1], toks[:, :9]
     run = {
-        "prefill": lambda: jax.block_until_ready(prefill(model.params, cache0, toks)),
-        "decode": lambda: jax.block_until_ready(decode(model.params, cache, one)),
-        "chain9": lambda: jax.block_until_ready(chain(model.params, cache, nine)),
+        "prefill": lambda: jax.block_until_ready(prefill(params, cache0, toks)),
+        "decode": lambda: jax.block_until_ready(one_token(params, cache, one)),
+        "chain9": lambda: jax.block_until_ready(chain(params, cache, nine)),
     }
-    return {name: _median_seconds(fn, repeats) for name, fn in run.items()}
+    return {name: _median_times(fn, repeats) for name, fn in run.items()}
 
 
-def _torch(hf, tokens: np.ndarray, repeats: int) -> dict[str, float]:
+def _ours_ar(model, prompt: np.ndarray, new_tokens: int, repeats: int) -> tuple[float, float]:
+    batch, call = sampler.prepare(
+        model,
+        None,
+        prompt,
+        key=jax.random.key(0),
+        max_new_tokens=new_tokens,
+        method="ar",
+        eos_token_id=-1,
+    )
+    compiled = decode.generate.lower(**call).compile()
+    dynamic = {name: value for name, value in call.items() if name not in _STATICS}
+
+    def run():
+        state = jax.block_until_ready(compiled(**dynamic))
+        assert int(state.num_generated[0]) == new_tokens
+
+    cpu, wall = _median_times(run, repeats)
+    return cpu / new_tokens, wall / new_tokens
+
+
+def _torch(hf, tokens: np.ndarray, repeats: int) -> dict[str, tuple[float, float]]:
     import torch
 
     P = tokens.shape[1]
@@ -108,29 +175,38 @@ def _torch(hf, tokens: np.ndarray, repeats: int) -> dict[str, float]:
             "decode": lambda: step(1),
             "chain9": lambda: step(9),
         }
-        return {name: _median_seconds(fn, repeats) for name, fn in run.items()}
+        return {name: _median_times(fn, repeats) for name, fn in run.items()}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prefix", type=int, default=128, help="prefill / cached prefix length")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--torch-attn", default="sdpa", choices=["sdpa", "eager"], help="transformers attention"
+def _torch_ar(hf, prompt: np.ndarray, new_tokens: int, repeats: int) -> tuple[float, float]:
+    import torch
+
+    ids = torch.as_tensor(prompt, dtype=torch.long)
+    kwargs = dict(
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        temperature=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
     )
-    parser.add_argument("--smoke", action="store_true", help="tiny model (a quick self-test)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    args = parser.parse_args(argv)
-    if args.prefix < 9 or args.batch_size < 1 or args.repeats < 1:
-        parser.error("--prefix must be >= 9, --batch-size and --repeats >= 1")
 
+    def run():
+        with torch.no_grad():
+            out = hf.generate(ids, **kwargs)
+        assert out.shape[1] == prompt.shape[1] + new_tokens
+
+    cpu, wall = _median_times(run, repeats)
+    return cpu / new_tokens, wall / new_tokens
+
+
+def bench_shape(name: str, shape: dict, args, bandwidth: tuple[float, float]) -> list[dict]:
     import torch
     import transformers
 
     torch.manual_seed(args.seed)
-    shape = SMOKE_SHAPE if args.smoke else SHAPE
     hf_config = transformers.LlamaConfig(**shape)
     hf_config._attn_implementation = args.torch_attn
     hf = transformers.LlamaForCausalLM(hf_config).eval()
@@ -141,39 +217,114 @@ def main(argv=None) -> int:
         model = load_model(tmp)
     ours = _ours(model, tokens, args.repeats)
     theirs = _torch(hf, tokens, args.repeats)
-
     n_tokens = {"prefill": args.prefix, "decode": 1, "chain9": 9}
+    if args.ar_tokens > 0:
+        prompt = tokens[:, :AR_PROMPT]
+        ours["ar_token"] = _ours_ar(model, prompt, args.ar_tokens, args.repeats)
+        theirs["ar_token"] = _torch_ar(hf, prompt, args.ar_tokens, args.repeats)
+        n_tokens["ar_token"] = 1
+    nbytes = weight_bytes(model)
+    roof_cpu, roof_wall = nbytes / bandwidth[0], nbytes / bandwidth[1]
     rows = []
-    for name, n in n_tokens.items():
-        tps_ours = args.batch_size * n / ours[name]
-        tps_torch = args.batch_size * n / theirs[name]
+    for workload, n in n_tokens.items():
+        (o_cpu, o_wall), (t_cpu, t_wall) = ours[workload], theirs[workload]
+        one_step = workload in ("decode", "ar_token")
         rows.append(
             dict(
-                workload=name,
+                shape=name,
+                workload=workload,
                 tokens=n,
-                ours_ms=1e3 * ours[name],
-                torch_ms=1e3 * theirs[name],
-                ours_tok_s=tps_ours,
-                torch_tok_s=tps_torch,
-                speedup=tps_ours / tps_torch,
+                ours_ms=1e3 * o_cpu,
+                ours_wall_ms=1e3 * o_wall,
+                torch_ms=1e3 * t_cpu,
+                torch_wall_ms=1e3 * t_wall,
+                ours_tok_s=args.batch_size * n / o_cpu,
+                torch_tok_s=args.batch_size * n / t_cpu,
+                speedup=t_cpu / o_cpu,
+                speedup_wall=t_wall / o_wall,
+                roofline_ms=1e3 * roof_cpu if one_step else None,
+                roofline_wall_ms=1e3 * roof_wall if one_step else None,
+                ours_of_roofline=roof_cpu / o_cpu if one_step else None,
+                ours_of_roofline_wall=roof_wall / o_wall if one_step else None,
+                torch_of_roofline=roof_cpu / t_cpu if one_step else None,
+                weight_mb=nbytes / 1e6,
             )
         )
+    del hf, model
+    return rows
+
+
+def _fmt(x, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="68m,0.5b", help="comma-separated: 68m, 0.5b")
+    parser.add_argument("--prefix", type=int, default=128, help="prefill / cached prefix length")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5, help="medians of this many calls")
+    parser.add_argument(
+        "--ar-tokens",
+        type=int,
+        default=None,
+        help="AR tokens (default 128; 16 at 0.5b; 0 with --smoke; 0: skip)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--torch-attn", default="sdpa", choices=["sdpa", "eager"], help="transformers attention"
+    )
+    parser.add_argument(
+        "--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)"
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny model (a quick self-test)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.prefix < 9 or args.batch_size < 1 or args.repeats < 1:
+        parser.error("--prefix must be >= 9, --batch-size and --repeats >= 1")
+    shapes = {"smoke": SMOKE_SHAPE} if args.smoke else {}
+    if not args.smoke:
+        for name in args.shapes.split(","):
+            if name not in SHAPES:
+                parser.error(f"--shapes: unknown shape {name!r}; known: {', '.join(SHAPES)}")
+            shapes[name] = SHAPES[name]
+    ar_default = args.ar_tokens
+
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
+    bandwidth = read_bandwidth(args.repeats, 16 if args.smoke else 256)
+    rows = []
+    for name, shape in shapes.items():
+        args.ar_tokens = (
+            ar_default if ar_default is not None else {"smoke": 0, "0.5b": 16}.get(name, 128)
+        )
+        rows += bench_shape(name, shape, args, bandwidth)
+    args.ar_tokens = ar_default
     print(
-        f"{'smoke' if args.smoke else 'llama-68m'} shape, float32, batch {args.batch_size}, "
-        f"prefix {args.prefix}; "
+        f"float32, batch {args.batch_size}, prefix {args.prefix}, medians of {args.repeats}; "
         f"jax {jax.__version__} on {jax.default_backend()}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads, {args.torch_attn} attention), "
-        f"{platform.processor() or platform.machine()}"
+        f"{platform.processor() or platform.machine()}; read bandwidth (XLA GEMV) "
+        f"{bandwidth[0] / 1e9:.1f} GB per CPU s, {bandwidth[1] / 1e9:.1f} GB/s wall"
     )
-    print("| workload | tokens | ours ms | torch ms | ours tok/s | torch tok/s | ours/torch |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| workload | tokens | shape | ours CPU ms | ours wall ms | torch CPU ms | torch wall ms "
+        "| torch/ours CPU | torch/ours wall | roofline CPU ms | roofline/ours CPU (wall) "
+        "| roofline/torch CPU |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['workload']} | {r['tokens']} | {r['ours_ms']:.2f} | {r['torch_ms']:.2f} | "
-            f"{r['ours_tok_s']:.0f} | {r['torch_tok_s']:.0f} | {r['speedup']:.2f}x |"
+            f"| {r['workload']} | {r['tokens']} | {r['shape']} | {r['ours_ms']:.2f} | "
+            f"{r['ours_wall_ms']:.2f} | {r['torch_ms']:.2f} | {r['torch_wall_ms']:.2f} | "
+            f"{r['speedup']:.2f}x | {r['speedup_wall']:.2f}x | {_fmt(r['roofline_ms'], '.2f')} | "
+            f"{_fmt(r['ours_of_roofline'], '.2f')} ({_fmt(r['ours_of_roofline_wall'], '.2f')}) | "
+            f"{_fmt(r['torch_of_roofline'], '.2f')} |"
         )
     if args.json:
         meta = dict(vars(args), jax=jax.__version__, torch=torch.__version__)
+        meta["bandwidth_cpu_gb_s"], meta["bandwidth_wall_gb_s"] = (b / 1e9 for b in bandwidth)
         with open(args.json, "w") as f:
             json.dump({"config": meta, "rows": rows}, f, indent=2)
     return 0

@@ -4,7 +4,9 @@ A family is one module (``llama.py``, ``opt.py``, ``gpt2.py``, ``gpt_neo.py``) t
 :class:`Family`: a hashable config satisfying :class:`ModelConfig`, a pure :class:`Forward`, its
 parameter shapes with logical axes, and its Hugging Face tensor table (``hf_table.HFTensor``
 entries, each owning its layout transform). Nothing outside the module knows the family's names;
-adding one is the module, its test, its card and one entry in :data:`FAMILY_MODULES`.
+adding one is the module, its test, its card and one entry in :data:`FAMILY_MODULES`. A family
+may also provide ``prepare_params``, a faster run layout of its stored parameters
+(:func:`run_params`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -122,6 +125,31 @@ def forward_for(config):
     ``jax.jit`` then hits the compilation cache instead of recompiling per call.
     """
     return functools.partial(family_for_config(config).forward, config)
+
+
+def prepare_params(config, params):
+    """``params`` in the family's run layout (its ``prepare_params``; unchanged if it has none)."""
+    prepare = getattr(family_for_config(config), "prepare_params", None)
+    return params if prepare is None else prepare(config, params)
+
+
+# Run-layout copies, one per model (weak keys: dropping the Model frees its copy).
+_RUN_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def run_params(model, params=None):
+    """:func:`prepare_params` of ``params`` (default ``model.params``; or e.g. its copy placed
+    on a mesh), made once and remembered per model for the last ``params`` seen.
+
+    The stored layout stays what checkpoints, sharding rules and ``param_shapes`` describe; this
+    is the copy the decoding loop runs on (e.g. Llama's per-layer weights, ``llama.py``).
+    """
+    params = model.params if params is None else params
+    cached = _RUN_PARAMS.get(model)
+    if cached is None or cached[0] is not params:
+        cached = (params, prepare_params(model.config, params))
+        _RUN_PARAMS[model] = cached
+    return cached[1]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -1,0 +1,91 @@
+"""The run layout of Llama parameters (``llama.prepare_params``): same logits as transformers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hf_checkpoints import tiny_llama
+
+from asps_jax.kv_cache import commit, init_cache
+from asps_jax.models import load_model
+from asps_jax.models.base import run_params
+from asps_jax.models.llama import prepare_params
+
+V = 128
+CASES = {  # name: (kv heads, layers, tied)
+    "mha_3_layers": (4, 3, False),
+    "gqa_tied": (2, 2, True),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    kvh, layers, tied = CASES[request.param]
+    hf = tiny_llama(
+        seed=3,
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kvh,
+        tie_word_embeddings=tied,
+        rms_norm_eps=1e-5,
+        norm_noise=0.1,
+    )
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, load_model(path)
+
+
+def test_prepared_layout(pair):
+    _, m = pair
+    p = prepare_params(m.config, m.params)
+    assert isinstance(p["layers"], tuple) and len(p["layers"]) == m.config.num_hidden_layers
+    E, NH, H = m.config.hidden_size, m.config.num_attention_heads, m.config.head_dim
+    assert p["layers"][1]["wo"].shape == (NH * H, E)
+    np.testing.assert_array_equal(
+        np.asarray(p["layers"][1]["wq"]), np.asarray(m.params["layers"]["wq"][1])
+    )
+    assert prepare_params(m.config, p) is p  # idempotent
+    assert run_params(m) is run_params(m)  # made once per model
+
+
+def test_prefill_then_decode_matches_transformers(pair):
+    """Prefill 5 tokens, then 3 one-token steps, on the run layout == HF full-sequence logits."""
+    hf, m = pair
+    B, T, P = 2, 8, 5
+    tokens = np.random.default_rng(4).integers(0, V, (B, T)).astype(np.int32)
+    with torch.no_grad():
+        expected = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    params = prepare_params(m.config, m.params)
+
+    @jax.jit
+    def run(params, cache, chunk, start):
+        t = chunk.shape[1]
+        pos = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (B, t))
+        slots = jnp.arange(T)[None, None, :] < cache.lengths[:, None, None]
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (B, t, t))
+        mask = jnp.concatenate([jnp.broadcast_to(slots, (B, t, T)), causal], axis=-1)
+        logits, kv = m.forward(params, chunk, pos, mask, cache)
+        nodes = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (B, t))
+        return logits, commit(cache, kv, nodes, jnp.full((B,), t, jnp.int32))
+
+    cache = init_cache(m.config, B, T, jnp.float32)
+    logits, cache = run(params, cache, jnp.asarray(tokens[:, :P]), 0)
+    got = [np.asarray(logits)]
+    for i in range(P, T):
+        logits, cache = run(params, cache, jnp.asarray(tokens[:, i : i + 1]), i)
+        got.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(got, axis=1), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_wrong_layer_count_is_a_clear_error(pair):
+    _, m = pair
+    p = prepare_params(m.config, m.params)
+    bad = dict(p, layers=p["layers"][:-1])
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    mask = jnp.ones((1, 2, 2), bool)
+    with pytest.raises(ValueError, match="layers"):
+        m.forward(bad, tokens, jnp.zeros((1, 2), jnp.int32), mask, None)
