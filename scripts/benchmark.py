@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-run lines")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 greedy)")
+    p.add_argument(
+        "--draft-temperature",
+        type=float,
+        default=None,
+        help="the drafts sample at this temperature (default: --temperature); verification uses "
+        "the law actually drawn, so the output law is still the target's (transformers runs ignore "
+        "it)",
+    )
     p.add_argument("--top-k", type=int, default=None, help="top-k filter (default off)")
     p.add_argument("--top-p", type=float, default=None, help="top-p filter (default off)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (ours and torch)")
@@ -119,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _draft_temperature(args: argparse.Namespace) -> float:
+    return args.temperature if args.draft_temperature is None else args.draft_temperature
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Raise a ValueError naming the flag for values argparse cannot check by itself."""
     for flag, values in (("--n", args.n), ("--k", args.k)):
@@ -129,6 +141,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.temperature < 0 or not math.isfinite(args.temperature):
         raise ValueError(f"--temperature must be finite and >= 0, got {args.temperature}")
+    dt = args.draft_temperature
+    if dt is not None and (dt < 0 or not math.isfinite(dt)):
+        raise ValueError(f"--draft-temperature must be finite and >= 0, got {dt}")
     if args.top_k is not None and args.top_k < 0:
         raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
@@ -262,6 +277,7 @@ def run_ours(target, draft, prompts, method, n, k, args) -> dict:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        draft_temperature=args.draft_temperature,
         eos_token_id=-1,
         diagnostics=True,  # the root optimal-acceptance column
     )
@@ -524,7 +540,8 @@ def main(argv=None) -> int:
         f"target {args.target}, draft {args.draft}; batch {args.batch_size}, prompt "
         f"{args.prompt_tokens} tokens{_source(args)},"
         f" {args.max_new_tokens} new tokens, temperature "
-        f"{args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed}; ours "
+        f"{args.temperature}, draft temperature {_draft_temperature(args)}, top-k {args.top_k}, "
+        f"top-p {args.top_p}, seed {args.seed}; ours "
         f"{args.dtype} jax {jax.__version__} ({jax.default_backend()}); "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
     )

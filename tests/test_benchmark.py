@@ -139,6 +139,8 @@ def test_plan_runs_each_method_at_its_draft_counts():
         (["--batch-size", "0"], "--batch-size"),
         (["--max-new-tokens", "0"], "--max-new-tokens"),
         (["--temperature", "-1"], "--temperature"),
+        (["--draft-temperature", "-0.5"], "--draft-temperature"),
+        (["--draft-temperature", "inf"], "--draft-temperature"),
         (["--top-k", "-2"], "--top-k"),
         (["--top-p", "0"], "--top-p"),
         (["--top-p", "1.5"], "--top-p"),
@@ -152,6 +154,25 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
         benchmark.main(argv)  # fails before any model is loaded
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_draft_temperature_reaches_the_sampler(monkeypatch):
+    """--draft-temperature is passed to ``sampler.prepare`` (None when absent: the target's)."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def prepare(*args, **kwargs):
+        seen.append(kwargs["draft_temperature"])
+        raise Stop
+
+    monkeypatch.setattr(benchmark.sampler, "prepare", prepare)
+    for argv, expected in (([], None), (["--draft-temperature", "1.4"], 1.4)):
+        args = benchmark.build_parser().parse_args(argv)
+        with pytest.raises(Stop):
+            benchmark.run_ours(None, None, [[1, 2]], "is", 2, 2, args)
+        assert seen[-1] == expected
 
 
 def test_help_documents_every_flag():
