@@ -44,7 +44,10 @@ def _checked(convert, valid, expected: str):
 
 
 _positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
-_non_negative_float = _checked(float, lambda v: 0.0 <= v < float("inf"), "a finite number >= 0")
+# The loop runs in float32: a temperature beyond its range would overflow there.
+_non_negative_float = _checked(
+    float, lambda v: 0.0 <= v <= 3.4028234663852886e38, "a finite number >= 0 (at most 3.4e38)"
+)
 _top_p = _checked(float, lambda v: 0.0 < v <= 1.0, "a top-p in (0, 1]")
 _seed = _checked(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
 INTERRUPTED = 130

@@ -38,6 +38,11 @@ def test_seed_out_of_range_is_one_line(capsys, seed):
     assert "2**63" in _one_line_error(capsys, ["--seed", seed])
 
 
+@pytest.mark.parametrize("flag", ["--temperature", "--draft-temperature"])
+def test_temperature_beyond_float32_is_one_line(capsys, flag):
+    assert "3.4e38" in _one_line_error(capsys, [flag, "1e308"])
+
+
 def test_largest_seed_runs(capsys):
     assert cli.main(SHORT + ["--seed", str(2**63 - 1), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["batch_size"] == 1
