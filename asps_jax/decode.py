@@ -41,7 +41,7 @@ from jax.sharding import Mesh
 
 from asps_jax import kv_cache, rollout, scoring, sharding, statistics, trees
 from asps_jax.models import forward_for
-from asps_jax.processors import SamplingParams, sample_token
+from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
 from asps_jax.verify import Verdict, verify_chain, verify_drafts
 from asps_jax.verify.acceptance import optimal_acceptance
@@ -89,7 +89,8 @@ class DecodeState:
         token under the processed law (temperature / top-k / top-p; 0.0 when greedy), 0.0 after
         the row's end.
       num_generated: int32[B], tokens emitted so far.
-      done: bool[B], the row has stopped (EOS, ``max_new_tokens``, or an empty padding row).
+      done: bool[B], the row has stopped (EOS, ``max_new_tokens``, a law with NaN / ``+inf``
+        logits or no finite one, see ``stats.failed_at``, or an empty padding row).
       row_keys: typed PRNG keys [B], one base key per row.
       stats: the per-row :class:`~asps_jax.statistics.DecodeStats`.
     """
@@ -116,8 +117,10 @@ class Drafts:
       tokens_BKD: int32[B, K, D], the draft chains.
       logprobs_BKDV: float32[B, K, D, V], the laws the draft tokens were drawn from.
       lengths_BK: int32[B, K], the usable length of each chain (cut at ``max_new_tokens``, ended at
-        an EOS).
-      ok_B: bool[B], every draft law had a finite entry.
+        an EOS, ended before a token drawn from an unusable law).
+      bad_depth_BK: int32[B, K], the first depth whose draft law was unusable (NaN or ``+inf``
+        logits, or none finite) among the depths the chain would otherwise have used; D + 2 when
+        none was.
     """
 
     cache: kv_cache.KVCache
@@ -125,7 +128,7 @@ class Drafts:
     tokens_BKD: jax.Array
     logprobs_BKDV: jax.Array
     lengths_BK: jax.Array
-    ok_B: jax.Array
+    bad_depth_BK: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,8 +300,9 @@ def _emit(
     )
 
 
-def _has_finite(logprobs_V, axis=-1) -> jax.Array:
-    return jnp.any(jnp.isfinite(logprobs_V), axis=axis)
+def _first_false(ok_X, absent: int) -> jax.Array:
+    """The first index along the last axis where ``ok`` is False, ``absent`` where none is."""
+    return jnp.where(jnp.all(ok_X, axis=-1), absent, jnp.argmax(~ok_X, axis=-1))
 
 
 def _ar_step(dec: Decoder, target_params, sampling, state):
@@ -314,7 +318,9 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
     with jax.named_scope("verify"):
         next_B = jax.vmap(sample_token)(_step_keys(state, _PURPOSE_AR), logprobs_BV)
         active_B = ~state.done
-        num_B = active_B.astype(jnp.int32)
+        # A row whose law is unusable emits nothing and stops there.
+        failed_B = active_B & ~logits_ok(logits_BTV[:, 0])
+        num_B = (active_B & ~failed_B).astype(jnp.int32)
     with jax.named_scope("commit"):
         t_cache = kv_cache.commit(
             state.target_cache, new_kv, jnp.zeros((batch, 1), jnp.int32), num_B
@@ -322,12 +328,15 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
         num_B, hit = _first_eos_length(next_B[:, None], num_B, sampling.eos_ids)
     with jax.named_scope("metrics"):
         stats = statistics.update(
-            state.stats, active_B=active_B, emitted_B=num_B, laws_ok_B=_has_finite(logprobs_BV)
+            state.stats,
+            active_B=active_B,
+            emitted_B=num_B,
+            failed_at_B=jnp.where(failed_B, state.num_generated, -1),
         )
     state = dataclasses.replace(state, target_cache=t_cache, stats=stats)
     with jax.named_scope("emit"):
         next_lp_BT = jnp.take_along_axis(logprobs_BV, next_B[:, None], axis=1)
-        return _emit(dec, state, next_B[:, None], next_lp_BT, num_B, hit)
+        return _emit(dec, state, next_B[:, None], next_lp_BT, num_B, hit | failed_B)
 
 
 def _sync_draft_replicas(cache: kv_cache.KVCache, start_B, winner_B, num_drafts: int, width: int):
@@ -360,7 +369,7 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
         lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(k))
     )(draft_keys_B).reshape(batch * k)
     start_B = state.draft_cache.lengths.reshape(batch, k)[:, 0]
-    d_cache, drafts, draft_lp, draft_ok = rollout.rollout(
+    d_cache, drafts, draft_lp, draft_ok_RD = rollout.rollout(
         forward_for(dec.draft_config),
         draft_params,
         state.draft_cache,
@@ -378,19 +387,25 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
     lengths_BK = jnp.broadcast_to(jnp.clip(remaining_B - 1, 0, n)[:, None], (batch, k))
     is_eos = _is_eos(tokens_BKD, sampling.eos_ids)
     first_eos = jnp.where(jnp.any(is_eos, -1), jnp.argmax(is_eos, -1) + 1, n)
+    lengths_BK = jnp.minimum(lengths_BK, first_eos)
+    # A chain ends before the token drawn from an unusable law (a stopping time: the law at depth
+    # i depends on the chain's first i tokens only); only the depths the chain uses count.
+    bad_BK = _first_false(draft_ok_RD.reshape(batch, k, n), n + 2)
+    bad_BK = jnp.where(bad_BK < lengths_BK, bad_BK, n + 2)
     return Drafts(
         cache=d_cache,
         start_B=start_B,
         tokens_BKD=tokens_BKD,
         logprobs_BKDV=draft_lp.reshape(batch, k, n, vocab),
-        lengths_BK=jnp.minimum(lengths_BK, first_eos),
-        ok_B=jnp.all(draft_ok.reshape(batch, k), axis=1),
+        lengths_BK=jnp.minimum(lengths_BK, bad_BK),
+        bad_depth_BK=bad_BK,
     )
 
 
 def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
     """Stage 2: one target forward over the whole tree; returns the processed target log-probs
-    along each chain's root path, float32[B, K, D + 1, V], and the tree's new keys / values."""
+    along each chain's root path, float32[B, K, D + 1, V], whether each of those laws is usable,
+    bool[B, K, D + 1] (:func:`asps_jax.processors.logits_ok`), and the tree's new keys / values."""
     tree = dec.spec.tree
     valid_BN = trees.node_validity(tree, drafts.lengths_BK)
     node_tokens_BN = trees.chain_tokens_to_nodes(state.root, drafts.tokens_BKD)
@@ -404,7 +419,8 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
     )
     logits_BNV = sharding.constrain(logits_BNV, ("batch", None, "vocab"), dec.mesh)
     paths_KD = trees.path_nodes(tree, jnp.arange(dec.spec.num_drafts))  # [K, D + 1]
-    return sampling.process(logits_BNV[:, paths_KD]), new_kv
+    path_logits_BKDV = logits_BNV[:, paths_KD]
+    return sampling.process(path_logits_BKDV), logits_ok(path_logits_BKDV), new_kv
 
 
 def _verify(dec: Decoder, state, drafts: Drafts, target_lp_BKDV) -> Verdict:
@@ -474,21 +490,33 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     with jax.named_scope("draft"):
         drafts = _draft(dec, draft_params, sampling, state)
     with jax.named_scope("score"):
-        target_lp_BKDV, new_kv = _score(dec, target_params, sampling, state, drafts)
+        target_lp_BKDV, target_ok_BKD, new_kv = _score(dec, target_params, sampling, state, drafts)
     with jax.named_scope("verify"):
         verdict = _verify(dec, state, drafts, target_lp_BKDV)
-        # An EOS inside the emitted block ends the row there.
         num_B = jnp.where(active_B, verdict.num_tokens, 0)
+        # Block slot j of the accepted chain comes from its target law at depth j, and its draft
+        # token (if any) from its draft law at depth j: the first unusable one of either ends the
+        # row there, keeping the slots before it.
+        chosen_B1 = verdict.draft_index[:, None]
+        bad_target_B = _first_false(
+            jnp.take_along_axis(target_ok_BKD, chosen_B1[:, :, None], axis=1)[:, 0],
+            dec.spec.num_draft_tokens + 2,
+        )
+        bad_draft_B = jnp.take_along_axis(drafts.bad_depth_BK, chosen_B1, axis=1)[:, 0]
+        bad_B = jnp.minimum(bad_target_B, bad_draft_B)
+        failed_B = active_B & (bad_B < num_B)
+        num_B = jnp.where(failed_B, bad_B, num_B)
+        # An EOS inside the emitted block ends the row there (before any failure).
         num_B, hit_eos = _first_eos_length(verdict.tokens, num_B, sampling.eos_ids)
+        failed_B = failed_B & ~hit_eos
     with jax.named_scope("commit"):
         new_state = _commit(dec, state, drafts, new_kv, verdict, num_B)
     with jax.named_scope("metrics"):
-        target_ok_B = jnp.all(_has_finite(target_lp_BKDV), axis=(1, 2))
         stats = statistics.update(
             state.stats,
             active_B=active_B,
             emitted_B=num_B,
-            laws_ok_B=target_ok_B & drafts.ok_B,
+            failed_at_B=jnp.where(failed_B, state.num_generated + num_B, -1),
             verdict=verdict,
             draft_lengths_BK=drafts.lengths_BK,
             root_drafts_BK=drafts.tokens_BKD[:, :, 0],
@@ -497,7 +525,7 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     new_state = dataclasses.replace(new_state, stats=stats)
     with jax.named_scope("emit"):
         block_lp_BT = _emitted_logprobs(target_lp_BKDV, verdict)
-        return _emit(dec, new_state, verdict.tokens, block_lp_BT, num_B, hit_eos)
+        return _emit(dec, new_state, verdict.tokens, block_lp_BT, num_B, hit_eos | failed_B)
 
 
 def _step(dec: Decoder, target_params, draft_params, sampling, state):

@@ -83,6 +83,9 @@ def commit(cache: KVCache, new_kv: KVBlock, nodes: jax.Array, num: jax.Array) ->
 
     def write(cache_a, block_a):  # [L, B, S, KVH, H] <- [L, B, T, KVH, H]
         picked = jnp.take_along_axis(block_a, nodes[None, :, :, None, None], axis=2)
+        # Non-finite entries are stored as 0: stale slots are masked, and masking cannot undo a
+        # NaN (0 * NaN). A target row stops before keeping such a token (decode).
+        picked = jnp.where(jnp.isfinite(picked), picked, jnp.zeros((), picked.dtype))
         rows = jnp.arange(B)[:, None]
         # [L, B, P, KVH, H] scattered at (b, slots[b, j]) for every layer at once.
         return cache_a.at[:, rows, slots_BP].set(picked.astype(cache_a.dtype), mode="drop")

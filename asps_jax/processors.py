@@ -94,9 +94,20 @@ def process_logits(
     logprobs = log_normalize(scaled)
 
     # --- Greedy: point mass on the first argmax of the raw logits ---
+    # (a row with no finite logit has no argmax: it stays all -inf, as at temperature > 0).
     argmax = jnp.argmax(logits, axis=-1)
-    point = jnp.where(jax.nn.one_hot(argmax, vocab, dtype=bool), 0.0, NEG_INF)
+    has_finite = jnp.any(jnp.isfinite(logits), axis=-1, keepdims=True)
+    point = jnp.where(jax.nn.one_hot(argmax, vocab, dtype=bool) & has_finite, 0.0, NEG_INF)
     return jnp.where(greedy, point, logprobs)
+
+
+def logits_ok(logits_V: jax.Array) -> jax.Array:
+    """bool ``[...]``: the law of ``logits[..., V]`` is usable, i.e. no logit is NaN or ``+inf``
+    and at least one is finite (``-inf`` masks a token and is fine). The decoding loop stops a row
+    at the first law that is not."""
+    logits = jnp.asarray(logits_V)
+    clean = jnp.all(~jnp.isnan(logits) & (logits != jnp.inf), axis=-1)
+    return clean & jnp.any(jnp.isfinite(logits), axis=-1)
 
 
 def sample_token(key: jax.Array, logprobs_V: jax.Array) -> jax.Array:

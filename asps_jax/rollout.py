@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import kv_cache, scoring, sharding
-from asps_jax.processors import sample_token
+from asps_jax.processors import logits_ok, sample_token
 
 
 def rollout(
@@ -45,8 +45,9 @@ def rollout(
       mesh: the mesh of a sharded run (activation constraints on the draft logits), or None.
 
     Returns:
-      ``(cache, tokens int32[R, n], logprobs float32[R, n, V], logits_ok bool[R])``; ``logits_ok``
-      is False when some draft law had no finite entry (NaN/inf logits).
+      ``(cache, tokens int32[R, n], logprobs float32[R, n, V], laws_ok bool[R, n])``;
+      ``laws_ok[r, i]`` is False when the law of depth i had a NaN or ``+inf`` logit or no finite
+      one (see :func:`asps_jax.processors.logits_ok`).
     """
     rows = root_R.shape[0]
     ones_R = jnp.ones((rows,), jnp.int32)
@@ -60,14 +61,14 @@ def rollout(
         logprobs_RV = sampling.process(logits_R1V[:, 0], draft=True)
         depth_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, depth)
         next_R = jax.vmap(sample_token)(depth_keys, logprobs_RV)
-        return cache, next_R, logprobs_RV
+        return cache, next_R, logprobs_RV, logits_ok(logits_R1V[:, 0])
 
     def body(carry, depth):
         cache, token_R = carry
-        cache, next_R, logprobs_RV = feed(cache, token_R, depth)
-        return (cache, next_R), (next_R, logprobs_RV)
+        cache, next_R, logprobs_RV, ok_R = feed(cache, token_R, depth)
+        return (cache, next_R), (next_R, logprobs_RV, ok_R)
 
-    (cache, last_R), (tokens_DR, logprobs_DRV) = jax.lax.scan(
+    (cache, last_R), (tokens_DR, logprobs_DRV, ok_DR) = jax.lax.scan(
         body, (cache, root_R), jnp.arange(draft_len)
     )
     # The (n+1)-th feed only stores x_n's keys/values; its law is never used.
@@ -76,5 +77,4 @@ def rollout(
     cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R)
     tokens_RD = jnp.swapaxes(tokens_DR, 0, 1)
     logprobs_RDV = jnp.swapaxes(logprobs_DRV, 0, 1)
-    logits_ok = jnp.all(jnp.any(jnp.isfinite(logprobs_RDV), axis=-1), axis=-1)
-    return cache, tokens_RD, logprobs_RDV, logits_ok
+    return cache, tokens_RD, logprobs_RDV, jnp.swapaxes(ok_DR, 0, 1)

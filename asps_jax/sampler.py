@@ -36,12 +36,19 @@ _BATCH_BUCKET = 8
 
 
 class NonFiniteLogitsError(FloatingPointError):
-    """A model produced a law with no finite logit (NaN/inf logits). ``.output`` keeps the rows'
-    tokens generated before the failure, so nothing is lost."""
+    """A model produced an unusable law (a NaN or ``+inf`` logit, or none finite).
 
-    def __init__(self, message: str, output: SampleOutput):
+    Each such row stopped at the token the law was to give. ``.rows`` lists them and
+    ``.positions`` the index among the row's new tokens where each stopped; ``.output`` is the
+    :class:`SampleOutput` with exactly the tokens generated before (a failed row's length is its
+    position, -1 after), so nothing is lost; the other rows ran to their normal end.
+    """
+
+    def __init__(self, message: str, output: SampleOutput, rows: Sequence[int] = (), positions=()):
         super().__init__(message)
         self.output = output
+        self.rows = list(rows)
+        self.positions = list(positions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,13 +392,16 @@ def _finish(
         stats=summarize_stats(state, batch),
         logprobs=state.logprobs[:batch, : spec.max_new_tokens] if return_logprobs else None,
     )
-    bad = np.asarray(out.stats["bad_logits"])
-    if bad.any():
+    failed_at = np.asarray(out.stats["failed_at"])
+    rows = np.flatnonzero(failed_at >= 0).tolist()
+    if rows:
         raise NonFiniteLogitsError(
-            f"rows {np.flatnonzero(bad).tolist()} met a target or draft law with no finite logit "
-            "(NaN or -inf logits: check the checkpoint and dtype); tokens generated so far are in "
-            "the exception's .output",
+            f"rows {rows} stopped at new-token positions {failed_at[rows].tolist()}: the target or "
+            "draft law there had NaN or +inf logits or none finite (check the checkpoint and "
+            "dtype); the exception's .output keeps the tokens generated before",
             out,
+            rows=rows,
+            positions=failed_at[rows].tolist(),
         )
     return out
 

@@ -33,7 +33,9 @@ class DecodeStats:
       root_steps: int32[B], steps with at least one draft token at the root.
       root_accepted: int32[B], of those, steps whose first token is one of the root draft tokens.
       root_optimal: float32[B], sum over the same steps of ``optimal_acceptance`` at the root.
-      bad_logits: bool[B], a target or draft law had no finite entry (NaN logits).
+      bad_logits: bool[B], the row stopped at a law with a NaN or ``+inf`` logit or no finite one.
+      failed_at: int32[B], the index (among the row's new tokens) of the token that law was to
+        give, i.e. the number of tokens emitted before the failure; -1 when the row did not fail.
     """
 
     target_calls: jax.Array
@@ -45,6 +47,7 @@ class DecodeStats:
     root_accepted: jax.Array
     root_optimal: jax.Array
     bad_logits: jax.Array
+    failed_at: jax.Array
 
     @classmethod
     def zeros(cls, batch: int, draft_len: int) -> DecodeStats:
@@ -59,6 +62,7 @@ class DecodeStats:
             root_accepted=zeros_B,
             root_optimal=jnp.zeros((batch,), jnp.float32),
             bad_logits=jnp.zeros((batch,), bool),
+            failed_at=jnp.full((batch,), -1, jnp.int32),
         )
 
 
@@ -67,7 +71,7 @@ def update(
     *,
     active_B: jax.Array,
     emitted_B: jax.Array,
-    laws_ok_B: jax.Array,
+    failed_at_B: jax.Array,
     verdict=None,
     draft_lengths_BK: jax.Array | None = None,
     root_drafts_BK: jax.Array | None = None,
@@ -78,7 +82,8 @@ def update(
     Args:
       active_B: bool[B], rows that ran this step (each made one target call).
       emitted_B: int32[B], tokens emitted (after EOS truncation; 0 for inactive rows).
-      laws_ok_B: bool[B], every target and draft law of the step had a finite entry.
+      failed_at_B: int32[B], where the row failed this step (the token index whose law, or whose
+        draft law, was not usable; see :attr:`DecodeStats.failed_at`), -1 when it did not.
       verdict: the step's ``Verdict`` (batch B); None for autoregressive decoding, which has no
         draft statistics.
       draft_lengths_BK: int32[B, K], the usable length of each draft chain.
@@ -92,7 +97,8 @@ def update(
         target_calls=stats.target_calls + calls_B,
         emitted_hist=stats.emitted_hist
         + calls_B[:, None] * jax.nn.one_hot(emitted_B, width, dtype=jnp.int32),
-        bad_logits=stats.bad_logits | (active_B & ~laws_ok_B),
+        bad_logits=stats.bad_logits | (failed_at_B >= 0),
+        failed_at=jnp.where(failed_at_B >= 0, failed_at_B, stats.failed_at),
     )
     if verdict is None:
         return stats
@@ -121,7 +127,8 @@ def summarize(stats: DecodeStats, num_generated_B: jax.Array, batch: int) -> dic
     fallback rule; ``root_acceptance``: how often the first token of a step is one of the K root
     draft tokens, beside ``root_optimal_acceptance``, the mean of ``optimal_acceptance`` over the
     same steps (the theoretical limit of any exact token-level scheme there; NaN with K >= 2 drafts
-    unless the loop ran with ``diagnostics=True``).
+    unless the loop ran with ``diagnostics=True``); ``bad_logits`` / ``failed_at``: the row stopped
+    at an unusable law, and the index of the new token it stopped at (-1 if it did not).
     """
     s = jax.tree.map(lambda a: a[:batch], stats)
     generated = num_generated_B[:batch]
@@ -137,6 +144,7 @@ def summarize(stats: DecodeStats, num_generated_B: jax.Array, batch: int) -> dic
         "root_acceptance": s.root_accepted / jnp.maximum(s.root_steps, 1),
         "root_optimal_acceptance": s.root_optimal / jnp.maximum(s.root_steps, 1),
         "bad_logits": s.bad_logits,
+        "failed_at": s.failed_at,
     }
 
 

@@ -8,6 +8,10 @@ Text streams to stdout as it is produced (row 0 of the batch), never splitting a
 statistics block follows. Compiled programs are cached on disk (asps_jax.compile_cache), so a
 second run with the same shapes starts in seconds. Errors in the arguments or the environment exit
 with a one-line explanation; third-party notices that do not apply here are silenced.
+
+Exit status: 0 done; 1 a model produced NaN / inf logits (the text generated before is printed);
+2 a bad argument or environment; 130 interrupted (Ctrl-C: the text so far and its statistics are
+printed).
 """
 
 from __future__ import annotations
@@ -40,8 +44,13 @@ def _checked(convert, valid, expected: str):
 
 
 _positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
-_non_negative_float = _checked(float, lambda v: 0.0 <= v < float("inf"), "a finite number >= 0")
+# The loop runs in float32: a temperature beyond its range would overflow there.
+_non_negative_float = _checked(
+    float, lambda v: 0.0 <= v <= 3.4028234663852886e38, "a finite number >= 0 (at most 3.4e38)"
+)
 _top_p = _checked(float, lambda v: 0.0 < v <= 1.0, "a top-p in (0, 1]")
+_seed = _checked(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
+INTERRUPTED = 130
 
 
 # Notices that are expected and harmless for this command, by logger: transformers is used for
@@ -165,11 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-size",
         type=_positive_int,
-        default=1,
+        default=None,
         metavar="B",
-        help="rows sampled together; prompts are repeated to fill it (default 1)",
+        help="rows sampled together, at least the number of prompts; the prompts are repeated "
+        "to fill it (default: one row per prompt)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument(
+        "--seed", type=_seed, default=0, help="random seed, an integer in [0, 2**63) (default 0)"
+    )
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -246,13 +258,53 @@ def _print_summary(s: dict, stream) -> None:
         print(f"{name:>26}: {value}", file=stream)
 
 
+def _check_sizes(args, target, draft, encoded, mesh) -> None:
+    """Refuse, before the batch is built or anything compiled, sizes the models or the device
+    cannot take (one-line errors naming the flag to lower)."""
+    from asps_jax.sampler import check_memory
+
+    if args.method == "ar":
+        if args.num_drafts != 1:
+            raise ValueError(
+                f"--num-drafts {args.num_drafts} is for multi-draft methods; --method ar uses no "
+                "draft (drop --num-drafts)"
+            )
+        n = k = 1
+    else:
+        n, k = args.num_draft_tokens, args.num_drafts
+        context = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
+        if n >= context:
+            raise ValueError(
+                f"--num-draft-tokens {n} does not fit the model context of {context} positions; "
+                "lower --num-draft-tokens"
+            )
+    check_memory(
+        target,
+        draft,
+        batch=args.batch_size,
+        prompt_len=max(len(e) for e in encoded),
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=n,
+        num_drafts=k,
+        mesh=mesh,
+    )
+
+
+def _nonfinite_message(err) -> str:
+    where = ", ".join(f"row {r} at new token {p}" for r, p in zip(err.rows, err.positions))
+    return (
+        f"the model produced NaN or inf logits ({where}); the text printed is what was generated "
+        "before (check the checkpoint and --dtype)"
+    )
+
+
 def run(args) -> int:
     import jax
     import numpy as np
 
     import asps_jax
     from asps_jax import compile_cache
-    from asps_jax.sampler import Session
+    from asps_jax.sampler import NonFiniteLogitsError, Session
     from asps_jax.sharding import make_mesh
     from asps_jax.textstream import TextStream
 
@@ -273,6 +325,9 @@ def run(args) -> int:
     texts = args.prompt or [DEFAULT_PROMPT]
     # verbose=False: the length check below gives the error; no tokenizer warning first.
     encoded = [tokenizer.encode(t, verbose=False) for t in texts]
+    if args.batch_size is None:
+        args.batch_size = len(texts)
+    _check_sizes(args, target, draft, encoded, mesh)
     prompts = [encoded[b % len(encoded)] for b in range(args.batch_size)]
     num_drafts = args.num_drafts
     session = Session(
@@ -299,22 +354,38 @@ def run(args) -> int:
             file=sys.stderr,
             flush=True,
         )
-    compile_s = session.compile()
+    try:
+        compile_s = session.compile()
+    except KeyboardInterrupt:
+        print("\nsample.py: interrupted while compiling; nothing was generated", file=sys.stderr)
+        return INTERRUPTED
     if not args.json:
         print(texts[0], end="", file=out_stream, flush=True)
     start = time.perf_counter()
     text_stream = TextStream(tokenizer, skip_special_tokens=True)
-    step = 0
-    for new in session.steps():
-        step += 1
-        if args.json:
-            continue
-        print(text_stream.push(new[0]), end="", file=out_stream, flush=True)
-        if step % 25 == 0 and args.batch_size > 1:
-            print(f"\n[step {step}]", file=sys.stderr, flush=True)
+    step, interrupted, failure = 0, False, None
+    try:
+        for new in session.steps():
+            step += 1
+            if args.json:
+                continue
+            print(text_stream.push(new[0]), end="", file=out_stream, flush=True)
+            if step % 25 == 0 and args.batch_size > 1:
+                print(f"\n[step {step}]", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
     run_s = time.perf_counter() - start
-    out = session.result()
+    if step == 0:  # interrupted before the first step finished
+        print(
+            "\nsample.py: interrupted before the first step; nothing was generated", file=sys.stderr
+        )
+        return INTERRUPTED
+    try:
+        out = session.result()
+    except NonFiniteLogitsError as err:
+        out, failure = err.output, err
     summary = _summary(session, out, args, compile_s, run_s, load_s)
+    summary["interrupted"] = interrupted
     if args.json:
         tokens = np.asarray(out.tokens)
         lengths = np.asarray(out.lengths)
@@ -328,6 +399,15 @@ def run(args) -> int:
     else:
         print(text_stream.flush(), file=out_stream)
         _print_summary(summary, out_stream)
+    if failure is not None:
+        print(f"sample.py: error: {_nonfinite_message(failure)}", file=sys.stderr)
+        return 1
+    if interrupted:
+        print(
+            f"sample.py: interrupted after {summary['new_tokens']} new tokens (statistics above)",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
     return 0
 
 
@@ -335,8 +415,17 @@ def main(argv=None) -> int:
     silence_notices()
     parser = build_parser()
     args = parser.parse_args(argv)
+    prompts = len(args.prompt or [DEFAULT_PROMPT])
+    if args.batch_size is not None and args.batch_size < prompts:
+        parser.error(
+            f"--batch-size {args.batch_size} is smaller than the {prompts} prompts given; raise "
+            "it or drop it (default: one row per prompt)"
+        )
     try:
         return run(args)
+    except KeyboardInterrupt:
+        print("\nsample.py: interrupted; nothing was generated", file=sys.stderr)
+        return INTERRUPTED
     except (ValueError, FileNotFoundError, NotImplementedError, FloatingPointError) as err:
         message = " ".join(str(err).split())
         print(f"sample.py: error: {message}", file=sys.stderr)

@@ -29,6 +29,7 @@ def tiny_llama(
     norm_noise: float = 0.0,
     noise_from: transformers.LlamaForCausalLM | None = None,
     nan: bool = False,
+    nan_token: int | None = None,
     **config,
 ) -> transformers.LlamaForCausalLM:
     """A random float32 Llama in eval mode with eager attention.
@@ -40,6 +41,8 @@ def tiny_llama(
       noise_from: a model of the same shapes; copy its weights plus Gaussian noise of 0.35 times
         each tensor's std, giving a draft correlated with that target.
       nan: fill ``lm_head`` with NaN (a broken checkpoint).
+      nan_token: fill that token's embedding row with NaN, so the logits turn NaN only once the
+        token is in the context (set after ``noise_from``).
       **config: ``transformers.LlamaConfig`` fields over :data:`TINY_CONFIG` (``vocab_size``,
         ``initializer_range``, ``rope_parameters``, ...).
     """
@@ -59,6 +62,8 @@ def tiny_llama(
                 p.copy_(q + 0.35 * q.std() * torch.randn_like(q))
         if nan:
             model.lm_head.weight.fill_(float("nan"))
+        if nan_token is not None:
+            model.model.embed_tokens.weight[nan_token].fill_(float("nan"))
     return model
 
 

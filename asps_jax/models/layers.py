@@ -89,10 +89,19 @@ def attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v, mask_BTS, scale: float) 
 
     Returns ``[B, T, NH, H]`` in the dtype of ``q``. Scores and softmax in float32; masked entries
     get ``finfo.min`` (not -inf) so a fully masked row stays finite.
+
+    A new token whose key or value is not finite (a NaN embedding, an overflow) makes NaN exactly
+    the queries that see it: its key and value become 0 and its visible scores NaN, so the queries
+    it is masked from (earlier tokens, sibling tree branches) are not poisoned by ``0 * NaN``.
+    Cache slots are finite (``kv_cache.commit`` stores non-finite entries as 0; a row that met
+    one stops, see ``decode``).
     """
     B, T, NH, H = q_BTNH.shape
     KVH = k_BTKH.shape[2]
     dtype = q_BTNH.dtype
+    bad_BT = ~jnp.all(jnp.isfinite(k_BTKH) & jnp.isfinite(v_BTKH), axis=(2, 3))
+    k_BTKH = jnp.where(bad_BT[:, :, None, None], jnp.zeros((), k_BTKH.dtype), k_BTKH)
+    v_BTKH = jnp.where(bad_BT[:, :, None, None], jnp.zeros((), v_BTKH.dtype), v_BTKH)
     q_BTKGH = q_BTNH.reshape(B, T, KVH, NH // KVH, H)
     # The cache and the new tokens are attended separately and only the (small) scores are
     # concatenated: concatenating keys/values would copy the whole cache every step.
@@ -109,6 +118,8 @@ def attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v, mask_BTS, scale: float) 
         axis=-1,
     )  # [B, KVH, G, T, S+T]
     scores = jnp.where(mask_BTS[:, None, None], scores * scale, jnp.finfo(jnp.float32).min)
+    bad_BS = jnp.concatenate([jnp.zeros((B, scores.shape[-1] - T), bool), bad_BT], axis=1)
+    scores = jnp.where(mask_BTS[:, None, None] & bad_BS[:, None, None, None], jnp.nan, scores)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out, start = 0, 0
     for keys, values in parts:

@@ -11,6 +11,7 @@ mapping, used both ways; nothing here knows a family's tensor names.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 import warnings
@@ -47,7 +48,13 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class CheckpointError(ValueError):
-    """A checkpoint whose files do not match its config (names, shapes, missing tensors)."""
+    """Every checkpoint problem: weights that do not match the config (missing, unexpected or
+    wrongly shaped tensors), a truncated or corrupt weight file or index, a ``config.json`` that is
+    not JSON, lacks a field or names an unknown model type. The message names the file and the
+    fix."""
+
+
+_REDOWNLOAD = "re-download or re-save the checkpoint"
 
 
 def as_dtype(dtype) -> np.dtype | None:
@@ -71,19 +78,67 @@ def as_dtype(dtype) -> np.dtype | None:
 # --- Tensor streams ---------------------------------------------------------------------------
 
 
-def _read_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(name, array)`` views of a memory-mapped safetensors file (no copy)."""
+def _safetensors_header(path: Path) -> tuple[dict, int]:
+    """The parsed header of a safetensors file and the size of its data section, checked against
+    the file's size; a truncated or corrupt file is a one-line :class:`CheckpointError`."""
+    size = path.stat().st_size
+    if size < 8:
+        raise CheckpointError(
+            f"{path} is truncated ({size} bytes, not even a safetensors header); {_REDOWNLOAD}"
+        )
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+        if n > size - 8:
+            raise CheckpointError(
+                f"{path} is truncated: its header claims {n} bytes but the file has {size}; "
+                f"{_REDOWNLOAD}"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{path} is corrupt: its header is not valid JSON ({e}); {_REDOWNLOAD}"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is corrupt: its header is not a JSON object; {_REDOWNLOAD}")
+    return header, size - 8 - n
+
+
+def _read_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(name, array)`` views of a memory-mapped safetensors file (no copy)."""
+    header, data_size = _safetensors_header(path)
+    offset = path.stat().st_size - data_size
+    data = (
+        np.memmap(path, dtype=np.uint8, mode="r", offset=offset)
+        if data_size
+        else np.zeros(0, np.uint8)
+    )
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        yield name, data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"{path} is corrupt: the header entry of tensor {name!r} lacks dtype, shape or "
+                f"data_offsets; {_REDOWNLOAD}"
+            ) from None
+        if dtype not in _ST_DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor {name} has unsupported dtype {dtype}; save it as F32, F16 or BF16"
+            )
+        if end > data_size:
+            raise CheckpointError(
+                f"{path} is truncated: tensor {name!r} ends at byte {end} of the data section, "
+                f"which has {data_size}; {_REDOWNLOAD}"
+            )
+        if not 0 <= start <= end or end - start != math.prod(shape) * _ST_DTYPES[dtype].itemsize:
+            raise CheckpointError(
+                f"{path} is corrupt: tensor {name!r} of shape {shape} ({dtype}) spans bytes "
+                f"[{start}, {end}); {_REDOWNLOAD}"
+            )
+        yield name, data[start:end].view(_ST_DTYPES[dtype]).reshape(shape)
 
 
 def _read_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -95,9 +150,15 @@ def _read_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
             "safetensors"
         ) from e
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a broken file; all mean the same
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} could not be read as a PyTorch checkpoint ({first}); {_REDOWNLOAD}"
+        ) from None
     for name in list(state):
         t = state.pop(name)
         if t.dtype == torch.bfloat16:  # NumPy has no bfloat16; reinterpret the bits
@@ -110,8 +171,14 @@ def weight_files(path: Path) -> list[Path]:
     """The weight files of a checkpoint folder, in the order they are read (may be empty)."""
     for index in (SAFETENSORS_INDEX, BIN_INDEX):
         if (path / index).is_file():
-            weight_map = json.loads((path / index).read_text())["weight_map"]
-            return [path / f for f in sorted(set(weight_map.values()))]
+            try:
+                weight_map = json.loads((path / index).read_text())["weight_map"]
+                return [path / f for f in sorted(set(weight_map.values()))]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+                raise CheckpointError(
+                    f"{path / index} is corrupt (not JSON with a 'weight_map' of tensor names to "
+                    f"files); {_REDOWNLOAD}"
+                ) from None
     for single in (SAFETENSORS_FILE, BIN_FILE):
         if (path / single).is_file():
             return [path / single]
@@ -198,7 +265,8 @@ def load_params(path: Path, config, family, dtype=None) -> dict:
         errors.append(f"missing tensors: {shown}")
     if errors:
         raise CheckpointError(
-            f"checkpoint {path} does not match its config.json:\n  " + "\n  ".join(errors[:20])
+            f"checkpoint {path}: its weights do not match its config.json ({_REDOWNLOAD}, or fix "
+            "config.json):\n  " + "\n  ".join(errors[:20])
         )
     params: dict = {}
     for keys in list(buffers):
@@ -271,12 +339,29 @@ def save_checkpoint(path, config, params, tokenizer=None, family=None) -> Path:
 
 def read_config(path: Path, family_for_type) -> tuple[object, object]:
     """``(family, config)`` from ``path/config.json``."""
+    where = Path(path) / CONFIG_FILE
     try:
-        d = json.loads((Path(path) / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path / CONFIG_FILE} is not valid JSON: {e}") from e
-    family = family_for_type(d.get("model_type"), where=str(path / CONFIG_FILE))
-    return family, family.config_from_hf(d)
+        d = json.loads(where.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where} is not valid JSON ({e}); {_REDOWNLOAD}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{where} is not a JSON object of config fields; {_REDOWNLOAD}")
+    try:
+        family = family_for_type(d.get("model_type"), where=str(where))
+    except ValueError as e:
+        raise CheckpointError(f"{e}; set model_type in {where} or convert the model") from None
+    try:
+        return family, family.config_from_hf(d)
+    except KeyError as e:
+        raise CheckpointError(
+            f"{where} lacks the field {e.args[0]!r} that a {d['model_type']} config needs; "
+            f"add it (see the model's original config.json) or {_REDOWNLOAD}"
+        ) from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{where} holds an invalid {d['model_type']} config ({e}); fix config.json or "
+            f"{_REDOWNLOAD}"
+        ) from None
 
 
 def load_tokenizer(path: Path):
