@@ -77,7 +77,8 @@ def silence_notices() -> None:
     """
     for name, prefixes in _NOTICES.items():
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropNotices) for f in logger.filters):
+        # By name, not isinstance: the script may be loaded more than once in one process.
+        if not any(type(f).__name__ == "_DropNotices" for f in logger.filters):
             logger.addFilter(_DropNotices(prefixes))
 
 
