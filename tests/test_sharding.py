@@ -106,8 +106,8 @@ def runs(tmp_path_factory):
 
 
 _SPECINFER_MESH = pytest.mark.xfail(
-    reason="open defect found at the merge of the exact-draw and Decoder changes: specinfer (K = 2) "
-    "tokens differ between one device and a mesh late in the row; asps is equal",
+    reason="open defect found at the merge of the exact-draw and Decoder changes: specinfer "
+    "(K = 2) tokens differ between one device and a mesh late in the row; asps is equal",
     strict=False,
 )
 
