@@ -83,7 +83,9 @@ def test_second_process_reuses_the_compilation_cache(two_runs):
     assert first.stdout.split("--- statistics ---")[0] == second.stdout.split("---")[0]
 
 
-def test_notice_filters_drop_only_those_notices(caplog):
+def test_notice_filters_drop_only_those_notices(caplog, monkeypatch):
+    # transformers turns propagation off on its logger once imported; caplog listens at the root.
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)
     cli = _load_cli()
     cli.silence_notices()
     cli.silence_notices()  # idempotent: one filter per logger
