@@ -8,17 +8,26 @@ law the verifier *uses*. The helpers here replace them everywhere a token or a d
 
 **Categorical** (:func:`draw_categorical`, :func:`draw_from_weights`): inverse CDF in integer
 arithmetic. The float32 weights ``w_i`` (``exp(logprobs - max)``, or the given weights) are scaled
-by a power of two ``2^-e`` with ``2^e >= 2 sum(w)`` (exact) and written as
-``NUM_DIGITS`` base-4096 digits, ``W_i = floor(w_i 2^(BITS - e))`` with ``BITS = 12 NUM_DIGITS``
-(exact float32 operations: scaling by a power of two, ``floor`` and ``x - floor(x)``). The
-cumulative sums are int32 per digit, carried into canonical digits, and a uniform integer
-``R < 2^BITS`` (``NUM_DIGITS`` x 12 random bits) is redrawn until ``R < T = sum(W)`` (rejection,
-at most 4 tries on average). The token is the number of ``i`` with ``cum_i <= R``. The drawn law
-is therefore exactly ``W_i / T``: every token's probability is within ``2^-(BITS - 2)`` of
-``w_i / sum(w)`` (absolute), a token 40 nats below the top of a small vocabulary is drawn with
-relative error below ``2^-40``, and a token of weight 0 is never drawn. One pass over V (no sort,
-no V-sized random bits); :func:`categorical_table` and :func:`index_from_digits` are the pure
+by ``2^(BITS - 1 - e)``, ``e`` the exponent with ``2^(e-1) <= 3 sum(w) / 4 < 2^e``, and written as
+``NUM_DIGITS`` base-2^20 digits, ``W_i = floor(w_i 2^(BITS - 1 - e))`` with ``BITS = 20
+NUM_DIGITS`` (exact float32 operations: scaling by a power of two, ``floor`` and ``x - floor(x)``).
+The cumulative sums are int32 per digit, carried into canonical digits, and a uniform integer
+``R < 2^BITS`` (``NUM_DIGITS`` x 20 random bits) is redrawn until ``R < T = sum(W)``; as
+``2^BITS / 3 <= T < 2^BITS * 2 / 3`` that takes at most 3 tries on average. The token is the
+number of ``i`` with ``cum_i <= R``. The drawn law is therefore exactly ``W_i / T``: every token's
+probability is within ``3 max(1, V w_i / sum(w)) 2^-BITS`` of ``w_i / sum(w)`` (absolute), a token
+40 nats below the top of a small vocabulary is drawn with relative error below ``2^-40``, and a
+token of weight 0 is never drawn. One pass over V (no sort, no V-sized random bits);
+:func:`categorical_table` and :func:`index_from_digits` are the pure
 bits -> token map the tests enumerate.
+
+The scale ``2^-e`` changes only where ``sum(w)`` crosses ``4/3 * 2^k``, never near the sum 1 of a
+normalised law or of the verifiers' (K+1)-way choice. Between those points the map from random
+bits to tokens moves with the weights only at the cumulative boundaries, so two runs whose weights
+differ by float rounding (one device against a mesh, a row alone against a batch) draw the same
+token unless the bits land within that rounding of a boundary. Were the scale taken from ``sum(w)``
+itself, a law summing to ``1 - 2^-24`` on one device and ``1 + 2^-23`` on another would halve the
+map and change most draws: the same key would not give the same tokens.
 
 **Bernoulli** (:func:`accept`, :func:`accept_log`): ``U = (a 2^32 + b) 2^-64`` from two uint32
 words is compared with the float32 ratio ``r`` exactly in integers, so ``P(accept) =
@@ -49,7 +58,9 @@ def _digits(weights_V: jax.Array) -> jax.Array:
     ``W_i = floor(w_i 2^(BITS - e))``, ``2^e`` a power of two with ``sum(w) <= 2^(e-1)``."""
     w = jnp.asarray(weights_V, jnp.float32)
     w = jnp.where(jnp.isfinite(w) & (w > 0), w, 0.0)
-    _, exponent = jnp.frexp(jnp.sum(w))  # sum < 2^exponent; one more doubling covers rounding
+    # 3 sum / 4 < 2^e, so T = sum(W) < 2^BITS * 2 / 3 (room for rounding) and T >= 2^BITS / 3.
+    # The scale changes where sum = 4/3 * 2^k, far from the sum 1 of a normalised law.
+    _, exponent = jnp.frexp(jnp.sum(w) * 0.75)
     x = w * _pow2(DIGIT_BITS - exponent.astype(jnp.int32) - 1)
     out = []
     for _ in range(NUM_DIGITS):

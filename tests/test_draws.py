@@ -101,6 +101,27 @@ def test_draw_categorical_follows_the_law():
     assert int(empty) == 0
 
 
+def test_rounding_of_a_normalised_law_changes_almost_no_draw():
+    """The same key on weights that differ by float rounding gives the same token (one device
+    against a mesh). A law summing to just under 1 on one side and just over on the other is the
+    case that matters: a scale taken from the sum itself would change about half of the draws."""
+    rng = np.random.default_rng(5)
+    law = rng.dirichlet(np.full(12, 0.7)).astype(np.float32)
+    under = law / np.float32(np.sum(law, dtype=np.float64) * (1 + 2.0**-22))
+    over = law / np.float32(np.sum(law, dtype=np.float64) * (1 - 2.0**-22))
+    assert under.sum(dtype=np.float32) < 1.0 < over.sum(dtype=np.float32)
+    keys = jax.random.split(jax.random.key(3), 4096)
+    draw = jax.jit(jax.vmap(draws.draw_from_weights, in_axes=(0, None)))
+    a, b = np.asarray(draw(keys, jnp.asarray(under))), np.asarray(draw(keys, jnp.asarray(over)))
+    assert np.mean(a != b) < 1e-3
+    # The same on the (K+1)-way choice of a verifier node: weights summing to about 1.
+    choice = np.asarray([0.25, 0.5, 0.25 - 2.0**-24], np.float32)
+    nudged = np.nextafter(choice, np.float32(1.0))
+    assert choice.sum(dtype=np.float32) < 1.0 <= nudged.sum(dtype=np.float32)
+    a, b = np.asarray(draw(keys, jnp.asarray(choice))), np.asarray(draw(keys, jnp.asarray(nudged)))
+    assert np.mean(a != b) < 1e-3
+
+
 def test_draw_without_replacement_law():
     q = np.array([0.1, 0.2, 0.3, 0.4])
     counts = _sample_counts(

@@ -136,22 +136,7 @@ def pair(tmp_path_factory):
 SAMPLE_METHODS = ("ar", "asps", "specinfer")
 
 
-@pytest.mark.parametrize(
-    "method",
-    [
-        pytest.param(
-            m,
-            marks=pytest.mark.xfail(
-                reason="open defect: a specinfer row can differ from the same row sampled alone "
-                "(see test_sharding's specinfer mesh cases)",
-                strict=False,
-            ),
-        )
-        if m == "specinfer"
-        else m
-        for m in SAMPLE_METHODS
-    ],
-)
+@pytest.mark.parametrize("method", SAMPLE_METHODS)
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(
     prompts=st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=9), min_size=2, max_size=4),

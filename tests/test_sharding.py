@@ -105,17 +105,8 @@ def runs(tmp_path_factory):
 # --- equality on a mesh -----------------------------------------------------------------------
 
 
-_SPECINFER_MESH = pytest.mark.xfail(
-    reason="open defect found at the merge of the exact-draw and Decoder changes: specinfer "
-    "(K = 2) tokens differ between one device and a mesh late in the row; asps is equal",
-    strict=False,
-)
-
-
 @pytest.mark.parametrize("mesh_spec", MESHES)
-@pytest.mark.parametrize(
-    "method", [pytest.param(m, marks=_SPECINFER_MESH) if m == "specinfer" else m for m in CASES]
-)
+@pytest.mark.parametrize("method", list(CASES))
 def test_same_tokens_on_one_device_and_on_a_mesh(runs, method, mesh_spec):
     local, report = runs
     assert report["devices"] == 8
@@ -143,7 +134,6 @@ def test_parameters_are_split_along_model(runs):
     }
 
 
-@_SPECINFER_MESH
 def test_cli_mesh_flag_gives_the_same_tokens(runs):
     local, report = runs
     assert report["cli_code"] == 0
