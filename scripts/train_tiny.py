@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
 from asps_jax.models import llama, save_checkpoint
 
@@ -243,10 +244,19 @@ def train_model(args, label, config, split, bos, key, teacher=None, distill_weig
     step_fn = make_train_step(config, optimizer, teacher_config, distill_weight)
     val_windows = eval_windows(split.val, args.seq_len, bos, args.eval_batches * args.batch_size)
     start, hard_losses = time.perf_counter(), []
+    progress = tqdm(
+        total=steps,
+        desc=label,
+        unit="step",
+        file=sys.stderr,
+        delay=2.0,  # short runs show no bar
+        disable=not sys.stderr.isatty(),
+    )
     for step in range(1, steps + 1):
         inputs, labels = sample_batch(rng, split.train, args.batch_size, args.seq_len, bos)
         params, opt_state, hard = step_fn(params, opt_state, inputs, labels, teacher_params)
         hard_losses.append(hard)
+        progress.update()
         if step % args.eval_every == 0 or step == steps:
             train_loss = float(np.mean(jax.device_get(hard_losses)))
             val_loss = evaluate(config, params, val_windows, args.batch_size)
@@ -255,6 +265,7 @@ def train_model(args, label, config, split, bos, key, teacher=None, distill_weig
                 f"[{label}] step {step:5d}/{steps}  train {_fmt(train_loss)}  "
                 f"val {_fmt(val_loss)}  ({time.perf_counter() - start:.0f} s)"
             )
+    progress.close()
     return params, time.perf_counter() - start
 
 
@@ -283,7 +294,7 @@ def _fmt(loss: float) -> str:
 
 
 def _log(msg: str) -> None:
-    print(msg, flush=True)
+    tqdm.write(msg, file=sys.stdout)  # above a progress bar, if one is showing
 
 
 def num_params(params) -> int:
