@@ -26,13 +26,17 @@ from asps_jax.models.hf_table import HFTensor
 from asps_jax.models.layers import (
     activation,
     attention,
+    attention_out,
     axes_of,
     check_inputs,
+    dense_mlp,
     gpt_constant,
+    gpt_layer_shapes,
     init_from_shapes,
     layer_norm,
-    lm_logits,
     lookup,
+    output_logits,
+    project_qkv,
 )
 
 MODEL_TYPE = "gpt2"
@@ -143,30 +147,11 @@ config_from_hf = GPT2Config.from_hf
 
 def param_shapes(config: GPT2Config) -> dict:
     c = config
-    L, E, F, V = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
-    NH, H = c.num_attention_heads, c.head_dim
-    vec = ((L, E), ("layers", "embed"))
+    E, V = c.hidden_size, c.vocab_size
     shapes = {
         "embed": ((V, E), ("vocab", "embed")),
         "positions": ((c.max_position_embeddings, E), ("positions", "embed")),
-        "layers": {
-            "attn_norm": vec,
-            "attn_norm_b": vec,
-            "wq": ((L, E, NH, H), ("layers", "embed", "heads", "head_dim")),
-            "wk": ((L, E, NH, H), ("layers", "embed", "kv_heads", "head_dim")),
-            "wv": ((L, E, NH, H), ("layers", "embed", "kv_heads", "head_dim")),
-            "bq": ((L, NH, H), ("layers", "heads", "head_dim")),
-            "bk": ((L, NH, H), ("layers", "kv_heads", "head_dim")),
-            "bv": ((L, NH, H), ("layers", "kv_heads", "head_dim")),
-            "wo": ((L, NH, H, E), ("layers", "heads", "head_dim", "embed")),
-            "bo": vec,
-            "mlp_norm": vec,
-            "mlp_norm_b": vec,
-            "w_in": ((L, E, F), ("layers", "embed", "mlp")),
-            "b_in": ((L, F), ("layers", "mlp")),
-            "w_out": ((L, F, E), ("layers", "mlp", "embed")),
-            "b_out": vec,
-        },
+        "layers": gpt_layer_shapes(c, c.intermediate_size, qkv_bias=True),
         "final_norm": ((E,), ("embed",)),
         "final_norm_b": ((E,), ("embed",)),
     }
@@ -236,16 +221,10 @@ def forward(
 
     def layer(x_BTE, xs):
         p, s, cache_k, cache_v = xs
-        h = layer_norm(x_BTE, p["attn_norm"], p["attn_norm_b"], eps)
-        q = jnp.einsum("bte,enh->btnh", h, p["wq"]) + p["bq"][None, None]
-        k = jnp.einsum("bte,enh->btnh", h, p["wk"]) + p["bk"][None, None]
-        v = jnp.einsum("bte,enh->btnh", h, p["wv"]) + p["bv"][None, None]
-        attn = attention(q, k, v, cache_k, cache_v, mask, s)
-        x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"]) + p["bo"][None, None]
+        q, k, v = project_qkv(layer_norm(x_BTE, p["attn_norm"], p["attn_norm_b"], eps), p)
+        x_BTE = x_BTE + attention_out(attention(q, k, v, cache_k, cache_v, mask, s), p)
         h = layer_norm(x_BTE, p["mlp_norm"], p["mlp_norm_b"], eps)
-        h = act(jnp.einsum("bte,ef->btf", h, p["w_in"]) + p["b_in"][None, None])
-        x_BTE = x_BTE + jnp.einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"][None, None]
-        return x_BTE, (k, v)
+        return x_BTE + dense_mlp(h, p, act), (k, v)
 
     x = params["embed"][tokens]
     x = x + lookup(params["positions"], positions).astype(x.dtype)
@@ -253,5 +232,4 @@ def forward(
     xs = (params["layers"], jnp.asarray(layer_scale), *caches)
     x, (new_k, new_v) = jax.lax.scan(layer, x, xs)
     x = layer_norm(x, params["final_norm"], params["final_norm_b"], eps)
-    head = params["embed"] if c.tie_word_embeddings else params["lm_head"]
-    return lm_logits(x, head, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)
+    return output_logits(x, params, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)

@@ -27,13 +27,17 @@ from asps_jax.models.hf_table import HFTensor
 from asps_jax.models.layers import (
     activation,
     attention,
+    attention_out,
     axes_of,
     check_inputs,
+    dense_mlp,
     gpt_constant,
+    gpt_layer_shapes,
     init_from_shapes,
     layer_norm,
-    lm_logits,
     lookup,
+    output_logits,
+    project_qkv,
     window_mask,
 )
 
@@ -158,27 +162,11 @@ config_from_hf = GPTNeoConfig.from_hf
 
 def param_shapes(config: GPTNeoConfig) -> dict:
     c = config
-    L, E, F, V = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
-    NH, H = c.num_attention_heads, c.head_dim
-    vec = ((L, E), ("layers", "embed"))
+    E, V = c.hidden_size, c.vocab_size
     shapes = {
         "embed": ((V, E), ("vocab", "embed")),
         "positions": ((c.max_position_embeddings, E), ("positions", "embed")),
-        "layers": {
-            "attn_norm": vec,
-            "attn_norm_b": vec,
-            "wq": ((L, E, NH, H), ("layers", "embed", "heads", "head_dim")),
-            "wk": ((L, E, NH, H), ("layers", "embed", "kv_heads", "head_dim")),
-            "wv": ((L, E, NH, H), ("layers", "embed", "kv_heads", "head_dim")),
-            "wo": ((L, NH, H, E), ("layers", "heads", "head_dim", "embed")),
-            "bo": vec,
-            "mlp_norm": vec,
-            "mlp_norm_b": vec,
-            "w_in": ((L, E, F), ("layers", "embed", "mlp")),
-            "b_in": ((L, F), ("layers", "mlp")),
-            "w_out": ((L, F, E), ("layers", "mlp", "embed")),
-            "b_out": vec,
-        },
+        "layers": gpt_layer_shapes(c, c.intermediate_size, qkv_bias=False),
         "final_norm": ((E,), ("embed",)),
         "final_norm_b": ((E,), ("embed",)),
     }
@@ -246,22 +234,16 @@ def forward(
 
     def layer(x_BTE, xs):
         p, is_local, cache_k, cache_v = xs
-        h = layer_norm(x_BTE, p["attn_norm"], p["attn_norm_b"], eps)
-        q = jnp.einsum("bte,enh->btnh", h, p["wq"])
-        k = jnp.einsum("bte,enh->btnh", h, p["wk"])
-        v = jnp.einsum("bte,enh->btnh", h, p["wv"])
+        q, k, v = project_qkv(layer_norm(x_BTE, p["attn_norm"], p["attn_norm_b"], eps), p)
         layer_mask = jnp.where(is_local, local_mask, mask)
         attn = attention(q, k, v, cache_k, cache_v, layer_mask, 1.0)  # no 1/sqrt(H)
-        x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"]) + p["bo"][None, None]
+        x_BTE = x_BTE + attention_out(attn, p)
         h = layer_norm(x_BTE, p["mlp_norm"], p["mlp_norm_b"], eps)
-        h = act(jnp.einsum("bte,ef->btf", h, p["w_in"]) + p["b_in"][None, None])
-        x_BTE = x_BTE + jnp.einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"][None, None]
-        return x_BTE, (k, v)
+        return x_BTE + dense_mlp(h, p, act), (k, v)
 
     x = params["embed"][tokens]
     x = x + lookup(params["positions"], positions).astype(x.dtype)
     caches = (None, None) if cache is None else (cache.k, cache.v)
     x, (new_k, new_v) = jax.lax.scan(layer, x, (params["layers"], local_L, *caches))
     x = layer_norm(x, params["final_norm"], params["final_norm_b"], eps)
-    head = params["embed"] if c.tie_word_embeddings else params["lm_head"]
-    return lm_logits(x, head, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)
+    return output_logits(x, params, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)

@@ -134,6 +134,62 @@ def attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v, mask_BTS, scale: float) 
     return out.astype(dtype).reshape(B, T, NH, H)
 
 
+def project_qkv(h_BTE: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``q, k, v [B, T, heads, H]`` of one layer's ``wq/wk/wv``, plus ``bq/bk/bv`` when present."""
+    out = []
+    for name in ("q", "k", "v"):
+        y = jnp.einsum("bte,enh->btnh", h_BTE, p["w" + name])
+        out.append(y + p["b" + name][None, None] if "b" + name in p else y)
+    return tuple(out)
+
+
+def attention_out(attn_BTNH: jax.Array, p: dict) -> jax.Array:
+    """The output projection ``wo`` (+ ``bo`` when present) back to ``[B, T, E]``."""
+    y = jnp.einsum("btnh,nhe->bte", attn_BTNH, p["wo"])
+    return y + p["bo"][None, None] if "bo" in p else y
+
+
+def dense_mlp(h_BTE: jax.Array, p: dict, act) -> jax.Array:
+    """The two-matrix MLP of the learned-position families: ``act(h w_in + b_in) w_out + b_out``."""
+    h = act(jnp.einsum("bte,ef->btf", h_BTE, p["w_in"]) + p["b_in"][None, None])
+    return jnp.einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"][None, None]
+
+
+def gpt_layer_shapes(config, ffn: int, qkv_bias: bool) -> dict:
+    """``param_shapes()["layers"]`` of the learned-position families (GPT-2, GPT-Neo, OPT): layer
+    norms before attention and MLP, biased output and MLP projections, optional q/k/v biases."""
+    L, E, F = config.num_hidden_layers, config.hidden_size, ffn
+    NH, H = config.num_attention_heads, config.head_dim
+    vec = ((L, E), ("layers", "embed"))
+    shapes = {
+        "attn_norm": vec,
+        "attn_norm_b": vec,
+        "wq": ((L, E, NH, H), ("layers", "embed", "heads", "head_dim")),
+        "wk": ((L, E, NH, H), ("layers", "embed", "kv_heads", "head_dim")),
+        "wv": ((L, E, NH, H), ("layers", "embed", "kv_heads", "head_dim")),
+    }
+    if qkv_bias:
+        shapes["bq"] = ((L, NH, H), ("layers", "heads", "head_dim"))
+        shapes["bk"] = ((L, NH, H), ("layers", "kv_heads", "head_dim"))
+        shapes["bv"] = ((L, NH, H), ("layers", "kv_heads", "head_dim"))
+    shapes.update(
+        wo=((L, NH, H, E), ("layers", "heads", "head_dim", "embed")),
+        bo=vec,
+        mlp_norm=vec,
+        mlp_norm_b=vec,
+        w_in=((L, E, F), ("layers", "embed", "mlp")),
+        b_in=((L, F), ("layers", "mlp")),
+        w_out=((L, F, E), ("layers", "mlp", "embed")),
+        b_out=vec,
+    )
+    return shapes
+
+
+def output_logits(x_BTE: jax.Array, params: dict, tied: bool) -> jax.Array:
+    """float32 logits from the tied embedding or the ``lm_head`` of ``params``."""
+    return lm_logits(x_BTE, params["embed"] if tied else params["lm_head"], tied)
+
+
 def lm_logits(x_BTE: jax.Array, head: jax.Array, tied: bool) -> jax.Array:
     """float32 logits from the embedding ``[V, E]`` (tied) or a head ``[E, V]``."""
     spec = "bte,ve->btv" if tied else "bte,ev->btv"

@@ -28,7 +28,7 @@ from asps_jax.models.layers import (
     axes_of,
     check_inputs,
     init_from_shapes,
-    lm_logits,
+    output_logits,
     rms_norm,
 )
 from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
@@ -308,5 +308,4 @@ def forward(
         xs = (layers, None, None) if cache is None else (layers, cache.k, cache.v)
         x, (new_k, new_v) = jax.lax.scan(body, x, xs)
     x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
-    head = params["embed"] if c.tie_word_embeddings else params["lm_head"]
-    return lm_logits(x, head, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)
+    return output_logits(x, params, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)

@@ -28,13 +28,17 @@ from asps_jax.models.hf_table import HFTensor
 from asps_jax.models.layers import (
     activation,
     attention,
+    attention_out,
     axes_of,
     check_inputs,
+    dense_mlp,
     gpt_constant,
+    gpt_layer_shapes,
     init_from_shapes,
     layer_norm,
-    lm_logits,
     lookup,
+    output_logits,
+    project_qkv,
 )
 
 MODEL_TYPE = "opt"
@@ -154,32 +158,11 @@ config_from_hf = OPTConfig.from_hf
 def param_shapes(config: OPTConfig) -> dict:
     """``{name: (shape, logical axes)}``. P (``word_embed_proj_dim``) shards like ``embed``."""
     c = config
-    L, E, F, V = c.num_hidden_layers, c.hidden_size, c.ffn_dim, c.vocab_size
-    P = c.word_embed_proj_dim
-    NH, H = c.num_attention_heads, c.head_dim
-    vec = ((L, E), ("layers", "embed"))
-    heads_b = ((L, NH, H), ("layers", "heads", "head_dim"))
+    E, V, P = c.hidden_size, c.vocab_size, c.word_embed_proj_dim
     shapes = {
         "embed": ((V, P), ("vocab", "embed")),
         "positions": ((c.max_position_embeddings + POSITION_OFFSET, E), ("positions", "embed")),
-        "layers": {
-            "attn_norm": vec,
-            "attn_norm_b": vec,
-            "wq": ((L, E, NH, H), ("layers", "embed", "heads", "head_dim")),
-            "wk": ((L, E, NH, H), ("layers", "embed", "kv_heads", "head_dim")),
-            "wv": ((L, E, NH, H), ("layers", "embed", "kv_heads", "head_dim")),
-            "bq": heads_b,
-            "bk": ((L, NH, H), ("layers", "kv_heads", "head_dim")),
-            "bv": ((L, NH, H), ("layers", "kv_heads", "head_dim")),
-            "wo": ((L, NH, H, E), ("layers", "heads", "head_dim", "embed")),
-            "bo": vec,
-            "mlp_norm": vec,
-            "mlp_norm_b": vec,
-            "w_in": ((L, E, F), ("layers", "embed", "mlp")),
-            "b_in": ((L, F), ("layers", "mlp")),
-            "w_out": ((L, F, E), ("layers", "mlp", "embed")),
-            "b_out": vec,
-        },
+        "layers": gpt_layer_shapes(c, c.ffn_dim, qkv_bias=True),
     }
     if c.final_layer_norm:
         shapes["final_norm"] = ((E,), ("embed",))
@@ -256,17 +239,14 @@ def forward(
     def layer(x_BTE, xs):
         p, cache_k, cache_v = xs
         h = norm(x_BTE, p, "attn_norm") if c.do_layer_norm_before else x_BTE
+        q, k, v = project_qkv(h, p)
         # HF scales the biased query before the product (q_proj(h) * scaling).
-        q = (jnp.einsum("bte,enh->btnh", h, p["wq"]) + p["bq"][None, None]) * scale.astype(h.dtype)
-        k = jnp.einsum("bte,enh->btnh", h, p["wk"]) + p["bk"][None, None]
-        v = jnp.einsum("bte,enh->btnh", h, p["wv"]) + p["bv"][None, None]
-        attn = attention(q, k, v, cache_k, cache_v, mask, 1.0)
-        x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"]) + p["bo"][None, None]
+        attn = attention(q * scale.astype(h.dtype), k, v, cache_k, cache_v, mask, 1.0)
+        x_BTE = x_BTE + attention_out(attn, p)
         if not c.do_layer_norm_before:
             x_BTE = norm(x_BTE, p, "attn_norm")
         h = norm(x_BTE, p, "mlp_norm") if c.do_layer_norm_before else x_BTE
-        h = act(jnp.einsum("bte,ef->btf", h, p["w_in"]) + p["b_in"][None, None])
-        x_BTE = x_BTE + jnp.einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"][None, None]
+        x_BTE = x_BTE + dense_mlp(h, p, act)
         if not c.do_layer_norm_before:
             x_BTE = norm(x_BTE, p, "mlp_norm")
         return x_BTE, (k, v)
@@ -281,5 +261,4 @@ def forward(
         x = layer_norm(x, params["final_norm"], params["final_norm_b"], LAYER_NORM_EPS)
     if c.projected:
         x = jnp.einsum("bte,ep->btp", x, params["project_out"])
-    head = params["embed"] if c.tie_word_embeddings else params["lm_head"]
-    return lm_logits(x, head, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)
+    return output_logits(x, params, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)
