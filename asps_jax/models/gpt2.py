@@ -31,7 +31,7 @@ from asps_jax.models.layers import (
     check_inputs,
     dense_mlp,
     gpt_constant,
-    gpt_layer_shapes,
+    gpt_param_shapes,
     init_from_shapes,
     layer_norm,
     lookup,
@@ -146,18 +146,7 @@ config_from_hf = GPT2Config.from_hf
 
 
 def param_shapes(config: GPT2Config) -> dict:
-    c = config
-    E, V = c.hidden_size, c.vocab_size
-    shapes = {
-        "embed": ((V, E), ("vocab", "embed")),
-        "positions": ((c.max_position_embeddings, E), ("positions", "embed")),
-        "layers": gpt_layer_shapes(c, c.intermediate_size, qkv_bias=True),
-        "final_norm": ((E,), ("embed",)),
-        "final_norm_b": ((E,), ("embed",)),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head"] = ((E, V), ("embed", "vocab"))
-    return shapes
+    return gpt_param_shapes(config, config.intermediate_size, qkv_bias=True)
 
 
 def param_axes(config: GPT2Config) -> dict:

@@ -185,6 +185,22 @@ def gpt_layer_shapes(config, ffn: int, qkv_bias: bool) -> dict:
     return shapes
 
 
+def gpt_param_shapes(config, ffn: int, qkv_bias: bool) -> dict:
+    """``param_shapes()`` of GPT-2 and GPT-Neo: token and learned position embeddings, the
+    layers of :func:`gpt_layer_shapes`, a final layer norm and an untied head when there is one."""
+    E, V = config.hidden_size, config.vocab_size
+    shapes = {
+        "embed": ((V, E), ("vocab", "embed")),
+        "positions": ((config.max_position_embeddings, E), ("positions", "embed")),
+        "layers": gpt_layer_shapes(config, ffn, qkv_bias),
+        "final_norm": ((E,), ("embed",)),
+        "final_norm_b": ((E,), ("embed",)),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = ((E, V), ("embed", "vocab"))
+    return shapes
+
+
 def output_logits(x_BTE: jax.Array, params: dict, tied: bool) -> jax.Array:
     """float32 logits from the tied embedding or the ``lm_head`` of ``params``."""
     return lm_logits(x_BTE, params["embed"] if tied else params["lm_head"], tied)
