@@ -12,7 +12,9 @@ also fixes the layout of the state between two compiled steps (:func:`state_shar
 Tokens do not depend on the mesh: a row's randomness comes from its own key (``decode.py``), and
 the arithmetic is the same up to the order of the float32 sums that a sharded contraction
 all-reduces (heads, MLP, vocabulary) — a last-bit difference that could flip a sampled token only
-when a uniform lands within ~1e-7 of a decision boundary.
+when a uniform lands within ~1e-7 of a decision boundary. The exact draws keep that bound: their
+bits -> token map does not jump when a normalised law's float sum falls on the other side of 1
+(``asps_jax.draws``).
 """
 
 from __future__ import annotations
