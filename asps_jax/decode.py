@@ -491,6 +491,13 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         drafts = _draft(dec, draft_params, sampling, state)
     with jax.named_scope("score"):
         target_lp_BKDV, target_ok_BKD, new_kv = _score(dec, target_params, sampling, state, drafts)
+        # A chain is verified only up to its first unusable target law: the tokens before it are
+        # then decided by usable laws alone (ASpS weighs a whole chain, so an unusable law deeper
+        # down would otherwise change them); a bonus drawn from that law is cut below.
+        first_bad_BK = _first_false(target_ok_BKD, dec.spec.num_draft_tokens + 2)
+        drafts = dataclasses.replace(
+            drafts, lengths_BK=jnp.minimum(drafts.lengths_BK, first_bad_BK)
+        )
     with jax.named_scope("verify"):
         verdict = _verify(dec, state, drafts, target_lp_BKDV)
         num_B = jnp.where(active_B, verdict.num_tokens, 0)
@@ -498,10 +505,7 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         # token (if any) from its draft law at depth j: the first unusable one of either ends the
         # row there, keeping the slots before it.
         chosen_B1 = verdict.draft_index[:, None]
-        bad_target_B = _first_false(
-            jnp.take_along_axis(target_ok_BKD, chosen_B1[:, :, None], axis=1)[:, 0],
-            dec.spec.num_draft_tokens + 2,
-        )
+        bad_target_B = jnp.take_along_axis(first_bad_BK, chosen_B1, axis=1)[:, 0]
         bad_draft_B = jnp.take_along_axis(drafts.bad_depth_BK, chosen_B1, axis=1)[:, 0]
         bad_B = jnp.minimum(bad_target_B, bad_draft_B)
         failed_B = active_B & (bad_B < num_B)

@@ -77,23 +77,30 @@ def _run(target, draft, method, k, temperature):
 @pytest.mark.parametrize("method,k", METHODS)
 def test_nan_after_a_token_stops_each_row_there(models, method, k, temperature):
     m, nan_token, greedy, j = models
-    clean = _run(m["target"], m["draft"], method, k, temperature)
-    clean_tokens = np.asarray(clean.tokens)
     with pytest.raises(NonFiniteLogitsError) as info:
         _run(m["nan_token"], m["draft"], method, k, temperature)
     err = info.value
     out_tokens, out_lengths = np.asarray(err.output.tokens), np.asarray(err.output.lengths)
+    # AR draws each token alone and greedy draws nothing: until X both runs make the same draws,
+    # so the clean run is the reference. ASpS (and the multi-draft ASpS tail) weighs a whole
+    # chain, and a clean chain that went on past X is verified with more laws than the NaN run's
+    # chain cut at X: the same bits may decide differently, and the row itself is the reference
+    # (it must stop just after its first X, or run to the end without one).
+    coupled = method == "ar" or temperature == 0.0
+    ref_tokens = out_tokens
+    if coupled:
+        ref_tokens = np.asarray(_run(m["target"], m["draft"], method, k, temperature).tokens)
     want_rows, want_pos = [], []
     for b in range(ROWS):
-        hits = np.flatnonzero(clean_tokens[b] == nan_token)
+        hits = np.flatnonzero(ref_tokens[b] == nan_token)
         if hits.size and hits[0] + 1 < MAX_NEW:  # X emitted with room for one more token
             cut = int(hits[0]) + 1
             want_rows.append(b)
             want_pos.append(cut)
         else:
             cut = MAX_NEW
-        assert out_lengths[b] == cut, (b, clean_tokens[b], out_tokens[b])
-        np.testing.assert_array_equal(out_tokens[b, :cut], clean_tokens[b, :cut])
+        assert out_lengths[b] == cut, (b, ref_tokens[b], out_tokens[b])
+        np.testing.assert_array_equal(out_tokens[b, :cut], ref_tokens[b, :cut])
         assert np.all(out_tokens[b, cut:] == -1)
     assert err.rows == want_rows and err.positions == want_pos
     assert np.asarray(err.output.stats["failed_at"]).tolist() == [
