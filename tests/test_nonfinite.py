@@ -23,6 +23,11 @@ MAX_NEW = 6
 PROMPT = [2, 4]
 ROWS = 24
 METHODS = [("ar", 1), ("asps", 1), ("specinfer", 2)]
+# Tree methods stop at an unusable law on the accepted path like the others. The NaN-after-a-token
+# test leaves them out: at temperature 1 it fails for ASpS already (block verification reads the
+# law after a draft token before accepting it, so the NaN run can emit other tokens than the clean
+# run before the cut), and it fails the same way for the tree methods.
+TREE = [("tv_wr", 2), ("is_bv", 2)]
 
 
 def _llama(path, seed, **kwargs):
@@ -108,7 +113,7 @@ def test_nan_after_a_token_stops_each_row_there(models, method, k, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("method,k", METHODS)
+@pytest.mark.parametrize("method,k", METHODS + TREE)
 def test_nan_target_stops_every_row_before_any_token(models, method, k, temperature):
     m = models[0]
     with pytest.raises(NonFiniteLogitsError) as info:
@@ -120,7 +125,7 @@ def test_nan_target_stops_every_row_before_any_token(models, method, k, temperat
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("method,k", METHODS[1:])
+@pytest.mark.parametrize("method,k", METHODS[1:] + TREE)
 def test_nan_draft_stops_every_row_before_any_token(models, method, k, temperature):
     m = models[0]
     with pytest.raises(NonFiniteLogitsError) as info:
