@@ -8,8 +8,11 @@ stages, each in its own ``jax.named_scope`` so that a profile reads as the step 
 
 1. ``draft``: K draft chains per row (``rollout.py``);
 2. ``score``: one target forward over the whole token tree (``scoring.py``);
-3. ``verify``: ``verify_chain`` / ``verify_drafts``, then EOS truncation of the emitted block;
-4. ``commit``: the accepted path into both KV caches;
+3. ``verify``: ``verify_chain`` / ``verify_drafts`` on the chains, or ``verify_tree`` on the
+   node-indexed tree for the sequence-level methods (``"tv"``, ``"tv_wr"``, ``"is_bv"``), then
+   EOS truncation of the emitted block;
+4. ``commit``: the accepted path (root, then the accepted nodes) into the target cache, and the
+   draft replicas synced to a chain that carries it;
 5. ``metrics``: the per-row counters (``statistics.update``);
 6. ``emit``: the emitted tokens, and the target's log-probability of each (gathered from the laws
    the score stage already processed, along the accepted path), into each row's output.
@@ -43,9 +46,9 @@ from asps_jax import kv_cache, rollout, scoring, sharding, statistics, trees
 from asps_jax.models import forward_for
 from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
-from asps_jax.verify import Verdict, verify_chain, verify_drafts
+from asps_jax.verify import Verdict, verify_chain, verify_drafts, verify_tree
 from asps_jax.verify.acceptance import optimal_acceptance
-from asps_jax.verify.api import CHAIN_METHODS
+from asps_jax.verify.api import CHAIN_METHODS, TREE_METHODS
 
 __all__ = ["DecodeState", "DecodeStats", "Decoder", "SamplingParams", "SpecConfig"]
 
@@ -58,7 +61,7 @@ _PURPOSE_AR = 2
 class SpecConfig:
     """Static (hashable) description of the decoding method; changing it recompiles."""
 
-    method: str  # "ar" or a verify_chain / verify_drafts method
+    method: str  # "ar" or a verify_chain / verify_drafts / verify_tree method
     num_draft_tokens: int  # n (= D, the tree depth)
     num_drafts: int  # K
     max_new_tokens: int
@@ -67,6 +70,11 @@ class SpecConfig:
     @property
     def uses_draft(self) -> bool:
         return self.method != "ar"
+
+    @property
+    def verifies_tree(self) -> bool:
+        """The method verifies the node-indexed tree (``verify_tree``), not chains."""
+        return self.method in TREE_METHODS
 
     @property
     def tree(self) -> trees.Tree:
@@ -403,9 +411,14 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
 
 
 def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
-    """Stage 2: one target forward over the whole tree; returns the processed target log-probs
-    along each chain's root path, float32[B, K, D + 1, V], whether each of those laws is usable,
-    bool[B, K, D + 1] (:func:`asps_jax.processors.logits_ok`), and the tree's new keys / values."""
+    """Stage 2: one target forward over the whole tree; returns the processed target log-probs,
+    whether each of those laws is usable (:func:`asps_jax.processors.logits_ok`), and the tree's
+    new keys / values.
+
+    A tree method gets the laws node-indexed, float32[B, N, V] and bool[B, N] (node i: the target
+    after node i); the others along each chain's root path, float32[B, K, D + 1, V] and
+    bool[B, K, D + 1].
+    """
     tree = dec.spec.tree
     valid_BN = trees.node_validity(tree, drafts.lengths_BK)
     node_tokens_BN = trees.chain_tokens_to_nodes(state.root, drafts.tokens_BKD)
@@ -418,17 +431,25 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
         valid_BN,
     )
     logits_BNV = sharding.constrain(logits_BNV, ("batch", None, "vocab"), dec.mesh)
+    if dec.spec.verifies_tree:
+        return sampling.process(logits_BNV), logits_ok(logits_BNV), new_kv
     paths_KD = trees.path_nodes(tree, jnp.arange(dec.spec.num_drafts))  # [K, D + 1]
     path_logits_BKDV = logits_BNV[:, paths_KD]
     return sampling.process(path_logits_BKDV), logits_ok(path_logits_BKDV), new_kv
 
 
-def _verify(dec: Decoder, state, drafts: Drafts, target_lp_BKDV) -> Verdict:
-    """Stage 3: verification of the K chains of each row against the target."""
+def _verify(dec: Decoder, state, drafts: Drafts, target_lp) -> tuple[Verdict, jax.Array]:
+    """Stage 3: verification against the target (``target_lp`` as :func:`_score` returns it).
+
+    Returns the :class:`Verdict` and the nodes of the accepted path, int32[B, D + 1]: the root,
+    then one node per accepted draft token (entries from ``num_tokens`` on are never read).
+    """
     spec = dec.spec
     verify_keys_B = _step_keys(state, _PURPOSE_VERIFY)
+    if spec.verifies_tree:
+        return _verify_tree(dec, state, drafts, target_lp, verify_keys_B)
     if spec.method in CHAIN_METHODS and spec.num_drafts == 1:
-        return jax.vmap(
+        verdict = jax.vmap(
             lambda key, x, lq, lp, length: verify_chain(
                 key, x, lq, lp, method=spec.method, draft_length=length
             )
@@ -436,53 +457,103 @@ def _verify(dec: Decoder, state, drafts: Drafts, target_lp_BKDV) -> Verdict:
             verify_keys_B,
             drafts.tokens_BKD[:, 0],
             drafts.logprobs_BKDV[:, 0],
-            target_lp_BKDV[:, 0],
+            target_lp[:, 0],
             drafts.lengths_BK[:, 0],
         )
-    options = dict(spec.options)
-    return jax.vmap(
-        lambda key, x, lq, lp, length: verify_drafts(
-            key, x, lq, lp, method=spec.method, draft_length=length, **options
-        )
-    )(verify_keys_B, drafts.tokens_BKD, drafts.logprobs_BKDV, target_lp_BKDV, drafts.lengths_BK)
+    else:
+        options = dict(spec.options)
+        verdict = jax.vmap(
+            lambda key, x, lq, lp, length: verify_drafts(
+                key, x, lq, lp, method=spec.method, draft_length=length, **options
+            )
+        )(verify_keys_B, drafts.tokens_BKD, drafts.logprobs_BKDV, target_lp, drafts.lengths_BK)
+    return verdict, trees.path_nodes(spec.tree, verdict.draft_index)
 
 
-def _commit(dec: Decoder, state, drafts: Drafts, new_kv, verdict: Verdict, num_B) -> DecodeState:
-    """Stage 4: commit the root and the accepted draft tokens into both caches."""
-    n, k = dec.spec.num_draft_tokens, dec.spec.num_drafts
-    t_cache = kv_cache.commit(
-        state.target_cache, new_kv, trees.path_nodes(dec.spec.tree, verdict.draft_index), num_B
+def _verify_tree(dec: Decoder, state, drafts: Drafts, target_lp_BNV, keys_B):
+    """``verify_tree`` on each row's K-chain tree: node i carries its token, the law it was drawn
+    from (its chain's law at its depth) and the target law after it; a node is valid iff its
+    depth is within its chain's usable length.
+
+    ``verify_tree`` merges siblings that drew the same token: the accepted path names canonical
+    nodes, each the first chain's slot with its root-path tokens. So the chain of the deepest
+    accepted node drew the whole accepted path as its own prefix; it is the Verdict's
+    ``draft_index`` (the draft replica the others sync to, and the chain statistics read).
+    """
+    spec = dec.spec
+    n = spec.num_draft_tokens
+    batch, k, _, vocab = drafts.logprobs_BKDV.shape
+    tree = trees.token_tree_of(spec.tree)
+    node_tokens_BN = trees.chain_tokens_to_nodes(state.root, drafts.tokens_BKD)
+    # Row 0 (the root) was not drawn and is never read: any law of the right shape fills it.
+    draft_lp_BNV = jnp.concatenate(
+        [drafts.logprobs_BKDV[:, 0, :1], drafts.logprobs_BKDV.reshape(batch, k * n, vocab)], axis=1
     )
+    valid_BN = trees.node_validity(spec.tree, drafts.lengths_BK)
+    options = dict(spec.options)
+    found = jax.vmap(
+        lambda key, x, lq, lp, valid: verify_tree(
+            key, tree, x, lq, lp, valid, method=spec.method, **options
+        )
+    )(keys_B, node_tokens_BN, draft_lp_BNV, target_lp_BNV, valid_BN)
+    deepest_B = jnp.take_along_axis(found.path, (found.num_tokens - 1)[:, None], axis=1)[:, 0]
+    verdict = Verdict(
+        tokens=found.tokens,
+        num_tokens=found.num_tokens,
+        draft_index=(jnp.maximum(deepest_B - 1, 0) // n).astype(jnp.int32),
+        num_fallbacks=jnp.zeros_like(found.num_tokens),
+    )
+    return verdict, jnp.maximum(found.path, 0)
+
+
+def _path_laws(dec: Decoder, target_lp, target_ok, verdict: Verdict, path_BT):
+    """The target laws along the accepted path, float32[B, D + 1, V] (slot j: the law after the
+    path's node j, i.e. the law of emitted token j), and whether each is usable, bool[B, D + 1]."""
+    if dec.spec.verifies_tree:
+        return (
+            jnp.take_along_axis(target_lp, path_BT[:, :, None], axis=1),
+            jnp.take_along_axis(target_ok, path_BT, axis=1),
+        )
+    chosen_B1 = verdict.draft_index[:, None]
+    return (
+        jnp.take_along_axis(target_lp, chosen_B1[:, :, None, None], axis=1)[:, 0],
+        jnp.take_along_axis(target_ok, chosen_B1[:, :, None], axis=1)[:, 0],
+    )
+
+
+def _commit(dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B) -> DecodeState:
+    """Stage 4: commit the first ``num_B`` nodes of the accepted path (the root and the accepted
+    draft tokens) into the target cache; the draft replicas take chain ``chain_B``'s slots (a
+    chain whose prefix is the accepted path)."""
+    n, k = dec.spec.num_draft_tokens, dec.spec.num_drafts
+    t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B)
     d_cache = drafts.cache
     if k > 1:
-        d_cache = _sync_draft_replicas(d_cache, drafts.start_B, verdict.draft_index, k, n + 1)
+        d_cache = _sync_draft_replicas(d_cache, drafts.start_B, chain_B, k, n + 1)
     d_cache = dataclasses.replace(d_cache, lengths=jnp.repeat(drafts.start_B + num_B, k))
     return dataclasses.replace(state, target_cache=t_cache, draft_cache=d_cache)
 
 
-def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, target_lp_BKDV) -> jax.Array:
+def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, root_lp_BV) -> jax.Array:
     """The best root acceptance any exact token-level scheme could reach (docs/algorithms.md
-    §3.5), float32[B]; NaN for K >= 2 drafts unless ``dec.diagnostics``."""
+    §3.5), float32[B], from the target's root law ``root_lp_BV``; NaN for K >= 2 drafts unless
+    ``dec.diagnostics``."""
     if dec.spec.num_drafts == 1:  # 1 - TV(p, q): no sort needed
-        overlap_BV = jnp.minimum(target_lp_BKDV[:, 0, 0], drafts.logprobs_BKDV[:, 0, 0])
+        overlap_BV = jnp.minimum(root_lp_BV, drafts.logprobs_BKDV[:, 0, 0])
         return jnp.exp(jax.nn.logsumexp(overlap_BV, axis=-1))
     if not dec.diagnostics:
         return jnp.full(drafts.start_B.shape, jnp.nan, jnp.float32)
-    return optimal_acceptance(target_lp_BKDV[:, 0, 0], drafts.logprobs_BKDV[:, :, 0])
+    return optimal_acceptance(root_lp_BV, drafts.logprobs_BKDV[:, :, 0])
 
 
-def _emitted_logprobs(target_lp_BKDV, verdict: Verdict) -> jax.Array:
+def _emitted_logprobs(path_lp_BTV, verdict: Verdict) -> jax.Array:
     """float32[B, D + 1]: ``log p(tokens[j] | prefix)`` for each slot of the emitted block.
 
-    The emitted tokens follow the prefix of chain ``draft_index`` (a recovered or bonus token ends
-    it), so slot j's law is that chain's target law at depth j. Slots past ``num_tokens`` (-1) read
-    token 0 and are never written out.
+    Slot j's law is the target law after the accepted path's node j (``_path_laws``). Slots past
+    ``num_tokens`` (-1) read token 0 and are never written out.
     """
-    path_lp_BDV = jnp.take_along_axis(
-        target_lp_BKDV, verdict.draft_index[:, None, None, None], axis=1
-    )[:, 0]
-    tokens_BD = jnp.maximum(verdict.tokens, 0)
-    return jnp.take_along_axis(path_lp_BDV, tokens_BD[:, :, None], axis=2)[:, :, 0]
+    tokens_BT = jnp.maximum(verdict.tokens, 0)
+    return jnp.take_along_axis(path_lp_BTV, tokens_BT[:, :, None], axis=2)[:, :, 0]
 
 
 def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
@@ -490,23 +561,30 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     with jax.named_scope("draft"):
         drafts = _draft(dec, draft_params, sampling, state)
     with jax.named_scope("score"):
-        target_lp_BKDV, target_ok_BKD, new_kv = _score(dec, target_params, sampling, state, drafts)
+        target_lp, target_ok, new_kv = _score(dec, target_params, sampling, state, drafts)
         # A chain is verified only up to its first unusable target law: the tokens before it are
         # then decided by usable laws alone (ASpS weighs a whole chain, so an unusable law deeper
         # down would otherwise change them); a bonus drawn from that law is cut below.
-        first_bad_BK = _first_false(target_ok_BKD, dec.spec.num_draft_tokens + 2)
+        chain_ok_BKD = target_ok
+        if dec.spec.verifies_tree:
+            chain_ok_BKD = target_ok[
+                :, trees.path_nodes(dec.spec.tree, jnp.arange(dec.spec.num_drafts))
+            ]
+        first_bad_BK = _first_false(chain_ok_BKD, dec.spec.num_draft_tokens + 2)
         drafts = dataclasses.replace(
             drafts, lengths_BK=jnp.minimum(drafts.lengths_BK, first_bad_BK)
         )
     with jax.named_scope("verify"):
-        verdict = _verify(dec, state, drafts, target_lp_BKDV)
+        verdict, path_BT = _verify(dec, state, drafts, target_lp)
+        path_lp_BTV, path_ok_BT = _path_laws(dec, target_lp, target_ok, verdict, path_BT)
         num_B = jnp.where(active_B, verdict.num_tokens, 0)
-        # Block slot j of the accepted chain comes from its target law at depth j, and its draft
-        # token (if any) from its draft law at depth j: the first unusable one of either ends the
-        # row there, keeping the slots before it.
-        chosen_B1 = verdict.draft_index[:, None]
-        bad_target_B = jnp.take_along_axis(first_bad_BK, chosen_B1, axis=1)[:, 0]
-        bad_draft_B = jnp.take_along_axis(drafts.bad_depth_BK, chosen_B1, axis=1)[:, 0]
+        # Block slot j comes from the target law after the path's node j, and its draft token
+        # (if any) from the accepted chain's draft law at depth j: the first unusable one of
+        # either ends the row there, keeping the slots before it.
+        bad_target_B = _first_false(path_ok_BT, dec.spec.num_draft_tokens + 2)
+        bad_draft_B = jnp.take_along_axis(
+            drafts.bad_depth_BK, verdict.draft_index[:, None], axis=1
+        )[:, 0]
         bad_B = jnp.minimum(bad_target_B, bad_draft_B)
         failed_B = active_B & (bad_B < num_B)
         num_B = jnp.where(failed_B, bad_B, num_B)
@@ -514,8 +592,9 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         num_B, hit_eos = _first_eos_length(verdict.tokens, num_B, sampling.eos_ids)
         failed_B = failed_B & ~hit_eos
     with jax.named_scope("commit"):
-        new_state = _commit(dec, state, drafts, new_kv, verdict, num_B)
+        new_state = _commit(dec, state, drafts, new_kv, path_BT, verdict.draft_index, num_B)
     with jax.named_scope("metrics"):
+        root_lp_BV = target_lp[:, 0] if dec.spec.verifies_tree else target_lp[:, 0, 0]
         stats = statistics.update(
             state.stats,
             active_B=active_B,
@@ -524,11 +603,11 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
             verdict=verdict,
             draft_lengths_BK=drafts.lengths_BK,
             root_drafts_BK=drafts.tokens_BKD[:, :, 0],
-            root_optimal_B=_root_optimal_acceptance(dec, drafts, target_lp_BKDV),
+            root_optimal_B=_root_optimal_acceptance(dec, drafts, root_lp_BV),
         )
     new_state = dataclasses.replace(new_state, stats=stats)
     with jax.named_scope("emit"):
-        block_lp_BT = _emitted_logprobs(target_lp_BKDV, verdict)
+        block_lp_BT = _emitted_logprobs(path_lp_BTV, verdict)
         return _emit(dec, new_state, verdict.tokens, block_lp_BT, num_B, hit_eos | failed_B)
 
 

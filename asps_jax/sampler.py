@@ -19,16 +19,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import decode, sharding, statistics
+from asps_jax import decode, sharding, statistics, trees
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.processors import SamplingParams, validate_sampling_args
-from asps_jax.verify.api import CHAIN_METHODS, DRAFTS_METHODS, WITHOUT_REPLACEMENT_METHODS
+from asps_jax.verify.api import (
+    CHAIN_METHODS,
+    DRAFTS_METHODS,
+    TREE_METHODS,
+    WITHOUT_REPLACEMENT_METHODS,
+)
+from asps_jax.verify.tree import check_options as check_tree_options
 
 # The decode loop draws K drafts independently (with replacement), so the verifier that needs
-# root drafts drawn without replacement is available through verify_drafts only.
+# root drafts drawn without replacement is available through verify_drafts only. The registries
+# of verify/api.py are the one list: the CLI and the benchmarks take theirs from here.
 METHODS: tuple[str, ...] = ("ar",) + tuple(
-    m for m in dict.fromkeys(CHAIN_METHODS + DRAFTS_METHODS) if m not in WITHOUT_REPLACEMENT_METHODS
+    m
+    for m in dict.fromkeys(CHAIN_METHODS + DRAFTS_METHODS + TREE_METHODS)
+    if m not in WITHOUT_REPLACEMENT_METHODS
 )
 _PROMPT_BUCKET = 16
 _CACHE_BUCKET = 64
@@ -195,7 +204,7 @@ def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
     return ids
 
 
-def _check_method(method, draft, target, num_drafts, options) -> None:
+def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) -> None:
     if method not in METHODS:
         raise ValueError(f"method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "ar":
@@ -216,6 +225,9 @@ def _check_method(method, draft, target, num_drafts, options) -> None:
             )
         if options:
             raise ValueError(f"method {method!r} takes no options, got {sorted(options)}")
+    if method in TREE_METHODS:  # the K-chain tree the decode loop draws
+        tree = trees.chains_token_tree(num_drafts, num_draft_tokens)
+        check_tree_options(tree, method, **options)
 
 
 def _device_memory_bytes(mesh) -> int:
@@ -296,7 +308,7 @@ def prepare(
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
     num_draft_tokens = _check_int("num_draft_tokens", num_draft_tokens, 1)
     num_drafts = _check_int("num_drafts", num_drafts, 1)
-    _check_method(method, draft, target, num_drafts, options)
+    _check_method(method, draft, target, num_drafts, num_draft_tokens, options)
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
     if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32
         top_k = np.minimum(np.asarray(top_k, np.int64), target.vocab_size)

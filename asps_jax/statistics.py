@@ -85,7 +85,8 @@ def update(
       failed_at_B: int32[B], where the row failed this step (the token index whose law, or whose
         draft law, was not usable; see :attr:`DecodeStats.failed_at`), -1 when it did not.
       verdict: the step's ``Verdict`` (batch B); None for autoregressive decoding, which has no
-        draft statistics.
+        draft statistics. Its ``draft_index`` is the chain the acceptance counts follow: the
+        verified chain, or for a tree method the chain that drew the accepted path.
       draft_lengths_BK: int32[B, K], the usable length of each draft chain.
       root_drafts_BK: int32[B, K], the first token of each draft chain.
       root_optimal_B: float32[B], ``optimal_acceptance`` at the root (docs/algorithms.md §3.5).

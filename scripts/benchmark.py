@@ -112,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="top-p filter (default off)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (ours and torch)")
     p.add_argument(
-        "--repeats", type=int, default=3, help="timed runs per config after a warm-up (median)"
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per config after a warm-up (median); 0: a single run and no warm-up, "
+        "for the tokens/step figures (its wall time includes first-call allocations)",
     )
     p.add_argument(
         "--torch-threads",
@@ -136,9 +140,11 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, values in (("--n", args.n), ("--k", args.k)):
         if not values or min(values) < 1:
             raise ValueError(f"{flag}: every value must be an integer >= 1, got {values}")
-    for flag in ("batch_size", "max_new_tokens", "prompt_tokens", "repeats", "torch_threads"):
+    for flag in ("batch_size", "max_new_tokens", "prompt_tokens", "torch_threads"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.repeats < 0:
+        raise ValueError(f"--repeats must be >= 0, got {args.repeats}")
     if args.temperature < 0 or not math.isfinite(args.temperature):
         raise ValueError(f"--temperature must be finite and >= 0, got {args.temperature}")
     dt = args.draft_temperature
@@ -286,9 +292,10 @@ def run_ours(target, draft, prompts, method, n, k, args) -> dict:
     compiled = decode.generate.lower(decoder, **call).compile()
     compile_s = time.perf_counter() - start
     dynamic = call  # the array pytrees; the decoder is compiled in
-    jax.block_until_ready(compiled(**dynamic))  # warm-up: first-call allocations
+    if args.repeats > 0:
+        jax.block_until_ready(compiled(**dynamic))  # warm-up: first-call allocations
     times = []
-    for _ in range(args.repeats):
+    for _ in range(max(args.repeats, 1)):
         start = time.perf_counter()
         state = jax.block_until_ready(compiled(**dynamic))
         times.append(time.perf_counter() - start)
@@ -364,7 +371,7 @@ def run_hf(target, draft, prompts, ns, args, progress=None) -> list[dict]:
     def timed(name, n, fn):
         torch.manual_seed(args.seed)
         times, tokens = [], 0
-        for _ in range(args.repeats):
+        for _ in range(max(args.repeats, 1)):
             start = time.perf_counter()
             tokens = fn()
             times.append(time.perf_counter() - start)

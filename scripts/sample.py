@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="asps",
         choices=METHODS,
         help="verification method: ar = target alone; sps / asps = one draft chain; "
-        "specinfer / spectr / is / optimal = several drafts (default asps)",
+        "specinfer / spectr / is / optimal = several drafts, token by token; tv / tv_wr / is_bv "
+        "= several drafts verified as one tree (default asps)",
     )
     p.add_argument(
         "--num-draft-tokens",

@@ -144,6 +144,7 @@ def test_plan_runs_each_method_at_its_draft_counts():
         (["--top-k", "-2"], "--top-k"),
         (["--top-p", "0"], "--top-p"),
         (["--top-p", "1.5"], "--top-p"),
+        (["--repeats", "-1"], "--repeats"),
     ],
 )
 def test_bad_flags_name_the_flag(argv, flag, capsys):

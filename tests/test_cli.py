@@ -138,3 +138,9 @@ def test_help_explains_every_flag(capsys):
         for flag in action.option_strings:
             assert flag in out
         assert action.help
+
+
+def test_tree_methods_are_method_choices():
+    parser = cli.build_parser()
+    for method in ("tv", "tv_wr", "is_bv"):
+        assert parser.parse_args(["--method", method, "--num-drafts", "4"]).method == method

@@ -6,7 +6,10 @@ decoding. One compile per method is shared by every test (same static shapes: n 
 
 from __future__ import annotations
 
+import types
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -96,7 +99,7 @@ SETTINGS = [
 ]
 
 
-def _sample_law(target, draft, method, eos_token_id=-1, seed=100):
+def _sample_law(target, draft, method, eos_token_id=-1, seed=100, **kw):
     """ROWS rows per setting in one call: the sampling parameters are per row (no recompile)."""
     per_row = {
         name: np.repeat([setting[name] for setting in SETTINGS], ROWS) for name in SETTINGS[0]
@@ -109,7 +112,21 @@ def _sample_law(target, draft, method, eos_token_id=-1, seed=100):
         key=jax.random.key(seed),
         eos_token_id=eos_token_id,
         **per_row,
+        **kw,
     )
+
+
+def _assert_two_token_law(hf_target, out, label):
+    """Chi-square of each setting's first two tokens against transformers' exact law."""
+    for i, setting in enumerate(SETTINGS):
+        tokens = np.asarray(out.tokens[i * ROWS : (i + 1) * ROWS])
+        counts = np.zeros((VOCAB, VOCAB))
+        np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
+        law = _exact_two_token_law(
+            hf_target, setting["temperature"], setting["top_k"], setting["top_p"]
+        )
+        pvalue = _chi_square_pvalue(counts, law)
+        assert pvalue > 1e-3, f"{label} {setting}: chi-square p-value {pvalue:.2e}"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -129,15 +146,7 @@ def test_first_two_tokens_follow_the_target_law(pair, method):
         assert acc <= opt + 4 * stderr, (acc, opt)
         if method in ("sps", "asps"):
             assert abs(acc - opt) <= 4 * stderr, (acc, opt)
-    for i, setting in enumerate(SETTINGS):
-        tokens = np.asarray(out.tokens[i * ROWS : (i + 1) * ROWS])
-        counts = np.zeros((VOCAB, VOCAB))
-        np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
-        law = _exact_two_token_law(
-            hf_target, setting["temperature"], setting["top_k"], setting["top_p"]
-        )
-        pvalue = _chi_square_pvalue(counts, law)
-        assert pvalue > 1e-3, f"{method} {setting}: chi-square p-value {pvalue:.2e}"
+    _assert_two_token_law(hf_target, out, method)
 
 
 def _hf_greedy(hf_model, prompt, max_new):
@@ -163,7 +172,7 @@ def test_temperature_zero_is_the_target_greedy_decoding(pair, method):
         assert np.asarray(out.tokens[b]).tolist() == _hf_greedy(hf_target, prompt, MAX_NEW)
 
 
-@pytest.mark.parametrize("method", ["asps", "specinfer"])
+@pytest.mark.parametrize("method", ["asps", "specinfer", "tv_wr", "is_bv"])
 def test_row_output_does_not_depend_on_the_batch(pair, method):
     _, target, draft = pair
     key = jax.random.key(7)
@@ -320,3 +329,75 @@ def test_nan_logits_raise_and_keep_the_output(pair, tmp_path):
     with pytest.raises(NonFiniteLogitsError) as info:
         _sample(target, broken, [PROMPT, [7]], "asps")
     assert info.value.output.tokens.shape == (2, MAX_NEW)
+
+
+@pytest.mark.parametrize("method", ["tv", "is_bv"])
+def test_one_draft_tree_method_is_asps_in_law(pair, method):
+    """With K = 1 a tree verifier is ASpS draft by draft (tests/test_verify_tree.py), not draw by
+    draw (its stop and token draws use other keys): the first two tokens follow the target's law,
+    and the number of target calls per row, a function of the step lengths, has the law it has
+    with ASpS (two-sample chi-square, independent seeds)."""
+    hf_target, target, draft = pair
+    out = _sample_law(target, draft, method, seed=101, num_drafts=1)
+    _assert_two_token_law(hf_target, out, method)
+    ref = _sample_law(target, draft, "asps", seed=100)
+    calls = np.stack(
+        [
+            np.bincount(np.asarray(o.stats["target_calls"]), minlength=MAX_NEW + 1)
+            for o in (out, ref)
+        ]
+    )
+    common = calls.sum(0) >= 20  # rare counts pooled into one column
+    table = np.concatenate([calls[:, common], calls[:, ~common].sum(1, keepdims=True)], axis=1)
+    table = table[:, table.sum(0) > 0]
+    assert sps_stats.chi2_contingency(table).pvalue > 1e-3, table
+    for stat in ("tokens_per_step", "acceptance"):
+        a, b = np.asarray(out.stats[stat]), np.asarray(ref.stats[stat])
+        assert abs(a.mean() - b.mean()) < 5 * np.hypot(a.std(), b.std()) / np.sqrt(a.size), stat
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(method="tv", alive="count"), "takes no options"),
+        (dict(method="is_bv", beta=1.0), "unknown option"),
+        (dict(method="is_bv", alive="all"), "alive must be one of"),
+        (dict(method="tree"), "unknown method"),
+    ],
+)
+def test_tree_method_bad_options_are_one_line_errors(pair, kwargs, match):
+    _, target, draft = pair
+    with pytest.raises(ValueError, match=match) as info:
+        asps_jax.sample(
+            target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=MAX_NEW, num_drafts=2,
+            **kwargs,
+        )  # fmt: skip
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("method", ["tv", "tv_wr"])
+def test_tree_verdict_names_the_chain_that_drew_the_accepted_path(method):
+    """Chains (1, 2), (1, 3), (4, 4) share their root token; after it the target rules out 2 and
+    says 3, then 0: TV rejects (1, 2) and accepts (1, 3) through chain 0's slot of token 1 (the
+    merged node) and chain 1's slot of token 3, so the path commits those slots and the draft
+    replicas sync to chain 1, the chain that drew the whole path."""
+    vocab = 5
+    spec = decode.SpecConfig(method=method, num_draft_tokens=2, num_drafts=3, max_new_tokens=6)
+    uniform = np.full(vocab, -np.log(vocab), np.float32)
+    with np.errstate(divide="ignore"):
+        point = np.log(np.eye(vocab, dtype=np.float32))
+    # Node i: the target after slot i (slots 1 + 2k + j); equal prefixes get equal laws.
+    target_lp = np.stack([uniform, point[3], uniform, point[3], point[0], uniform, uniform])
+    drafts = decode.Drafts(
+        cache=None,
+        start_B=jnp.zeros(1, jnp.int32),
+        tokens_BKD=jnp.array([[[1, 2], [1, 3], [4, 4]]], jnp.int32),
+        logprobs_BKDV=jnp.broadcast_to(uniform, (1, 3, 2, vocab)),
+        lengths_BK=jnp.full((1, 3), 2, jnp.int32),
+        bad_depth_BK=jnp.full((1, 3), 4, jnp.int32),
+    )
+    dec, state = types.SimpleNamespace(spec=spec), types.SimpleNamespace(root=jnp.array([7]))
+    verify = jax.jit(lambda d, lp, keys: decode._verify_tree(dec, state, d, lp, keys))
+    verdict, path = verify(drafts, target_lp[None], jax.random.key(0)[None])
+    assert verdict.tokens.tolist() == [[1, 3, 0]] and verdict.num_tokens.tolist() == [3]
+    assert path.tolist() == [[0, 1, 4]] and verdict.draft_index.tolist() == [1]

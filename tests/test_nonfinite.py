@@ -23,6 +23,8 @@ MAX_NEW = 6
 PROMPT = [2, 4]
 ROWS = 24
 METHODS = [("ar", 1), ("asps", 1), ("specinfer", 2)]
+# The tree methods, on the K-chain tree.
+TREE = [("tv_wr", 2), ("is_bv", 2)]
 
 
 def _llama(path, seed, **kwargs):
@@ -74,7 +76,7 @@ def _run(target, draft, method, k, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("method,k", METHODS)
+@pytest.mark.parametrize("method,k", METHODS + TREE)
 def test_nan_after_a_token_stops_each_row_there(models, method, k, temperature):
     m, nan_token, greedy, j = models
     with pytest.raises(NonFiniteLogitsError) as info:
@@ -115,7 +117,7 @@ def test_nan_after_a_token_stops_each_row_there(models, method, k, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("method,k", METHODS)
+@pytest.mark.parametrize("method,k", METHODS + TREE)
 def test_nan_target_stops_every_row_before_any_token(models, method, k, temperature):
     m = models[0]
     with pytest.raises(NonFiniteLogitsError) as info:
@@ -127,7 +129,7 @@ def test_nan_target_stops_every_row_before_any_token(models, method, k, temperat
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("method,k", METHODS[1:])
+@pytest.mark.parametrize("method,k", METHODS[1:] + TREE)
 def test_nan_draft_stops_every_row_before_any_token(models, method, k, temperature):
     m = models[0]
     with pytest.raises(NonFiniteLogitsError) as info:

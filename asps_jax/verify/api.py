@@ -71,6 +71,8 @@ DRAFTS_METHODS: tuple[str, ...] = (
     "asps",
 )
 WITHOUT_REPLACEMENT_METHODS: tuple[str, ...] = ("specinfer_wor",)
+# Sequence-level verifiers of a whole token tree (verify.tree.verify_tree, docs/algorithms.md §7).
+TREE_METHODS: tuple[str, ...] = ("tv", "tv_wr", "is_bv")
 
 
 def _check_method(method: str, known, fn_name: str) -> None:

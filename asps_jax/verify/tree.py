@@ -41,9 +41,9 @@ import numpy as np
 
 from asps_jax import trees
 from asps_jax.logspace import NEG_INF
+from asps_jax.verify.api import TREE_METHODS
 from asps_jax.verify.chain import asps_outcome_logweights
 
-TREE_METHODS: tuple[str, ...] = ("tv", "tv_wr", "is_bv")
 ALIVE_MODES = ("walkers", "count")
 _STOP, _TOKEN, _SELECT = 0, 1, 2
 
@@ -366,6 +366,12 @@ def _check_options(tree, method: str, options: dict) -> dict:
     if alive == "count":
         _uniform_widths(tree)
     return {"rule": options.get("rule", FixedOrderRule()), "alive": alive}
+
+
+def check_options(tree: trees.TokenTree, method: str, **options) -> None:
+    """Raise a one-line ``ValueError`` for an unknown tree method or options it does not take,
+    before anything is traced (what :func:`verify_tree` checks; the sampler calls it)."""
+    _check_options(tree, method, options)
 
 
 def _outcome(
