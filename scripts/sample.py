@@ -26,6 +26,7 @@ import argparse
 import io
 import json
 import logging
+import os
 import sys
 import time
 
@@ -335,6 +336,21 @@ def _nonfinite_message(err) -> str:
     )
 
 
+def _claim_stdout():
+    """Several processes: gloo (JAX's CPU collectives) prints connection notices on file
+    descriptor 1. Point fd 1 at stderr and return a stream on the original stdout for this
+    command's output; ``sys.stdout`` itself when it is not fd 1 (captured, e.g. in a test)."""
+    try:
+        if sys.stdout.fileno() != 1:
+            return sys.stdout
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return sys.stdout
+    sys.stdout.flush()
+    original = os.dup(1)
+    os.dup2(2, 1)
+    return os.fdopen(original, "w", buffering=1)
+
+
 def run(args) -> int:
     import jax
     import numpy as np
@@ -348,8 +364,10 @@ def run(args) -> int:
     distributed = args.distributed or any(
         v is not None for v in (args.coordinator, args.num_processes, args.process_id)
     )
+    stdout = sys.stdout
     if distributed:  # before anything else touches JAX's devices
         init_distributed(args.coordinator, args.num_processes, args.process_id)
+        stdout = _claim_stdout()
         if args.mesh is None:
             args.mesh = f"data={jax.device_count()}"
     if not args.no_compile_cache:
@@ -392,7 +410,7 @@ def run(args) -> int:
         mesh=mesh,
         return_logprobs=args.json,
     )
-    out_stream = sys.stdout if primary else io.StringIO()
+    out_stream = stdout if primary else io.StringIO()
     if not args.json and primary:
         print(
             f"[compiling {args.method} for {args.target} / "
