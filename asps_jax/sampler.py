@@ -222,7 +222,9 @@ def _device_memory_bytes(mesh) -> int:
     """Memory the call may use: the devices' reported limit, else the host's physical memory."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     # The first of this process's devices: another process's device reports nothing here.
-    local = next(d for d in devices if d.process_index == jax.process_index())
+    local = next(
+        (d for d in devices if d.process_index == jax.process_index()), jax.local_devices()[0]
+    )
     stats = local.memory_stats() if hasattr(local, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"]) * len(devices)

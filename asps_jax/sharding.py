@@ -198,11 +198,12 @@ def make_mesh(spec: str | dict, devices=None) -> Mesh:
     if jax.process_count() > 1:
         devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     need = math.prod(sizes.values())
-    if jax.process_count() > 1 and need != len(devices):
+    if jax.process_count() > 1 and need != jax.device_count():
+        total = jax.device_count()
         raise ValueError(
             f"mesh: {spec!r} has {need} devices but the {jax.process_count()} processes hold "
-            f"{len(devices)}: with several processes the mesh must use all of them "
-            f"(e.g. data={len(devices) // sizes['model']},model={sizes['model']})"
+            f"{total}: with several processes the mesh must use all of them "
+            f"(e.g. data={max(total // sizes['model'], 1)},model={sizes['model']})"
         )
     if need > len(devices):
         raise ValueError(

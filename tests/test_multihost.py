@@ -175,3 +175,9 @@ def test_cli_prints_once_with_the_tokens_of_one_process(runs):
 def test_bad_distributed_arguments(args, match):
     with pytest.raises(ValueError, match=match):
         sharding.init_distributed(*args)
+
+
+def test_cli_bad_distributed_flags_exit_with_one_line(capsys):
+    assert _load_cli().main(["--process-id", "1", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "number of processes" in err
