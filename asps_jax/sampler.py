@@ -376,8 +376,8 @@ def prepare(
     # Several processes: each passes the full batch, so row keys follow the global row index.
     sharding.check_same_everywhere(
         mesh,
-        "the prompts, key, method or sampling arguments",
-        np.frombuffer(repr((spec, cache_len)).encode(), np.uint8),
+        "the prompts, key, models, method or sampling arguments",
+        np.frombuffer(repr(decoder).encode(), np.uint8),  # models, method, shapes
         prompts_bp,
         lengths_b,
         args["row_keys_B"],
