@@ -2,14 +2,14 @@
 
 Public API (docs/api.md): verification (:func:`verify_chain`, :func:`verify_drafts`,
 :func:`optimal_acceptance`), models (:func:`load_model`), sampling (:func:`sample`,
-:func:`stream`, :func:`make_mesh` for sharding), and the shared logits processor
-(:func:`process_logits`).
+:func:`stream`, :func:`make_mesh` for sharding, :func:`init_distributed` for several processes),
+and the shared logits processor (:func:`process_logits`).
 """
 
 from asps_jax.models import Model, check_compatible, load_model
 from asps_jax.processors import process_logits
 from asps_jax.sampler import NonFiniteLogitsError, SampleOutput, Session, sample, stream
-from asps_jax.sharding import ShardingRules, make_mesh
+from asps_jax.sharding import ShardingRules, init_distributed, make_mesh
 from asps_jax.verify import Verdict, verify_chain, verify_drafts
 from asps_jax.verify.acceptance import optimal_acceptance
 
@@ -21,6 +21,7 @@ __all__ = [
     "ShardingRules",
     "Verdict",
     "check_compatible",
+    "init_distributed",
     "load_model",
     "make_mesh",
     "optimal_acceptance",

@@ -233,7 +233,11 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) 
 def _device_memory_bytes(mesh) -> int:
     """Memory the call may use: the devices' reported limit, else the host's physical memory."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    # The first of this process's devices: another process's device reports nothing here.
+    local = next(
+        (d for d in devices if d.process_index == jax.process_index()), jax.local_devices()[0]
+    )
+    stats = local.memory_stats() if hasattr(local, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"]) * len(devices)
     try:
@@ -381,6 +385,17 @@ def prepare(
         prompt_lengths_B=jnp.asarray(lengths_b),
         row_keys_B=_row_keys(key, batch, padded),
     )
+    # Several processes: each passes the full batch, so row keys follow the global row index.
+    sharding.check_same_everywhere(
+        mesh,
+        "the prompts, key, models, method or sampling arguments",
+        np.frombuffer(repr(decoder).encode(), np.uint8),  # models, method, shapes
+        prompts_bp,
+        lengths_b,
+        args["row_keys_B"],
+        *(getattr(sampling, f) for f in ("temperature", "draft_temperature", "top_k", "top_p")),
+        sampling.eos_ids,
+    )
     if mesh is not None:  # jit propagates the input shardings through the whole loop
         args = sharding.shard_inputs(args, mesh, {"target": target, "draft": draft})
     for which, model in (("target", target), ("draft", draft)):
@@ -396,14 +411,20 @@ def summarize_stats(state: decode.DecodeState, batch: int) -> dict:
 
 
 def _finish(
-    state: decode.DecodeState, spec: decode.SpecConfig, batch: int, return_logprobs: bool
+    state: decode.DecodeState,
+    spec: decode.SpecConfig,
+    batch: int,
+    return_logprobs: bool,
+    mesh=None,
 ) -> SampleOutput:
-    out = SampleOutput(
+    fields = dict(
         tokens=state.tokens[:batch, : spec.max_new_tokens],
         lengths=state.num_generated[:batch],
         stats=summarize_stats(state, batch),
         logprobs=state.logprobs[:batch, : spec.max_new_tokens] if return_logprobs else None,
     )
+    # Several processes: every process gets every row (on its first device).
+    out = SampleOutput(**sharding.to_local(fields, mesh))
     failed_at = np.asarray(out.stats["failed_at"])
     rows = np.flatnonzero(failed_at >= 0).tolist()
     if rows:
@@ -432,7 +453,7 @@ def sample(
     batch, args = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
     decoder = args.pop("decoder")
     state = decoder.generate(**args)
-    return _finish(state, decoder.spec, batch, return_logprobs)
+    return _finish(state, decoder.spec, batch, return_logprobs, decoder.mesh)
 
 
 class Session:
@@ -489,17 +510,18 @@ class Session:
         while True:
             state = self._place(self._step(**self._params, sampling=self._sampling, state=state))
             self._state = state
-            generated = np.asarray(state.num_generated)[: self.batch_size]
-            tokens = np.asarray(state.tokens)
+            view = sharding.to_local((state.num_generated, state.tokens, state.done), self._mesh)
+            generated = np.asarray(view[0])[: self.batch_size]
+            tokens = np.asarray(view[1])
             yield [tokens[b, seen[b] : generated[b]].tolist() for b in range(self.batch_size)]
             seen = generated
-            if bool(np.all(np.asarray(state.done))):
+            if bool(np.all(np.asarray(view[2]))):
                 return
 
     def result(self) -> SampleOutput:
         if self._state is None:
             raise RuntimeError("Session.result(): run steps() to completion first")
-        return _finish(self._state, self.spec, self.batch_size, self.return_logprobs)
+        return _finish(self._state, self.spec, self.batch_size, self.return_logprobs, self._mesh)
 
 
 def stream(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> Iterator[list[list[int]]]:

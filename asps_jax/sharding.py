@@ -15,11 +15,20 @@ all-reduces (heads, MLP, vocabulary) — a last-bit difference that could flip a
 when a uniform lands within ~1e-7 of a decision boundary. The exact draws keep that bound: their
 bits -> token map does not jump when a normalised law's float sum falls on the other side of 1
 (``asps_jax.draws``).
+
+Several processes (multi-host, docs/api.md §3): :func:`init_distributed` joins them
+(``jax.distributed.initialize``) and :func:`make_mesh` then spans every process's devices, with
+``"data"`` across processes. Every process runs the same program with the *same* arguments — the
+full list of prompts and the same key — so a row's key is ``fold_in(key, global row)`` exactly as
+in one process; :func:`put` builds each global input from that host copy (each process fills only
+the shards its devices hold), :func:`check_same_everywhere` refuses arguments that differ between
+processes, and :func:`to_local` gathers the outputs so that every process gets all rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import weakref
 
@@ -118,11 +127,86 @@ def parse_mesh_spec(spec: str | dict) -> dict[str, int]:
     return sizes
 
 
+def init_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    timeout_s: int = 300,
+) -> tuple[int, int]:
+    """Join a multi-process run (``jax.distributed.initialize``); returns ``(process, count)``.
+
+    Call it in every process before anything else uses JAX. With no arguments JAX detects them
+    where it can (Cloud TPU pod slices, Slurm, Open MPI; ``JAX_COORDINATOR_ADDRESS`` for the
+    address); otherwise give all three: ``coordinator_address`` ``"host:port"`` of process 0,
+    ``num_processes`` and this ``process_id`` in ``[0, num_processes)``. On CPU the processes
+    exchange data through gloo (JAX's default ``jax_cpu_collectives_implementation``).
+    ``timeout_s``: how long to wait for the other processes to join.
+    """
+    given = [v is not None for v in (coordinator_address, num_processes, process_id)]
+    if any(given) and not all(given[1:]):
+        raise ValueError(
+            "distributed: give both the number of processes and this process's id "
+            f"(got num_processes={num_processes!r}, process_id={process_id!r})"
+        )
+    if num_processes is not None:
+        count, index = int(num_processes), int(process_id)
+        if count < 1 or not 0 <= index < count:
+            raise ValueError(
+                f"distributed: process id must lie in [0, {count}) and the number of processes "
+                f"be >= 1, got process_id={process_id!r}, num_processes={num_processes!r}"
+            )
+    if coordinator_address is not None and (
+        not isinstance(coordinator_address, str)
+        or not coordinator_address.rpartition(":")[0]
+        or not coordinator_address.rpartition(":")[2].isdigit()
+    ):
+        raise ValueError(
+            f"distributed: coordinator address must be HOST:PORT, got {coordinator_address!r}"
+        )
+    if jax.distributed.is_initialized():
+        return jax.process_index(), jax.process_count()
+    try:
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            initialization_timeout=int(timeout_s),
+        )
+    except (ValueError, RuntimeError) as err:
+        message = " ".join(str(err).split())
+        raise ValueError(
+            f"distributed: could not join the other processes ({message}); pass the coordinator "
+            "address, the number of processes and this process's id, or run where JAX detects "
+            "them (TPU pod slice, Slurm, Open MPI)"
+        ) from None
+    return jax.process_index(), jax.process_count()
+
+
+def is_multiprocess(mesh: Mesh | None) -> bool:
+    """True when ``mesh`` holds devices of other processes (a multi-host run)."""
+    return mesh is not None and mesh.is_multi_process
+
+
 def make_mesh(spec: str | dict, devices=None) -> Mesh:
-    """A ``("data", "model")`` mesh from ``"data=2,model=4"`` over the first D*M devices."""
+    """A ``("data", "model")`` mesh from ``"data=2,model=4"`` over the first D*M devices.
+
+    With several processes it must use every process's devices (each process runs its share of
+    every step); they are ordered by process, so ``"model"`` stays inside a process when it fits
+    there and ``"data"`` goes across processes.
+    """
     sizes = parse_mesh_spec(spec)
     devices = jax.devices() if devices is None else list(devices)
+    if jax.process_count() > 1:
+        devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     need = math.prod(sizes.values())
+    if jax.process_count() > 1 and need != jax.device_count():
+        total = jax.device_count()
+        raise ValueError(
+            f"mesh: {spec!r} has {need} devices but the {jax.process_count()} processes hold "
+            f"{total}: with several processes the mesh must use all of them "
+            f"(e.g. data={max(total // sizes['model'], 1)},model={sizes['model']})"
+        )
     if need > len(devices):
         raise ValueError(
             f"mesh: {spec!r} needs {need} devices but only {len(devices)} "
@@ -171,7 +255,7 @@ def param_specs(config, mesh: Mesh, rules: ShardingRules = ShardingRules()):
 def shard_params(params, config, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """``device_put`` every parameter with its ``NamedSharding`` on ``mesh``."""
     specs = param_specs(config, mesh, rules)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    return jax.tree.map(lambda x, s: put(x, NamedSharding(mesh, s)), params, specs)
 
 
 # Models whose parameters were already placed: a second sample() call on the same mesh reuses
@@ -227,7 +311,9 @@ def constrain(x, axes: tuple, mesh: Mesh | None, rules: ShardingRules = Sharding
 
 
 def shard_state(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):
-    """``device_put`` a decode state with :func:`state_shardings` (a no-op once it is there)."""
+    """``device_put`` a decode state with :func:`state_shardings` (a no-op once it is there).
+
+    The state is the output of a compiled step, already global on a multi-process mesh."""
     return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
@@ -243,15 +329,65 @@ def sharded_shapes(state_shape, mesh: Mesh, rules: ShardingRules = ShardingRules
 def shard_batch(x, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """Place an array (or a pytree of arrays) with a leading batch axis split along data."""
 
-    def put(a):
+    def place(a):
         spec = rules.partition_spec(("batch",), a.shape[:1], dict(mesh.shape))
-        return jax.device_put(a, NamedSharding(mesh, P(*spec, *([None] * (a.ndim - 1)))))
+        return put(a, NamedSharding(mesh, P(*spec, *([None] * (a.ndim - 1)))))
 
-    return jax.tree.map(put, x)
+    return jax.tree.map(place, x)
 
 
 def replicate(x, mesh: Mesh):
-    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), x)
+    return jax.tree.map(lambda a: put(a, NamedSharding(mesh, P())), x)
+
+
+def put(x, sharding: NamedSharding):
+    """``jax.device_put(x, sharding)``, also when ``sharding`` spans other processes' devices.
+
+    There ``x`` is this process's host copy of the whole array (every process passes the same
+    value) and each process fills only the shards its own devices hold; a typed PRNG key array
+    travels as its key data.
+    """
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = put(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def to_local(tree, mesh: Mesh | None):
+    """On a multi-process mesh, every array of ``tree`` whole on this process's first device
+    (an all-gather every process must join); otherwise ``tree`` itself."""
+    if not is_multiprocess(mesh):
+        return tree
+    whole = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(tree)
+    return jax.tree.map(lambda a: a.addressable_data(0), whole)
+
+
+def check_same_everywhere(mesh: Mesh | None, what: str, *values) -> None:
+    """On a multi-process mesh, refuse ``values`` (host arrays) that are not the same in every
+    process: the processes must pass the same arguments (one small all-gather of a digest)."""
+    if not is_multiprocess(mesh):
+        return
+    from jax.experimental import multihost_utils
+
+    digest = hashlib.sha256()
+    for value in values:
+        if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            value = jax.random.key_data(value)
+        arr = np.asarray(value)
+        digest.update(f"{arr.dtype}{arr.shape}".encode())
+        digest.update(np.ascontiguousarray(arr).tobytes())
+    mine = np.frombuffer(digest.digest(), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if differ:
+        raise ValueError(
+            f"{what} differ between processes (process {differ[0]} vs process 0): with several "
+            "processes every one must pass the same full list of prompts, key and sampling "
+            "arguments"
+        )
 
 
 def pad_batch(prompts_BP: np.ndarray, lengths_B: np.ndarray, multiple: int):

@@ -9,6 +9,12 @@ statistics block follows. Compiled programs are cached on disk (asps_jax.compile
 second run with the same shapes starts in seconds. Errors in the arguments or the environment exit
 with a one-line explanation; third-party notices that do not apply here are silenced.
 
+Several processes (multi-host: one process per host of a TPU pod slice, or several CPU
+processes) run the same command with the same prompts and seed, each with ``--distributed`` (JAX
+detects the rest on a TPU pod slice, Slurm or Open MPI) or ``--coordinator HOST:PORT
+--num-processes N --process-id I``; the mesh spans every process's devices (default
+``data=<all devices>``) and only process 0 prints.
+
 Exit status: 0 done; 1 a model produced NaN / inf logits (the text generated before is printed);
 2 a bad argument or environment; 130 interrupted (Ctrl-C: the text so far and its statistics are
 printed).
@@ -17,8 +23,10 @@ printed).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
+import os
 import sys
 import time
 
@@ -50,6 +58,7 @@ _non_negative_float = _checked(
 )
 _top_p = _checked(float, lambda v: 0.0 < v <= 1.0, "a top-p in (0, 1]")
 _seed = _checked(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
+_non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 INTERRUPTED = 130
 
 
@@ -198,6 +207,34 @@ def build_parser() -> argparse.ArgumentParser:
         "vocabulary along model; D*M devices must exist (default: one device)",
     )
     p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="one of several processes (multi-host): join them with jax.distributed.initialize, "
+        "which finds the coordinator, process count and id itself on a TPU pod slice, Slurm or "
+        "Open MPI; elsewhere give --coordinator, --num-processes and --process-id",
+    )
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="address of process 0 for a multi-process run (default: $JAX_COORDINATOR_ADDRESS "
+        "or detected); implies --distributed",
+    )
+    p.add_argument(
+        "--num-processes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="number of processes of a multi-process run; implies --distributed",
+    )
+    p.add_argument(
+        "--process-id",
+        type=_non_negative_int,
+        default=None,
+        metavar="I",
+        help="this process's id in [0, N) in a multi-process run; implies --distributed",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (text, tokens, the target's log-probability of each token, "
@@ -300,6 +337,21 @@ def _nonfinite_message(err) -> str:
     )
 
 
+def _claim_stdout():
+    """Several processes: gloo (JAX's CPU collectives) prints connection notices on file
+    descriptor 1. Point fd 1 at stderr and return a stream on the original stdout for this
+    command's output; ``sys.stdout`` itself when it is not fd 1 (captured, e.g. in a test)."""
+    try:
+        if sys.stdout.fileno() != 1:
+            return sys.stdout
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return sys.stdout
+    sys.stdout.flush()
+    original = os.dup(1)
+    os.dup2(2, 1)
+    return os.fdopen(original, "w", buffering=1)
+
+
 def run(args) -> int:
     import jax
     import numpy as np
@@ -307,14 +359,25 @@ def run(args) -> int:
     import asps_jax
     from asps_jax import compile_cache
     from asps_jax.sampler import NonFiniteLogitsError, Session
-    from asps_jax.sharding import make_mesh
+    from asps_jax.sharding import init_distributed, make_mesh
     from asps_jax.textstream import TextStream
 
+    distributed = args.distributed or any(
+        v is not None for v in (args.coordinator, args.num_processes, args.process_id)
+    )
+    stdout = sys.stdout
+    if distributed:  # before anything else touches JAX's devices
+        init_distributed(args.coordinator, args.num_processes, args.process_id)
+        stdout = _claim_stdout()
+        if args.mesh is None:
+            args.mesh = f"data={jax.device_count()}"
     if not args.no_compile_cache:
         compile_cache.enable()
 
     # Built before loading the models: a mesh that does not fit the devices fails fast.
     mesh = None if args.mesh is None else make_mesh(args.mesh)
+    # Several processes compute the same rows: process 0 prints them.
+    primary = jax.process_index() == 0
     start = time.perf_counter()
     dtype = DTYPES[args.dtype]
     target = asps_jax.load_model(args.target, dtype=dtype)
@@ -348,8 +411,8 @@ def run(args) -> int:
         mesh=mesh,
         return_logprobs=args.json,
     )
-    out_stream = sys.stdout
-    if not args.json:
+    out_stream = stdout if primary else io.StringIO()
+    if not args.json and primary:
         print(
             f"[compiling {args.method} for {args.target} / "
             f"{args.draft if draft is not None else '-'} ...]",
@@ -372,7 +435,7 @@ def run(args) -> int:
             if args.json:
                 continue
             print(text_stream.push(new[0]), end="", file=out_stream, flush=True)
-            if step % 25 == 0 and args.batch_size > 1:
+            if step % 25 == 0 and args.batch_size > 1 and primary:
                 print(f"\n[step {step}]", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         interrupted = True
@@ -397,7 +460,7 @@ def run(args) -> int:
         logprobs = np.asarray(out.logprobs)
         summary["logprobs"] = [logprobs[b, : lengths[b]].tolist() for b in range(lengths.size)]
         summary["texts"] = [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
-        print(json.dumps(summary))
+        print(json.dumps(summary), file=out_stream)
     else:
         print(text_stream.flush(), file=out_stream)
         _print_summary(summary, out_stream)
