@@ -8,10 +8,13 @@ loop of :mod:`asps_jax.decode`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -456,6 +459,25 @@ def sample(
     return _finish(state, decoder.spec, batch, return_logprobs, decoder.mesh)
 
 
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold SIGINT (Ctrl-C) back for the duration of the block, then raise KeyboardInterrupt if
+    one came. Outside the main thread, or when SIGINT is not Python's default handler, a no-op."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda *_: received.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
 class Session:
     """Step-wise decoding for streaming, with compilation timed apart from running.
 
@@ -508,8 +530,13 @@ class Session:
         state = self._place(self._prefill(**self._prefill_args))
         seen = np.zeros(self.batch_size, np.int64)
         while True:
-            state = self._place(self._step(**self._params, sampling=self._sampling, state=state))
-            self._state = state
+            # The step donates the old state: a Ctrl-C between that and keeping the new one would
+            # leave result() nothing but deleted buffers, so it waits until the new one is kept.
+            with _sigint_deferred():
+                state = self._place(
+                    self._step(**self._params, sampling=self._sampling, state=state)
+                )
+                self._state = state
             view = sharding.to_local((state.num_generated, state.tokens, state.done), self._mesh)
             generated = np.asarray(view[0])[: self.batch_size]
             tokens = np.asarray(view[1])

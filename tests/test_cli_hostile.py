@@ -168,3 +168,23 @@ def test_sigint_while_streaming_exits_130_with_statistics():
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "--- statistics ---" in out
     assert "interrupted after" in err
+
+
+def test_ctrl_c_right_after_a_step_keeps_that_step_for_result():
+    """The step donates the old state: a SIGINT that lands after the step returned but before the
+    session kept the new state used to leave result() only deleted buffers."""
+    target = asps_jax.load_model("tinyshakespeare-target")
+    session = Session(target, None, [[1, 2, 3]], key=jax.random.key(0), max_new_tokens=8,
+                      method="ar")  # fmt: skip
+    step = session._step
+
+    def step_then_ctrl_c(**kwargs):
+        state = step(**kwargs)
+        os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode, before the return
+        return state
+
+    session._step = step_then_ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        next(session.steps())
+    out = session.result()
+    assert int(out.lengths[0]) == 1 and int(out.tokens[0, 0]) >= 0
