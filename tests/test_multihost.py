@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 from hf_checkpoints import write_tiny_llama
+from test_cli import cli
 
 import asps_jax
 from asps_jax import sharding
@@ -58,15 +59,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load_cli():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sample_cli", ROOT / "scripts" / "sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(one-process tokens and CLI output, [report of process 0, report of process 1])."""
@@ -96,7 +88,7 @@ def runs(tmp_path_factory):
             local[f"{method}/lengths"] = np.asarray(out.lengths).tolist()
         stdout = io.StringIO()
         with contextlib.redirect_stdout(stdout):
-            assert _load_cli().main(CLI_ARGS) == 0
+            assert cli.main(CLI_ARGS) == 0
         local["cli"] = json.loads(stdout.getvalue())
         outputs, deadline = [], time.monotonic() + TIMEOUT_S
         for worker in workers:
@@ -178,6 +170,6 @@ def test_bad_distributed_arguments(args, match):
 
 
 def test_cli_bad_distributed_flags_exit_with_one_line(capsys):
-    assert _load_cli().main(["--process-id", "1", "--max-new-tokens", "4"]) == 2
+    assert cli.main(["--process-id", "1", "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "number of processes" in err

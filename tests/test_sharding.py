@@ -22,6 +22,7 @@ import pytest
 from hf_checkpoints import write_tiny_llama
 from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
+from test_cli import cli
 
 import asps_jax
 from asps_jax import sharding
@@ -60,15 +61,6 @@ def _write_llama(path, seed, noise_from=None):
     return write_tiny_llama(path, seed=seed, initializer_range=0.4, noise_from=noise_from)
 
 
-def _load_cli():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sample_cli", ROOT / "scripts" / "sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(single-device tokens and CLI output, the 8-device worker's report)."""
@@ -92,7 +84,7 @@ def runs(tmp_path_factory):
             local[method] = np.asarray(out.tokens).tolist()
         stdout = io.StringIO()
         with contextlib.redirect_stdout(stdout):
-            assert _load_cli().main(CLI_ARGS) == 0
+            assert cli.main(CLI_ARGS) == 0
         local["cli"] = json.loads(stdout.getvalue())
         out, err = worker.communicate(timeout=600)
     finally:
@@ -262,6 +254,6 @@ def test_sample_refuses_a_bad_mesh():
     "mesh, needle", [("data=2,model=4", "only 1 is available"), ("data=two", "positive integer")]
 )
 def test_cli_bad_mesh_exits_with_one_line(capsys, mesh, needle):
-    assert _load_cli().main(["--mesh", mesh, "--max-new-tokens", "4"]) != 0
+    assert cli.main(["--mesh", mesh, "--max-new-tokens", "4"]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
