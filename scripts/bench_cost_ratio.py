@@ -36,6 +36,7 @@ import math
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -48,34 +49,22 @@ from asps_jax.models.base import run_params
 from asps_jax.models.llama import init_params
 from asps_jax.scoring import score_chain
 
-TARGET = dict(
-    vocab_size=32000,
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-)
-DRAFT = dict(
-    vocab_size=32000,
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=2,
-    num_attention_heads=12,
-    num_key_value_heads=12,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model import SHAPES  # noqa: E402
+
+# The shapes of scripts/bench_model.py: a ~0.5B-shaped target, the llama-68m-shaped draft.
+TARGET, DRAFT = SHAPES["0.5b"], SHAPES["68m"]
 SMOKE_TARGET = dict(TARGET, vocab_size=256, hidden_size=64, intermediate_size=128)
 SMOKE_TARGET.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
 SMOKE_DRAFT = dict(DRAFT, vocab_size=256, hidden_size=32, intermediate_size=64)
 SMOKE_DRAFT.update(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
 METHODS = {"ar": 1, "sps": 1, "asps": 1, "specinfer": 2}  # method: K
-_STATICS = ("target_config", "draft_config", "spec", "cache_len")
 
 
 def build_pair(target_shape, draft_shape, head_std, layer_scale, seed=0):
     """(target Model, draft Model) sharing a token-to-logits map (see the module docstring)."""
-    t_cfg = LlamaConfig(**target_shape, max_position_embeddings=2048)
-    d_cfg = LlamaConfig(**draft_shape, max_position_embeddings=2048)
+    t_cfg = LlamaConfig(**target_shape)
+    d_cfg = LlamaConfig(**draft_shape)
     k_t, k_d, k_e, k_w, k_p = jax.random.split(jax.random.key(seed), 5)
     t_params, d_params = init_params(t_cfg, k_t), init_params(d_cfg, k_d)
     V, Et, Ed = t_cfg.vocab_size, t_cfg.hidden_size, d_cfg.hidden_size
@@ -133,16 +122,16 @@ def run_method(target, draft, prompt, method, n, args) -> dict:
 
     batch, call = prepare(args.seed)
     start = time.perf_counter()
-    compiled = decode.generate.lower(**call).compile()
+    decoder = call.pop("decoder")  # static: the compiled program takes the rest
+    compiled = decode.generate.lower(decoder, **call).compile()
     compile_s = time.perf_counter() - start
-    dynamic = {name: value for name, value in call.items() if name not in _STATICS}
-    jax.block_until_ready(compiled(**dynamic))  # warm-up
+    jax.block_until_ready(compiled(**call))  # warm-up
     # One key per run, so that tokens per step pools independent runs.
     runs = iter([prepare(args.seed + 1 + i)[1]["row_keys_B"] for i in range(args.repeats)])
     states = []
 
     def run_once():
-        state = compiled(**dict(dynamic, row_keys_B=next(runs)))
+        state = compiled(**dict(call, row_keys_B=next(runs)))
         states.append(jax.block_until_ready(state))
 
     cpu, wall = _times(run_once, args.repeats)

@@ -273,8 +273,9 @@ def test_bench_model_smoke(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
-    assert bench.main(["--smoke", "--prefix", "12", "--repeats", "1", "--json", str(out)]) == 0
+    argv = ["--smoke", "--prefix", "12", "--repeats", "1", "--ar-tokens", "4", "--json", str(out)]
+    assert bench.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["workload"] for r in rows] == ["prefill", "decode", "chain9"]
+    assert [r["workload"] for r in rows] == ["prefill", "decode", "chain9", "ar_token"]
     assert all(r["ours_tok_s"] > 0 and r["torch_tok_s"] > 0 for r in rows)
     assert "| chain9 | 9 |" in capsys.readouterr().out
