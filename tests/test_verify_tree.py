@@ -35,24 +35,75 @@ def _mutant_outcome(tree, tokens, lq, lp, valid, restrict, walk_all):
 
 
 ALL = ("tv", "tv_wr", "is_bv", "is_bv_count", "tv_unrestricted")
+# The test's names for verify_tree's methods and options. "is_bv" here is the fixed-order rule,
+# the one tree_reference.py simulates; "is_bv_race" is the default rule (the level race), whose
+# pick is random: its law is enumerated over every sequence of picks (_race_joint).
+OPTIONS = {
+    "tv": ("tv", {}),
+    "tv_wr": ("tv_wr", {}),
+    "is_bv": ("is_bv", {"rule": "fixed_order"}),
+    "is_bv_count": ("is_bv", {"alive": "count"}),
+    "is_bv_race": ("is_bv", {}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class WrongLawRace(vt.LevelRaceRule):
+    """Mutation: the race's pick, but the walkers' mean law taken as the selected token's law."""
+
+    def walkers(self, p, q_WV, tokens_W, alive_W):
+        select, _ = super().walkers(p, q_WV, tokens_W, alive_W)
+        weight = alive_W / jnp.maximum(jnp.sum(alive_W), 1)
+        return select, jnp.einsum("w,wv->v", weight.astype(q_WV.dtype), q_WV)
+
+
+RACE_RULES = {"is_bv_race": vt.LevelRaceRule(), "race_wrong_law": WrongLawRace()}
 
 
 def _one(tree, method, tokens, lq, lp, valid):
     if method == "tv_unrestricted":
         return _mutant_outcome(tree, tokens, lq, lp, valid, restrict=False, walk_all=False)
-    if method == "is_bv_count":
-        return vt.tree_outcome(tree, tokens, lq, lp, valid, "is_bv", alive="count")
-    return vt.tree_outcome(tree, tokens, lq, lp, valid, method)
+    name, options = OPTIONS[method]
+    return vt.tree_outcome(tree, tokens, lq, lp, valid, name, **options)
+
+
+def _pick_sequences(tree):
+    """Every sequence of walker picks of IS+BV's path selection: int32[P, D]."""
+    width = int(np.bincount(tree.depth).max()) if tree.max_depth else 1
+    grid = np.indices((width,) * tree.max_depth).reshape(tree.max_depth, -1).T
+    return jnp.asarray(grid, jnp.int32)
+
+
+def _race_joint(tree, rule, tokens, lq, lp, valid):
+    """``joint [N, V]``: P(stop at slot i, emit y) of IS+BV with the random ``rule``, summed over
+    every sequence of picks weighted by its probability (the internal ``picks`` hook)."""
+    node, parent, real = trees.merge_duplicates(tree, tokens, valid)
+    q, p = jnp.exp(lq), jnp.exp(lp)
+
+    def given(picks):
+        stop, emit, log_pick = vt._is_bv_outcome(
+            tree, tokens, q, p, node, parent, real, node >= 0, rule, "walkers", None, picks
+        )
+        return jnp.exp(log_pick) * stop[:, None] * emit
+
+    return jnp.sum(jax.vmap(given)(_pick_sequences(tree)), axis=0)
 
 
 def _outcome_fn(tree):
-    """``fn(tokens[M, N], lq[M, N, V], lp[M, N, V], valid[M, N]) -> {method: (stop, emit)}``:
-    every method of :data:`ALL` in one jit per tree (compiling dominates these tests)."""
+    """``fn(tokens[M, N], lq[M, N, V], lp[M, N, V], valid[M, N]) -> {method: joint [M, N, V]}``
+    (P(stop at slot i and emit y)): every method of :data:`ALL` and :data:`RACE_RULES` in one jit
+    per tree (compiling dominates these tests)."""
     if tree not in _COMPILED:
         methods = ALL if _uniform(tree) else ALL[:3] + ALL[4:]
 
         def fn(t, lq, lp, v):
-            return {m: _one(tree, m, t, lq, lp, v) for m in methods}
+            out = {}
+            for m in methods:
+                stop, emit = _one(tree, m, t, lq, lp, v)
+                out[m] = stop[:, None] * emit
+            for m, rule in RACE_RULES.items():
+                out[m] = _race_joint(tree, rule, t, lq, lp, v)
+            return out
 
         _COMPILED[tree] = jax.jit(jax.vmap(fn), compiler_options=_FAST_COMPILE)
     return _COMPILED[tree]
@@ -64,9 +115,10 @@ def _verdicts_fn(tree):
     if ("verdicts", tree) not in _COMPILED:
 
         def fn(k, t, a, b):
-            out = {m: verify_tree(k, tree, t, a, b, method=m) for m in EXACT}
-            out["is_bv_count"] = verify_tree(k, tree, t, a, b, method="is_bv", alive="count")
-            return out
+            return {
+                m: verify_tree(k, tree, t, a, b, method=OPTIONS[m][0], **OPTIONS[m][1])
+                for m in EXACT + ("is_bv_count",)
+            }
 
         _COMPILED[("verdicts", tree)] = jax.jit(jax.vmap(fn))
     return _COMPILED[("verdicts", tree)]
@@ -77,28 +129,28 @@ def _uniform(tree):
 
 
 def library_laws(tree, method, draws, valid=None):
-    """The library's law of the emitted string for each draw (float64); ``method`` in ALL."""
+    """The library's law of the emitted string for each draw (float64); ``method`` in ALL or
+    RACE_RULES."""
     _, tokens, q, p = (np.array(a) for a in zip(*draws))
     # Pad the batch to a multiple of _BATCH draws: one compilation per tree.
     pad = -len(draws) % _BATCH
     tokens, q, p = (np.concatenate([a, np.repeat(a[:1], pad, 0)]) for a in (tokens, q, p))
     valid = np.ones(tokens.shape, bool) if valid is None else np.broadcast_to(valid, tokens.shape)
     with jax.enable_x64(True), np.errstate(divide="ignore"):
-        stop, emit = _outcome_fn(tree)(
+        joint = _outcome_fn(tree)(
             jnp.asarray(tokens), jnp.log(jnp.asarray(q)), jnp.log(jnp.asarray(p)), valid
         )[method]
-        assert stop.dtype == jnp.float64
-        stop, emit = np.asarray(stop), np.asarray(emit)
-    assert not np.isnan(stop).any() and not np.isnan(emit).any()
-    np.testing.assert_allclose(stop.sum(1), 1.0, atol=1e-12)
+        assert joint.dtype == jnp.float64
+        joint = np.asarray(joint)
+    assert not np.isnan(joint).any()
+    np.testing.assert_allclose(joint.sum((1, 2)), 1.0, atol=1e-12)
     paths, depth = tree.paths, tree.depth
     laws = []
     for d in range(len(draws)):
         law = defaultdict(float)
-        for i in np.nonzero(stop[d] > 0)[0]:
+        for i, y in zip(*np.nonzero(joint[d] > 0)):
             prefix = tuple(int(tokens[d, j]) for j in paths[i, 1 : depth[i] + 1])
-            for y in np.nonzero(emit[d, i] > 0)[0]:
-                law[prefix + (int(y),)] += stop[d, i] * emit[d, i, y]
+            law[prefix + (int(y),)] += joint[d, i, y]
         laws.append(law)
     return laws
 
@@ -110,7 +162,7 @@ def enumerate_method(tree, method, draws, target, valid=None, reference=False):
     valid_np = np.ones(tree.num_nodes, bool) if valid is None else np.asarray(valid)
     total = defaultdict(float)
     for (weight, tokens, q, p), law in zip(draws, laws):
-        if reference:
+        if reference and method in ref.LAWS:  # the random race has no per-draw reference
             want = ref.LAWS[method](list(tree.parents), tokens, q, p, valid_np)
             worst = max(abs(want.get(s, 0.0) - law.get(s, 0.0)) for s in set(want) | set(law))
             assert worst <= TOL, (method, tokens.tolist(), worst)
@@ -135,7 +187,8 @@ def _chain_models(seed, num_drafts, vocab, n, identical, sparse=0.0):
     return target, drafts
 
 
-EXACT = ("tv", "tv_wr", "is_bv")  # exact on any independent draws ("tv" also without replacement)
+# Exact on any independent draws ("tv" also without replacement).
+EXACT = ("tv", "tv_wr", "is_bv", "is_bv_race")
 CHAIN_CONFIGS = [  # (K, V, n, identical, sparse)
     (2, 3, 2, True, 0.0),
     (2, 3, 2, False, 0.0),
@@ -259,6 +312,18 @@ def test_mutations_break_exactness():
     _, err = enumerate_method(tree, "tv", in_token_order, target)
     assert err > 1e-3, err
     _, err = enumerate_method(tree, "tv_unrestricted", draws, target)
+    assert err > 1e-3, err
+
+
+def test_race_mutation_breaks_exactness():
+    """IS+BV with the race's pick stays exact only with the race's own law of the selected token:
+    the walkers' mean law in its place (the law of a uniform pick) is off."""
+    target, drafts = _chain_models(9, 2, 3, 2, identical=False)
+    tree = trees.chains_token_tree(2, 2)
+    draws = list(ref.chain_draws(target, drafts, 2))
+    _, err = enumerate_method(tree, "is_bv_race", draws, target)
+    assert err <= TOL
+    _, err = enumerate_method(tree, "race_wrong_law", draws, target)
     assert err > 1e-3, err
 
 
@@ -429,7 +494,11 @@ def test_no_draft_token_gives_the_bonus_at_the_root():
     with np.errstate(divide="ignore"):
         lp = np.log(np.eye(3)[[2] * 5])  # the target always says 2
     tree = trees.TokenTree((-1,))
-    run = jax.jit(lambda k, t, a: {m: verify_tree(k, tree, t, a, a, method=m) for m in EXACT})
+    run = jax.jit(
+        lambda k, t, a: {
+            m: verify_tree(k, tree, t, a, a, method=OPTIONS[m][0], **OPTIONS[m][1]) for m in EXACT
+        }
+    )
     for verdict in run(jax.random.key(1), jnp.zeros(1, jnp.int32), lp[:1]).values():
         assert verdict.tokens.tolist() == [2] and verdict.path.tolist() == [0]
     tree = trees.chains_token_tree(2, 2)
@@ -474,6 +543,9 @@ def test_same_key_same_verdict_and_merged_path():
         ({"method": "tv", "alive": "count"}, "takes no options"),
         ({"method": "is_bv", "alive": "all"}, "alive must be one of"),
         ({"method": "is_bv", "beta": 1}, "unknown option"),
+        ({"method": "is_bv", "rule": "lp"}, "rule must be one of"),
+        ({"method": "is_bv", "rule": 3}, "rule must be one of"),
+        ({"method": "is_bv", "alive": "count", "rule": "level_race"}, "needs rule='fixed_order'"),
         ({"method": "is_bv", "alive": "count", "tree": trees.TokenTree((-1, 0, 0, 1, 1))}, "same"),
     ],
 )

@@ -20,13 +20,15 @@ is a *walker* of v, bringing its token (new or already tried) with its own law.
   order, brings its token; a new token is verified with the walker's unrestricted law, a token
   already tried is not re-verified, and both apply the residual update with the walker's law.
 * ``"is_bv"`` -- select one root-to-leaf path top-down with an importance-sampling selection rule
-  (:class:`FixedOrderRule`), then ASpS (block verification) of that path against the *induced*
-  conditionals of the selection (exact for any rule, docs/algorithms.md §3.6).
+  (the level race, :class:`LevelRaceRule`, by default; :class:`FixedOrderRule` as an option), then
+  ASpS (block verification) of that path against the *induced* conditionals of the selection
+  (exact for any rule, docs/algorithms.md §3.6).
 
 Along the all-rejected course of TV everything is deterministic, so each method is an *outcome law*
 (:func:`tree_outcome`: the probability of stopping at each node and the law of the token emitted
-there), then one stop draw and one token draw. Arithmetic follows the input dtype (float32 from the
-public API, float64 in the enumeration tests); probabilities are handled in linear space.
+there), then one stop draw and one token draw (exact draws, draws.py). Arithmetic follows the
+input dtype (float32 from the public API, float64 in the enumeration tests); probabilities are
+handled in linear space.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import trees
+from asps_jax import draws, trees
 from asps_jax.logspace import NEG_INF
 from asps_jax.verify.api import TREE_METHODS
 from asps_jax.verify.chain import asps_outcome_logweights
+from asps_jax.verify.level_race import fit_race, race_selection
 
 ALIVE_MODES = ("walkers", "count")
+TREE_RULES = ("level_race", "fixed_order")  # the named selection rules of "is_bv"
 _STOP, _TOKEN, _SELECT = 0, 1, 2
 
 
@@ -271,9 +275,41 @@ class FixedOrderRule:
         return self._select(order, tokens_W, alive_W).astype(law.dtype), law, surv
 
 
-def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, alive, select_key):
-    """IS+BV: ``(stop [N], emit [N, V])`` indexed by slot (probabilities), given the selection
-    drawn with ``select_key`` (irrelevant for a deterministic rule)."""
+@dataclasses.dataclass(frozen=True)
+class LevelRaceRule:
+    """The level race (level_race.py, docs/algorithms.md §3.10) at each node of the path: every
+    alive walker draws a level from its token's level law, the lowest level wins, ties uniformly.
+    Its induced law is exact for walkers drawn from different laws, and its rates are fitted to
+    the target at the node, so the selected token's law tracks p far better than a fixed order
+    (which over-selects the top-ranked tokens on flat laws). A node with one alive walker selects
+    it (``q_I = q``, no fit). Random: the pick is drawn from ``select_W``.
+
+    Only ``alive="walkers"``: the law of the number of drafts alive below a race's winner has no
+    closed form here (:class:`FixedOrderRule` gives it).
+    """
+
+    levels: int = 16  # J
+    fit_steps: int = 15  # T
+
+    def walkers(self, p, q_WV, tokens_W, alive_W):
+        race = fit_race(p, q_WV, alive_W, self.levels, self.fit_steps)
+        return race_selection(race, tokens_W, alive_W), race.q_sel
+
+    def counted(self, p, q_V, pi_M, tokens_W, alive_W):
+        raise NotImplementedError('LevelRaceRule supports alive="walkers" only')
+
+
+def _is_bv_outcome(
+    tree, tokens, q, p, node, parent, real, valid_slot, rule, alive, select_key, picks=None
+):
+    """IS+BV: ``(stop [N], emit [N, V], log_pick [])`` indexed by slot (probabilities), given the
+    selection drawn with ``select_key`` (irrelevant for a deterministic rule).
+
+    ``picks`` (int32[D], for exact enumeration) forces the walker picked at each level instead of
+    drawing it; ``log_pick`` is then the log-probability of that sequence of picks (a level below
+    the path's end counts only pick 0), so that summing ``exp(log_pick)`` times the law over every
+    sequence marginalises a random rule exactly. Without ``picks`` it is the drawn sequence's.
+    """
     n_nodes, vocab = q.shape
     dtype = q.dtype
     max_depth = tree.max_depth
@@ -297,7 +333,12 @@ def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, ali
             select, law, surv = rule.counted(p[v], q[slots_W[0]], pi, tokens[slots_W], alive_W)
         else:
             select, law = rule.walkers(p[v], q[slots_W], tokens[slots_W], alive_W)
-        pick = jax.random.categorical(jax.random.fold_in(select_key, t), _log(select))
+        if picks is None:
+            pick = draws.draw_from_weights(jax.random.fold_in(select_key, t), select)
+        else:
+            pick = picks[t]
+        active = going & has
+        log_pick = jnp.where(active, _log(select[pick]), jnp.where(pick == 0, 0.0, NEG_INF))
         pick = jnp.where(alive_W[pick], pick, jnp.argmax(alive_W))
         if alive == "count":
             surv = surv[pick]
@@ -311,10 +352,10 @@ def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, ali
         else:
             pi_next = pi
         c = node[slots_W[pick]]
-        going = going & has
-        return (jnp.where(going, c, v), going, pi_next), (jnp.where(going, c, -1), law)
+        going = active
+        return (jnp.where(going, c, v), going, pi_next), (jnp.where(going, c, -1), law, log_pick)
 
-    (_, _, _), (path_D, law_DV) = jax.lax.scan(
+    (_, _, _), (path_D, law_DV, log_pick_D) = jax.lax.scan(
         level, (jnp.zeros((), jnp.int32), jnp.array(True), pi0), jnp.arange(max_depth)
     )
     length = jnp.sum(path_D >= 0).astype(jnp.int32)
@@ -330,7 +371,7 @@ def _is_bv_outcome(tree, tokens, q, p, node, parent, real, valid_slot, rule, ali
     stop = jnp.zeros((n_nodes,), dtype).at[at_D].set(mass_D, mode="drop")
     stop = stop.at[path_M[length]].add(jnp.exp(log_full))
     emit = p.at[at_D].set(emit_D, mode="drop")
-    return stop, emit
+    return stop, emit, jnp.sum(log_pick_D)
 
 
 def _uniform_widths(tree: trees.TokenTree) -> tuple[int, ...]:
@@ -365,7 +406,25 @@ def _check_options(tree, method: str, options: dict) -> dict:
         raise ValueError(f"verify_tree: alive must be one of {ALIVE_MODES}, got {alive!r}")
     if alive == "count":
         _uniform_widths(tree)
-    return {"rule": options.get("rule", FixedOrderRule()), "alive": alive}
+    # alive="count" needs the law of the number of alive drafts, which the fixed order gives.
+    rule = options.get("rule", "fixed_order" if alive == "count" else "level_race")
+    if isinstance(rule, str):
+        if rule not in TREE_RULES:
+            raise ValueError(
+                f"verify_tree: rule must be one of {TREE_RULES} or a SelectionRule, got {rule!r}"
+            )
+        rule = LevelRaceRule() if rule == "level_race" else FixedOrderRule()
+    elif not all(callable(getattr(rule, name, None)) for name in ("walkers", "counted")):
+        raise ValueError(
+            f"verify_tree: rule must be one of {TREE_RULES} or a SelectionRule (an object with "
+            f"walkers() and counted()), got {type(rule).__name__}"
+        )
+    if alive == "count" and isinstance(rule, LevelRaceRule):
+        raise ValueError(
+            "verify_tree: alive='count' needs rule='fixed_order' (the level race gives no law "
+            "of the number of drafts alive below its winner)"
+        )
+    return {"rule": rule, "alive": alive}
 
 
 def check_options(tree: trees.TokenTree, method: str, **options) -> None:
@@ -382,7 +441,7 @@ def _outcome(
     node, parent, real = trees.merge_duplicates(tree, node_tokens, valid)
     args = (tree, node_tokens, q, p, node, parent, real, node >= 0)
     if method == "is_bv":
-        stop, emit = _is_bv_outcome(*args, options["rule"], options["alive"], select_key)
+        stop, emit, _ = _is_bv_outcome(*args, options["rule"], options["alive"], select_key)
     else:
         stop, emit = _traversal_outcome(*args, restrict=method == "tv", walk_all=method == "tv_wr")
     return stop, emit, node
@@ -393,8 +452,8 @@ def tree_outcome(
 ):
     """Exact outcome law of ``method`` for one drawn tree (arguments as :func:`verify_tree`).
 
-    ``select_key`` draws the path of ``"is_bv"`` when its selection rule is random (the law is then
-    conditional on that draw); the default rule is deterministic.
+    ``select_key`` draws the path of ``"is_bv"`` when its selection rule is random, as the default
+    level race is (the law is then conditional on that draw).
 
     Returns:
       ``(stop [N], emit [N, V])`` in the input dtype, indexed by slot: ``stop[i]`` is the
@@ -417,8 +476,8 @@ def sample_tree(key, tree, node_tokens, draft_logprobs, target_logprobs, valid, 
     stop, emit, node = _outcome(
         tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
     )
-    stop_node = jax.random.categorical(jax.random.fold_in(key, _STOP), _log(stop))
-    last = jax.random.categorical(jax.random.fold_in(key, _TOKEN), _log(emit[stop_node]))
+    stop_node = draws.draw_from_weights(jax.random.fold_in(key, _STOP), stop)
+    last = draws.draw_from_weights(jax.random.fold_in(key, _TOKEN), emit[stop_node])
     paths = jnp.asarray(tree.paths)
     depth = jnp.asarray(tree.depth)[stop_node]
     steps = jnp.arange(tree.max_depth + 1)
@@ -455,11 +514,12 @@ def verify_tree(
       valid: bool[N], the slots that hold a drawn token (default all); ancestor-closed.
       method: ``"tv"`` (traversal verification; trees drawn without replacement, or independent
         draws), ``"tv_wr"`` (its with-replacement rule for independent draws) or ``"is_bv"``
-        (fixed-order IS path selection + ASpS against the induced laws; independent draws).
+        (IS path selection + ASpS against the induced laws; independent draws).
       options: ``"is_bv"`` only: ``alive="walkers"`` (default; laws conditioned on the drafts
         actually alive) or ``"count"`` (marginal over the number of alive drafts; identical draft
         models and a tree whose nodes at one depth have equal numbers of children), and
-        ``rule=`` a :class:`SelectionRule` (default :class:`FixedOrderRule`).
+        ``rule=`` ``"level_race"`` (default with ``alive="walkers"``), ``"fixed_order"``
+        (default and only named rule with ``alive="count"``) or a :class:`SelectionRule`.
 
     Returns:
       A :class:`TreeVerdict` with ``tokens`` and ``path`` int32[D+1].
