@@ -3,6 +3,7 @@ rationals, against the float32 paths they replace; and chi-square checks of the 
 
 from __future__ import annotations
 
+import pathlib
 from fractions import Fraction
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+import asps_jax
 from asps_jax import draws
 
 # A law whose tokens lie 0..40 nats below the top (and one impossible token).
@@ -186,3 +188,16 @@ def test_accept_strict_and_statistical():
     assert abs(freq - 0.3) < 5 * np.sqrt(0.21 / 200_000)
     freq = np.asarray(jax.jit(jax.vmap(lambda k: draws.accept_log(k, np.log(0.2), 0.0)))(keys))
     assert abs(freq.mean() - 0.2) < 5 * np.sqrt(0.16 / 200_000)
+
+
+def test_no_module_draws_with_jax_random_categorical():
+    """Every token, stop and pick of the package is drawn by this module: jax.random.categorical
+    (default mode) never reaches a token ~20 nats below the top (the test above), so the law drawn
+    would differ from the law the verifiers use. No module may call it."""
+    root = pathlib.Path(asps_jax.__file__).parent
+    offenders = [
+        str(path.relative_to(root))
+        for path in sorted(root.rglob("*.py"))
+        if "random.categorical(" in path.read_text()
+    ]
+    assert offenders == []
