@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from asps_jax import kv_cache, rollout, scoring, sharding, statistics, trees
@@ -66,6 +67,7 @@ class SpecConfig:
     num_drafts: int  # K
     max_new_tokens: int
     options: tuple = ()  # sorted (name, value) pairs passed to verify_drafts
+    widths: tuple = ()  # a branching draft tree (tree methods): children per node at each depth
 
     @property
     def uses_draft(self) -> bool:
@@ -79,6 +81,25 @@ class SpecConfig:
     @property
     def tree(self) -> trees.Tree:
         return trees.build_chain_tree(self.num_drafts, self.num_draft_tokens)
+
+    @property
+    def plan(self) -> trees.BranchingPlan | None:
+        """How a branching draft tree is drawn: siblings without replacement for ``"tv"``,
+        independently for the other tree methods (which need independent draws); None for K
+        independent chains."""
+        return trees.BranchingPlan(self.widths, self.method != "tv") if self.widths else None
+
+    @property
+    def token_tree(self) -> trees.TokenTree:
+        """The node table a tree method verifies: K chains, or the branching tree."""
+        if self.widths:
+            return self.plan.tree
+        return trees.chains_token_tree(self.num_drafts, self.num_draft_tokens)
+
+    @property
+    def layout(self) -> trees.ChainLayout:
+        """The token tree's root paths, one per draft replica."""
+        return trees.chain_layout(self.token_tree)
 
 
 @jax.tree_util.register_dataclass
@@ -125,10 +146,13 @@ class Drafts:
       tokens_BKD: int32[B, K, D], the draft chains.
       logprobs_BKDV: float32[B, K, D, V], the laws the draft tokens were drawn from.
       lengths_BK: int32[B, K], the usable length of each chain (cut at ``max_new_tokens``, ended at
-        an EOS, ended before a token drawn from an unusable law).
+        an EOS, ended before a token drawn from an unusable law or outside its law's support).
       bad_depth_BK: int32[B, K], the first depth whose draft law was unusable (NaN or ``+inf``
         logits, or none finite) among the depths the chain would otherwise have used; D + 2 when
         none was.
+      canonical_BN: int32[B, N], tree methods only: the node of the merged tree that carries each
+        slot (siblings that drew the same token are one node, the first slot), -1 for a slot past
+        its chain's length; None for the other methods.
     """
 
     cache: kv_cache.KVCache
@@ -137,6 +161,7 @@ class Drafts:
     logprobs_BKDV: jax.Array
     lengths_BK: jax.Array
     bad_depth_BK: jax.Array
+    canonical_BN: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +180,9 @@ class Decoder:
       diagnostics: also measure, every step with K >= 2 drafts, ``optimal_acceptance`` at the
         root (a V-sized sort per row and step); without it that statistic is NaN.
         With one draft it is ``1 - TV(p, q)``, cheap, and always measured.
+      merge_tree: tree methods score only the merged tree's nodes (a slot that repeats an earlier
+        sibling's token is masked out of the target forward, as the verifier never reads it);
+        False scores every slot (the same tokens; kept to compare the two).
     """
 
     target_config: Any
@@ -163,6 +191,7 @@ class Decoder:
     cache_len: int
     mesh: Mesh | None = None
     diagnostics: bool = False
+    merge_tree: bool = True
 
     # ----------------------------------------------------------------------------------------
     # Entry points (jitted; ``self`` is static)
@@ -386,9 +415,11 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
         draft_len=n,
         sampling=sampling.repeat(k),
         mesh=dec.mesh,
+        plan=spec.plan,
     )
     vocab = draft_lp.shape[-1]
     tokens_BKD = drafts.reshape(batch, k, n)
+    draft_lp_BKDV = draft_lp.reshape(batch, k, n, vocab)
 
     # Drafts are shortened so that a step never emits past max_new_tokens, and end at an EOS.
     remaining_B = spec.max_new_tokens - state.num_generated
@@ -400,28 +431,64 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
     # i depends on the chain's first i tokens only); only the depths the chain uses count.
     bad_BK = _first_false(draft_ok_RD.reshape(batch, k, n), n + 2)
     bad_BK = jnp.where(bad_BK < lengths_BK, bad_BK, n + 2)
-    return Drafts(
+    # A sibling drawn without replacement after its law's support ran out has probability 0: it
+    # was not drawn, and the chain ends before it (never the case for independent draws).
+    drawn_lp_BKD = jnp.take_along_axis(draft_lp_BKDV, tokens_BKD[..., None], axis=-1)[..., 0]
+    lengths_BK = jnp.minimum(lengths_BK, _first_false(drawn_lp_BKD > -jnp.inf, n))
+    drafts = Drafts(
         cache=d_cache,
         start_B=start_B,
         tokens_BKD=tokens_BKD,
-        logprobs_BKDV=draft_lp.reshape(batch, k, n, vocab),
+        logprobs_BKDV=draft_lp_BKDV,
         lengths_BK=jnp.minimum(lengths_BK, bad_BK),
         bad_depth_BK=bad_BK,
     )
+    if not spec.verifies_tree:
+        return drafts
+    node_tokens_BN, _, valid_BN = _tree_nodes(spec, state.root, drafts)
+    tree = spec.token_tree
+    canonical_BN, _, _ = jax.vmap(lambda x, v: trees.merge_duplicates(tree, x, v))(
+        node_tokens_BN, valid_BN
+    )
+    return dataclasses.replace(drafts, canonical_BN=canonical_BN)
+
+
+def _tree_nodes(spec: SpecConfig, root_B, drafts: Drafts):
+    """The node table of a tree method: ``(node_tokens int32[B, N], draft_lp float32[B, N, V],
+    valid bool[B, N])``. Node i carries the token, draft law and length of the first chain
+    through it (every chain through it drew the same token from the same law); row 0 of
+    ``draft_lp`` (the root, not drawn) is never read."""
+    depth_N = spec.token_tree.depth
+    first_N = spec.layout.first_chain
+    at_N = np.maximum(depth_N - 1, 0)
+    node_tokens_BN = drafts.tokens_BKD[:, first_N, at_N].at[:, 0].set(root_B)
+    draft_lp_BNV = drafts.logprobs_BKDV[:, first_N, at_N]
+    valid_BN = (depth_N == 0)[None, :] | (depth_N[None, :] <= drafts.lengths_BK[:, first_N])
+    return node_tokens_BN, draft_lp_BNV, valid_BN
 
 
 def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
     """Stage 2: one target forward over the whole tree; returns the processed target log-probs,
-    whether each of those laws is usable (:func:`asps_jax.processors.logits_ok`), and the tree's
-    new keys / values.
+    whether each of those laws is usable (:func:`asps_jax.processors.logits_ok`), the tree's
+    new keys / values, and the number of draft nodes scored per row, int32[B] (a tree method
+    scores each node of the merged tree once).
 
     A tree method gets the laws node-indexed, float32[B, N, V] and bool[B, N] (node i: the target
     after node i); the others along each chain's root path, float32[B, K, D + 1, V] and
     bool[B, K, D + 1].
     """
-    tree = dec.spec.tree
-    valid_BN = trees.node_validity(tree, drafts.lengths_BK)
-    node_tokens_BN = trees.chain_tokens_to_nodes(state.root, drafts.tokens_BKD)
+    if dec.spec.verifies_tree:
+        tree = dec.spec.token_tree
+        node_tokens_BN, _, valid_BN = _tree_nodes(dec.spec, state.root, drafts)
+        tree_mask = None
+        if dec.merge_tree:  # a node attends to the merged nodes of its root path
+            valid_BN = drafts.canonical_BN == jnp.arange(tree.num_nodes)[None, :]
+            tree_mask = trees.merged_attention_mask(tree, drafts.canonical_BN)
+    else:
+        tree, tree_mask = dec.spec.tree, None
+        valid_BN = trees.node_validity(tree, drafts.lengths_BK)
+        node_tokens_BN = trees.chain_tokens_to_nodes(state.root, drafts.tokens_BKD)
+    scored_B = jnp.sum(valid_BN, axis=1) - 1
     logits_BNV, new_kv = scoring.score_tree(
         forward_for(dec.target_config),
         target_params,
@@ -429,13 +496,14 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
         node_tokens_BN,
         tree,
         valid_BN,
+        tree_mask,
     )
     logits_BNV = sharding.constrain(logits_BNV, ("batch", None, "vocab"), dec.mesh)
     if dec.spec.verifies_tree:
-        return sampling.process(logits_BNV), logits_ok(logits_BNV), new_kv
+        return sampling.process(logits_BNV), logits_ok(logits_BNV), new_kv, scored_B
     paths_KD = trees.path_nodes(tree, jnp.arange(dec.spec.num_drafts))  # [K, D + 1]
     path_logits_BKDV = logits_BNV[:, paths_KD]
-    return sampling.process(path_logits_BKDV), logits_ok(path_logits_BKDV), new_kv
+    return sampling.process(path_logits_BKDV), logits_ok(path_logits_BKDV), new_kv, scored_B
 
 
 def _verify(dec: Decoder, state, drafts: Drafts, target_lp) -> tuple[Verdict, jax.Array]:
@@ -471,25 +539,18 @@ def _verify(dec: Decoder, state, drafts: Drafts, target_lp) -> tuple[Verdict, ja
 
 
 def _verify_tree(dec: Decoder, state, drafts: Drafts, target_lp_BNV, keys_B):
-    """``verify_tree`` on each row's K-chain tree: node i carries its token, the law it was drawn
-    from (its chain's law at its depth) and the target law after it; a node is valid iff its
-    depth is within its chain's usable length.
+    """``verify_tree`` on each row's tree (K chains, or a branching tree): node i carries its
+    token, the law it was drawn from and the target law after it; a node is valid iff its depth
+    is within its chain's usable length (:func:`_tree_nodes`).
 
     ``verify_tree`` merges siblings that drew the same token: the accepted path names canonical
-    nodes, each the first chain's slot with its root-path tokens. So the chain of the deepest
+    nodes, each the first slot with its root-path tokens. So the first chain through the deepest
     accepted node drew the whole accepted path as its own prefix; it is the Verdict's
     ``draft_index`` (the draft replica the others sync to, and the chain statistics read).
     """
     spec = dec.spec
-    n = spec.num_draft_tokens
-    batch, k, _, vocab = drafts.logprobs_BKDV.shape
-    tree = trees.token_tree_of(spec.tree)
-    node_tokens_BN = trees.chain_tokens_to_nodes(state.root, drafts.tokens_BKD)
-    # Row 0 (the root) was not drawn and is never read: any law of the right shape fills it.
-    draft_lp_BNV = jnp.concatenate(
-        [drafts.logprobs_BKDV[:, 0, :1], drafts.logprobs_BKDV.reshape(batch, k * n, vocab)], axis=1
-    )
-    valid_BN = trees.node_validity(spec.tree, drafts.lengths_BK)
+    tree = spec.token_tree
+    node_tokens_BN, draft_lp_BNV, valid_BN = _tree_nodes(spec, state.root, drafts)
     options = dict(spec.options)
     found = jax.vmap(
         lambda key, x, lq, lp, valid: verify_tree(
@@ -500,7 +561,7 @@ def _verify_tree(dec: Decoder, state, drafts: Drafts, target_lp_BNV, keys_B):
     verdict = Verdict(
         tokens=found.tokens,
         num_tokens=found.num_tokens,
-        draft_index=(jnp.maximum(deepest_B - 1, 0) // n).astype(jnp.int32),
+        draft_index=jnp.asarray(spec.layout.first_chain)[deepest_B],
         num_fallbacks=jnp.zeros_like(found.num_tokens),
     )
     return verdict, jnp.maximum(found.path, 0)
@@ -543,7 +604,8 @@ def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, root_lp_BV) -> jax.Ar
         return jnp.exp(jax.nn.logsumexp(overlap_BV, axis=-1))
     if not dec.diagnostics:
         return jnp.full(drafts.start_B.shape, jnp.nan, jnp.float32)
-    return optimal_acceptance(root_lp_BV, drafts.logprobs_BKDV[:, :, 0])
+    root_chains = np.unique(dec.spec.layout.first_chain[dec.spec.token_tree.depth == 1])
+    return optimal_acceptance(root_lp_BV, drafts.logprobs_BKDV[:, root_chains, 0])
 
 
 def _emitted_logprobs(path_lp_BTV, verdict: Verdict) -> jax.Array:
@@ -561,15 +623,14 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     with jax.named_scope("draft"):
         drafts = _draft(dec, draft_params, sampling, state)
     with jax.named_scope("score"):
-        target_lp, target_ok, new_kv = _score(dec, target_params, sampling, state, drafts)
+        target_lp, target_ok, new_kv, scored_B = _score(dec, target_params, sampling, state, drafts)
         # A chain is verified only up to its first unusable target law: the tokens before it are
         # then decided by usable laws alone (ASpS weighs a whole chain, so an unusable law deeper
         # down would otherwise change them); a bonus drawn from that law is cut below.
         chain_ok_BKD = target_ok
-        if dec.spec.verifies_tree:
-            chain_ok_BKD = target_ok[
-                :, trees.path_nodes(dec.spec.tree, jnp.arange(dec.spec.num_drafts))
-            ]
+        if dec.spec.verifies_tree:  # a slot's law is its merged node's
+            nodes_BKD = jnp.maximum(drafts.canonical_BN[:, dec.spec.layout.chain_paths], 0)
+            chain_ok_BKD = jax.vmap(lambda ok_N, nodes: ok_N[nodes])(target_ok, nodes_BKD)
         first_bad_BK = _first_false(chain_ok_BKD, dec.spec.num_draft_tokens + 2)
         drafts = dataclasses.replace(
             drafts, lengths_BK=jnp.minimum(drafts.lengths_BK, first_bad_BK)
@@ -604,6 +665,7 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
             draft_lengths_BK=drafts.lengths_BK,
             root_drafts_BK=drafts.tokens_BKD[:, :, 0],
             root_optimal_B=_root_optimal_acceptance(dec, drafts, root_lp_BV),
+            scored_nodes_B=scored_B,
         )
     new_state = dataclasses.replace(new_state, stats=stats)
     with jax.named_scope("emit"):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import kv_cache, scoring, sharding
+from asps_jax.draws import draw_without_replacement
 from asps_jax.processors import logits_ok, sample_token
 
 
@@ -31,6 +32,7 @@ def rollout(
     draft_len: int,
     sampling,
     mesh=None,
+    plan=None,
 ):
     """Roll out ``draft_len`` tokens for every cache row ``R = B * K``.
 
@@ -43,6 +45,10 @@ def rollout(
       sampling: the rows' ``processors.SamplingParams`` (batch R); drafts use
         ``draft_temperature``.
       mesh: the mesh of a sharded run (activation constraints on the draft logits), or None.
+      plan: None (every row draws its own chain), or a :class:`~asps_jax.trees.BranchingPlan`:
+        the rows of one batch row (``R = B * L``) draw a branching tree, every node its children
+        from one law with one key (``plan.replace``: independently, else without replacement);
+        each row then carries the law its node's children were drawn from.
 
     Returns:
       ``(cache, tokens int32[R, n], logprobs float32[R, n, V], laws_ok bool[R, n])``;
@@ -54,14 +60,36 @@ def rollout(
     zeros_R1 = jnp.zeros((rows, 1), jnp.int32)
     valid_R1 = jnp.ones((rows, 1), bool)
 
+    def draw_tree(depth, keys_R, logprobs_RV, ok_R):
+        """Children of each node from the law and key of the first row through it."""
+        group_first, sibling = (jnp.asarray(t)[depth] for t in plan.tables)
+        width = plan.num_chains
+        rows_R = jnp.arange(rows)
+        first_R = rows_R - rows_R % width + jnp.tile(group_first, rows // width)
+        sibling_R = jnp.tile(sibling, rows // width)
+        keys_R, logprobs_RV, ok_R = keys_R[first_R], logprobs_RV[first_R], ok_R[first_R]
+        if plan.replace:
+            child_keys = jax.vmap(jax.random.fold_in)(keys_R, sibling_R)
+            return jax.vmap(sample_token)(child_keys, logprobs_RV), logprobs_RV, ok_R
+
+        def without_replacement(key, logprobs_V, s):
+            return draw_without_replacement(key, logprobs_V, plan.max_width)[s]
+
+        next_R = jax.vmap(without_replacement)(keys_R, logprobs_RV, sibling_R)
+        return next_R, logprobs_RV, ok_R
+
     def feed(cache, token_R, depth):
         logits_R1V, new_kv = scoring.score_chain(forward, params, cache, token_R[:, None], valid_R1)
         logits_R1V = sharding.constrain(logits_R1V, ("batch", None, "vocab"), mesh)
         cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R)
         logprobs_RV = sampling.process(logits_R1V[:, 0], draft=True)
+        ok_R = logits_ok(logits_R1V[:, 0])
         depth_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, depth)
-        next_R = jax.vmap(sample_token)(depth_keys, logprobs_RV)
-        return cache, next_R, logprobs_RV, logits_ok(logits_R1V[:, 0])
+        if plan is not None:
+            next_R, logprobs_RV, ok_R = draw_tree(depth, depth_keys, logprobs_RV, ok_R)
+        else:
+            next_R = jax.vmap(sample_token)(depth_keys, logprobs_RV)
+        return cache, next_R, logprobs_RV, ok_R
 
     def body(carry, depth):
         cache, token_R = carry

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import operator
 import os
 import signal
 import threading
@@ -207,7 +208,36 @@ def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
     return ids
 
 
-def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) -> None:
+def _check_tree(tree, method, num_drafts, num_draft_tokens) -> tuple[int, ...]:
+    """The widths of a branching draft tree (``()`` for none), checked against the method and
+    against ``num_drafts`` / ``num_draft_tokens`` when those are given too."""
+    if tree is None:
+        return ()
+    try:
+        widths = tuple(operator.index(w) for w in tree)
+    except TypeError:
+        widths = None
+    if not widths or any(w < 1 for w in widths):
+        raise ValueError(
+            f"tree: a branching draft tree is its children per node at each depth, e.g. "
+            f"(4, 2, 1, 1), every width >= 1; got {tree!r}"
+        )
+    if method not in TREE_METHODS:
+        raise ValueError(
+            f"tree: a branching draft tree is verified by the tree methods "
+            f"({', '.join(TREE_METHODS)}); method {method!r} verifies chains"
+        )
+    implied = {"num_drafts": math.prod(widths), "num_draft_tokens": len(widths)}
+    for name, value in (("num_drafts", num_drafts), ("num_draft_tokens", num_draft_tokens)):
+        if value is not None and value != implied[name]:
+            raise ValueError(
+                f"tree={widths} has {implied['num_drafts']} leaves at depth "
+                f"{implied['num_draft_tokens']}; {name}={value} contradicts it (omit it)"
+            )
+    return widths
+
+
+def _check_method(method, draft, target, num_drafts, num_draft_tokens, options, widths=()) -> None:
     if method not in METHODS:
         raise ValueError(f"method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "ar":
@@ -228,8 +258,11 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) 
             )
         if options:
             raise ValueError(f"method {method!r} takes no options, got {sorted(options)}")
-    if method in TREE_METHODS:  # the K-chain tree the decode loop draws
-        tree = trees.chains_token_tree(num_drafts, num_draft_tokens)
+    if method in TREE_METHODS:  # the tree the decode loop draws: K chains, or branching
+        if widths:
+            tree = trees.branching_token_tree(widths)
+        else:
+            tree = trees.chains_token_tree(num_drafts, num_draft_tokens)
         check_tree_options(tree, method, **options)
 
 
@@ -292,8 +325,9 @@ def prepare(
     key,
     max_new_tokens,
     method="asps",
-    num_draft_tokens=8,
-    num_drafts=1,
+    num_draft_tokens=None,
+    num_drafts=None,
+    tree=None,
     temperature=1.0,
     top_k=None,
     top_p=None,
@@ -311,11 +345,22 @@ def prepare(
     ``prompts_BP``, ``prompt_lengths_B``, ``row_keys_B``). ``temperature``, ``top_k``, ``top_p``
     and ``draft_temperature`` may also be given per prompt. ``diagnostics=True`` also measures
     the root ``optimal_acceptance`` of multi-draft steps (see :class:`asps_jax.decode.Decoder`).
+
+    ``num_draft_tokens`` defaults to 8 and ``num_drafts`` to 1. ``tree=(w_1, ..., w_D)`` (tree
+    methods only) drafts a branching tree instead of K chains: every node at depth d - 1 draws
+    ``w_d`` children, without replacement for ``"tv"`` and independently for ``"tv_wr"`` and
+    ``"is_bv"``; the draft then runs ``prod(w)`` cache replicas (one per root path) and D is the
+    draft length.
     """
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
-    num_draft_tokens = _check_int("num_draft_tokens", num_draft_tokens, 1)
-    num_drafts = _check_int("num_drafts", num_drafts, 1)
-    _check_method(method, draft, target, num_drafts, num_draft_tokens, options)
+    widths = _check_tree(tree, method, num_drafts, num_draft_tokens)
+    if widths:
+        num_drafts, num_draft_tokens = math.prod(widths), len(widths)
+    num_draft_tokens = _check_int(
+        "num_draft_tokens", 8 if num_draft_tokens is None else num_draft_tokens, 1
+    )
+    num_drafts = _check_int("num_drafts", 1 if num_drafts is None else num_drafts, 1)
+    _check_method(method, draft, target, num_drafts, num_draft_tokens, options, widths)
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
     if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32
         top_k = np.minimum(np.asarray(top_k, np.int64), target.vocab_size)
@@ -359,6 +404,7 @@ def prepare(
         num_drafts=num_drafts,
         max_new_tokens=max_new_tokens,
         options=tuple(sorted(options.items())),
+        widths=widths,
     )
     sampling = SamplingParams.make(
         padded,

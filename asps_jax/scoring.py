@@ -31,10 +31,14 @@ def score_tree(
     node_tokens: jax.Array,  # int32[B, N]
     tree: Tree,
     valid: jax.Array,  # bool[B, N]
+    tree_mask: jax.Array | None = None,  # bool[B, N, N]
 ) -> tuple[jax.Array, KVBlock]:
     """``(logits float32[B, N, V], new_kv [L, B, N, KVH, H])`` for every node of the tree.
 
-    ``forward(params, tokens, positions, mask, cache)`` has the model config bound.
+    ``forward(params, tokens, positions, mask, cache)`` has the model config bound. ``tree_mask``
+    replaces the tree part of the attention mask (default :func:`~asps_jax.trees.attention_mask`;
+    e.g. :func:`~asps_jax.trees.merged_attention_mask`, where a node's root path runs through
+    other slots than its static ancestors).
     """
     if node_tokens.ndim != 2:
         raise ValueError(f"node_tokens must be [B, N], got shape {node_tokens.shape}")
@@ -46,7 +50,9 @@ def score_tree(
     _check("cache.lengths", cache.lengths, (B,), "int")
     depth_N = jnp.asarray(tree.depth, jnp.int32)
     positions_BN = cache.lengths[:, None] + depth_N[None, :]
-    mask_BNS = jnp.concatenate([cache_mask(cache, N), attention_mask(tree, valid)], axis=-1)
+    if tree_mask is None:
+        tree_mask = attention_mask(tree, valid)
+    mask_BNS = jnp.concatenate([cache_mask(cache, N), tree_mask], axis=-1)
     return forward(params, node_tokens.astype(jnp.int32), positions_BN, mask_BNS, cache)
 
 

@@ -36,6 +36,8 @@ class DecodeStats:
       bad_logits: bool[B], the row stopped at a law with a NaN or ``+inf`` logit or no finite one.
       failed_at: int32[B], the index (among the row's new tokens) of the token that law was to
         give, i.e. the number of tokens emitted before the failure; -1 when the row did not fail.
+      scored_nodes: int32[B], draft nodes the target scored, summed over steps (a tree method
+        scores each node of the merged tree once: chains that share a prefix share its nodes).
     """
 
     target_calls: jax.Array
@@ -48,6 +50,7 @@ class DecodeStats:
     root_optimal: jax.Array
     bad_logits: jax.Array
     failed_at: jax.Array
+    scored_nodes: jax.Array
 
     @classmethod
     def zeros(cls, batch: int, draft_len: int) -> DecodeStats:
@@ -63,6 +66,7 @@ class DecodeStats:
             root_optimal=jnp.zeros((batch,), jnp.float32),
             bad_logits=jnp.zeros((batch,), bool),
             failed_at=jnp.full((batch,), -1, jnp.int32),
+            scored_nodes=zeros_B,
         )
 
 
@@ -76,6 +80,7 @@ def update(
     draft_lengths_BK: jax.Array | None = None,
     root_drafts_BK: jax.Array | None = None,
     root_optimal_B: jax.Array | None = None,
+    scored_nodes_B: jax.Array | None = None,
 ) -> DecodeStats:
     """The counters after one step.
 
@@ -90,6 +95,7 @@ def update(
       draft_lengths_BK: int32[B, K], the usable length of each draft chain.
       root_drafts_BK: int32[B, K], the first token of each draft chain.
       root_optimal_B: float32[B], ``optimal_acceptance`` at the root (docs/algorithms.md §3.5).
+      scored_nodes_B: int32[B], draft nodes the target scored this step.
     """
     calls_B = active_B.astype(jnp.int32)
     width = stats.emitted_hist.shape[1]
@@ -116,6 +122,7 @@ def update(
         decisions=stats.decisions + calls_B * jnp.minimum(verdict.num_tokens, chosen_len_B),
         accepted=stats.accepted + calls_B * (verdict.num_tokens - 1),
         fallbacks=stats.fallbacks + calls_B * verdict.num_fallbacks,
+        scored_nodes=stats.scored_nodes + calls_B * scored_nodes_B,
     )
 
 
@@ -129,7 +136,8 @@ def summarize(stats: DecodeStats, num_generated_B: jax.Array, batch: int) -> dic
     draft tokens, beside ``root_optimal_acceptance``, the mean of ``optimal_acceptance`` over the
     same steps (the theoretical limit of any exact token-level scheme there; NaN with K >= 2 drafts
     unless the loop ran with ``diagnostics=True``); ``bad_logits`` / ``failed_at``: the row stopped
-    at an unusable law, and the index of the new token it stopped at (-1 if it did not).
+    at an unusable law, and the index of the new token it stopped at (-1 if it did not);
+    ``scored_nodes_per_step``: draft nodes the target scored per call.
     """
     s = jax.tree.map(lambda a: a[:batch], stats)
     generated = num_generated_B[:batch]
@@ -146,6 +154,7 @@ def summarize(stats: DecodeStats, num_generated_B: jax.Array, batch: int) -> dic
         "root_optimal_acceptance": s.root_optimal / jnp.maximum(s.root_steps, 1),
         "bad_logits": s.bad_logits,
         "failed_at": s.failed_at,
+        "scored_nodes_per_step": s.scored_nodes / jnp.maximum(s.target_calls, 1),
     }
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +115,22 @@ def attention_mask(tree: Tree, valid_BN: jax.Array) -> jax.Array:
     anc = jnp.asarray(tree.ancestors)[None]
     eye = jnp.eye(tree.num_nodes, dtype=bool)[None]
     return jnp.where(valid_BN[:, :, None], anc & valid_BN[:, None, :], eye)
+
+
+def merged_attention_mask(tree, canonical_BN: jax.Array) -> jax.Array:
+    """``bool[B, N, N]`` tree part of the attention mask of the *merged* tree: a node of the merged
+    tree (a slot that is its own canonical node) attends to the canonical nodes of its root path
+    (itself included); any other slot attends only to itself.
+
+    ``canonical_BN`` is :func:`merge_duplicates`' ``node`` per row (-1 for an invalid slot).
+    """
+    n_nodes = tree.num_nodes
+    anc = jnp.asarray(tree.ancestors, jnp.float32)  # [i, j]
+    onehot_BNN = jax.nn.one_hot(canonical_BN, n_nodes, dtype=jnp.float32)  # [b, j, c]; -1: none
+    reach_BNN = jnp.einsum("ij,bjc->bic", anc, onehot_BNN) > 0
+    is_node_BN = canonical_BN == jnp.arange(n_nodes)[None, :]
+    eye = jnp.eye(n_nodes, dtype=bool)[None]
+    return jnp.where(is_node_BN[:, :, None], reach_BNN, eye)
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,3 +343,90 @@ def merge_chains(root_token, tokens_KN: jax.Array, lengths_K: jax.Array | None =
         node_chain=jnp.where(valid, chain_of_slot, 0).astype(jnp.int32),
         chain_nodes=node[1:].reshape(num_drafts, n),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Draft trees of the decode loop: chains of a full-depth tree, and branching draw plans
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainLayout:
+    """A tree whose leaves all sit at depth D, seen as one *chain* per leaf (its root path).
+
+    The decode loop drafts such a tree with one draft cache replica per chain: replica l feeds the
+    tokens of leaf l's root path. NumPy arrays (static).
+
+    Attributes:
+      chain_nodes: int32[L, D], the node of chain l at depth d + 1.
+      first_chain: int32[N], the first chain through each node (0 for the root): the replica whose
+        draws and draft laws stand for the node.
+    """
+
+    chain_nodes: np.ndarray
+    first_chain: np.ndarray
+
+    @property
+    def num_chains(self) -> int:  # L
+        return int(self.chain_nodes.shape[0])
+
+    @property
+    def chain_paths(self) -> np.ndarray:
+        """int32[L, D + 1]: the root, then chain l's nodes."""
+        return np.concatenate([np.zeros((self.num_chains, 1), np.int32), self.chain_nodes], axis=1)
+
+
+def chain_layout(tree: TokenTree) -> ChainLayout:
+    """The :class:`ChainLayout` of a tree whose leaves are all at its maximal depth."""
+    leaves = [i for i in range(tree.num_nodes) if tree.num_children[i] == 0]
+    shallow = [i for i in leaves if tree.depth[i] != tree.max_depth]
+    if tree.max_depth == 0 or shallow:
+        raise ValueError(
+            "a draft tree needs every leaf at its full depth (one draft replica per root path); "
+            f"got a tree of depth {tree.max_depth} with leaves at depths "
+            f"{sorted(set(tree.depth[leaves].tolist()))}"
+        )
+    chain_nodes = tree.paths[leaves, 1:].astype(np.int32)
+    first_chain = np.zeros(tree.num_nodes, np.int32)
+    for chain in reversed(range(len(leaves))):
+        first_chain[chain_nodes[chain]] = chain
+    return ChainLayout(chain_nodes=chain_nodes, first_chain=first_chain)
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchingPlan:
+    """How the draft replicas of a :func:`branching_token_tree` draw its tokens (static).
+
+    At depth d every node draws its ``widths[d]`` children from its own law, with or without
+    replacement; replica l stands for the node of its root path, and it takes child
+    ``sibling[d, l]`` of the draws made with the key and law of replica ``group_first[d, l]`` (the
+    first replica through its depth-d node), so every replica through a node sees the same
+    children.
+    """
+
+    widths: tuple[int, ...]
+    replace: bool
+
+    @property
+    def num_chains(self) -> int:  # L, the leaves
+        return math.prod(self.widths)
+
+    @property
+    def max_width(self) -> int:
+        return max(self.widths)
+
+    @property
+    def tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(group_first int32[D, L], sibling int32[D, L])``."""
+        chains = np.arange(self.num_chains)
+        group_first, sibling = [], []
+        for d in range(len(self.widths)):
+            per_node = math.prod(self.widths[d:])  # replicas through one depth-d node
+            per_child = math.prod(self.widths[d + 1 :])
+            group_first.append(chains - chains % per_node)
+            sibling.append((chains % per_node) // per_child)
+        return np.asarray(group_first, np.int32), np.asarray(sibling, np.int32)
+
+    @property
+    def tree(self) -> TokenTree:
+        return branching_token_tree(self.widths)

@@ -6,6 +6,7 @@ decoding. One compile per method is shared by every test (same static shapes: n 
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -17,7 +18,7 @@ from hf_checkpoints import write_tiny_llama
 from scipy import stats as sps_stats
 
 import asps_jax
-from asps_jax import decode
+from asps_jax import decode, sampler
 from asps_jax.sampler import METHODS, NonFiniteLogitsError
 
 VOCAB = 12
@@ -149,6 +150,59 @@ def test_first_two_tokens_follow_the_target_law(pair, method):
     _assert_two_token_law(hf_target, out, method)
 
 
+# A branching draft tree for each tree method: siblings without replacement ("tv"), independent
+# ("tv_wr", "is_bv").
+TREE_CASES = [("tv", (2, 2)), ("tv_wr", (2, 2)), ("is_bv", (2, 2))]
+
+
+@pytest.mark.parametrize("method, tree", TREE_CASES)
+def test_branching_tree_follows_the_target_law(pair, method, tree):
+    hf_target, target, draft = pair
+    kw = dict(num_drafts=None, num_draft_tokens=None, max_new_tokens=2)  # two tokens are tested
+    out = _sample_law(target, draft, method, tree=tree, **kw)
+    assert np.all(np.asarray(out.lengths) == 2)
+    # At most the whole tree's draft nodes are scored per step: 2 + 4 here.
+    scored = np.asarray(out.stats["scored_nodes_per_step"])
+    assert np.all(scored <= 6) and np.all(scored >= 1)
+    _assert_two_token_law(hf_target, out, f"{method} tree={tree}")
+
+
+@pytest.mark.parametrize("method", ["tv", "tv_wr", "is_bv"])
+def test_merged_tree_scores_fewer_nodes_and_gives_the_same_tokens(pair, method):
+    """Chains that share a prefix share its nodes in the target forward: fewer nodes scored than
+    K separate chains, and the very same tokens as scoring every slot (the verifier never reads
+    a repeated slot)."""
+    _, target, draft = pair
+    rows, k = 64, 3
+    batch, args = sampler.prepare(
+        target,
+        draft,
+        [PROMPT] * rows,
+        key=jax.random.key(5),
+        max_new_tokens=MAX_NEW,
+        method=method,
+        num_drafts=k,
+        num_draft_tokens=N_DRAFT,
+        draft_temperature=0.7,  # peaked draft laws: chains often repeat each other
+        eos_token_id=-1,
+    )
+    merged_decoder = args.pop("decoder")
+    assert merged_decoder.merge_tree
+    every_slot = dataclasses.replace(merged_decoder, merge_tree=False)
+    merged_state = merged_decoder.generate(**args)
+    merged = sampler.summarize_stats(merged_state, batch)
+    merged_tokens = np.asarray(merged_state.tokens)
+    full_state = every_slot.generate(**args)
+    full = sampler.summarize_stats(full_state, batch)
+    np.testing.assert_array_equal(merged_tokens, np.asarray(full_state.tokens))
+    calls = np.asarray(full["target_calls"])
+    full_nodes = np.asarray(full["scored_nodes_per_step"]) * calls
+    merged_nodes = np.asarray(merged["scored_nodes_per_step"]) * calls
+    # Scoring every slot: K chains of n tokens (shorter only where max_new_tokens cuts them).
+    assert np.all(full_nodes <= k * N_DRAFT * calls) and np.all(full_nodes >= k * calls)
+    assert np.all(merged_nodes <= full_nodes) and merged_nodes.sum() < 0.9 * full_nodes.sum()
+
+
 def _hf_greedy(hf_model, prompt, max_new):
     with torch.no_grad():
         ids = torch.tensor([prompt])
@@ -170,6 +224,21 @@ def test_temperature_zero_is_the_target_greedy_decoding(pair, method):
     out = _sample(target, draft, prompts, method, temperature=0.0)
     for b, prompt in enumerate(prompts):
         assert np.asarray(out.tokens[b]).tolist() == _hf_greedy(hf_target, prompt, MAX_NEW)
+
+
+@pytest.mark.parametrize("method, tree", TREE_CASES)
+def test_branching_tree_greedy_is_the_target_greedy_decoding(pair, method, tree):
+    """A greedy draft (one-hot laws): "tv" runs out of distinct siblings at once, and the tokens
+    it could not draw end their chains instead of being verified."""
+    hf_target, target, draft = pair
+    prompts = [PROMPT, [4, 7, 9, 1, 0, 11, 6], [2]]
+    kw = dict(num_drafts=None, num_draft_tokens=None, tree=tree, diagnostics=False)
+    for draft_temp in (0.0, 1.0):
+        out = _sample(
+            target, draft, prompts, method, temperature=0.0, draft_temperature=draft_temp, **kw
+        )
+        for b, prompt in enumerate(prompts):
+            assert np.asarray(out.tokens[b]).tolist() == _hf_greedy(hf_target, prompt, MAX_NEW)
 
 
 @pytest.mark.parametrize("method", ["asps", "specinfer", "tv_wr", "is_bv"])

@@ -52,6 +52,14 @@ def _prepare(pair, **kwargs):
         # Used to be accepted and fail ~25 s later with a 596 GiB allocation traceback.
         (dict(method="specinfer", num_drafts=2**20, num_draft_tokens=60), "--num-drafts"),
         (dict(prompts=[PROMPT] * 2**21, max_new_tokens=50), "--batch-size"),
+        # A branching draft tree: only for the tree methods, and its own sizes.
+        (dict(tree=(2, 2)), "method 'asps' verifies chains"),
+        (dict(method="tv", tree=(2, 0)), "every width >= 1"),
+        (dict(method="tv", tree=()), "every width >= 1"),
+        (dict(method="tv", tree="22"), "every width >= 1"),
+        (dict(method="tv_wr", tree=(2, 2), num_drafts=2), "num_drafts=2 contradicts"),
+        (dict(method="is_bv", tree=(2, 2), num_draft_tokens=3), "num_draft_tokens=3 contradicts"),
+        (dict(method="is_bv", tree=(2, 2), rule="lp"), "rule must be one of"),
     ],
 )
 def test_bad_input_is_a_one_line_error(pair, kwargs, match):

@@ -133,3 +133,47 @@ def test_merge_duplicates_on_a_branching_tree():
     node, _, valid = trees.merge_duplicates(tree, tokens, mask)
     np.testing.assert_array_equal(node, [0, -1, 2, 3, -1, -1, 6, 7, 8, 9])
     assert not valid[4] and valid[3]
+
+
+def test_merged_attention_mask_follows_the_merged_root_paths():
+    """Chains (1, 2), (1, 3), (4, 4): slot 3 repeats slot 1, so slot 4 (token 3 after 1) must
+    attend to slot 1, not to its static parent 3, and slot 3 only to itself."""
+    tree = trees.chains_token_tree(3, 2)
+    tokens = jnp.array([0, 1, 2, 1, 3, 4, 4])
+    canonical, _, _ = trees.merge_duplicates(tree, tokens, jnp.ones(7, bool))
+    np.testing.assert_array_equal(canonical, [0, 1, 2, 1, 4, 5, 6])
+    mask = np.asarray(trees.merged_attention_mask(tree, canonical[None]))[0]
+    want = {0: {0}, 1: {0, 1}, 2: {0, 1, 2}, 3: {3}, 4: {0, 1, 4}, 5: {0, 5}, 6: {0, 5, 6}}
+    for i, row in want.items():
+        assert set(np.nonzero(mask[i])[0].tolist()) == row, i
+    # With no repeat it is the static tree's mask.
+    canonical = jnp.arange(7)[None]
+    static = trees.attention_mask(trees.build_chain_tree(3, 2), jnp.ones((1, 7), bool))
+    np.testing.assert_array_equal(trees.merged_attention_mask(tree, canonical), static)
+
+
+def test_chain_layout_and_branching_plan():
+    """One chain per leaf; the branching plan's replica l takes, at depth d, the child of its
+    depth-d node given by l's digits in the widths' mixed radix."""
+    layout = trees.chain_layout(trees.chains_token_tree(2, 3))
+    np.testing.assert_array_equal(layout.chain_nodes, [[1, 2, 3], [4, 5, 6]])
+    np.testing.assert_array_equal(layout.first_chain, [0, 0, 0, 0, 1, 1, 1])
+    plan = trees.BranchingPlan((3, 2), replace=False)
+    tree = plan.tree  # slots 1..3 at depth 1, 4..9 at depth 2
+    layout = trees.chain_layout(tree)
+    assert plan.num_chains == layout.num_chains == 6 and plan.max_width == 3
+    np.testing.assert_array_equal(layout.chain_nodes[:, 0], [1, 1, 2, 2, 3, 3])
+    np.testing.assert_array_equal(layout.chain_nodes[:, 1], [4, 5, 6, 7, 8, 9])
+    np.testing.assert_array_equal(layout.first_chain, [0, 0, 2, 4, 0, 1, 2, 3, 4, 5])
+    group_first, sibling = plan.tables
+    np.testing.assert_array_equal(group_first, [[0] * 6, [0, 0, 2, 2, 4, 4]])
+    np.testing.assert_array_equal(sibling, [[0, 0, 1, 1, 2, 2], [0, 1, 0, 1, 0, 1]])
+    # Each replica's sibling choices name its own leaf's root path.
+    for chain in range(6):
+        node = 0
+        for d in range(2):
+            children = [i for i, p in enumerate(tree.parents) if p == node]
+            node = children[sibling[d, chain]]
+            assert node == layout.chain_nodes[chain, d]
+    with pytest.raises(ValueError, match="every leaf at its full depth"):
+        trees.chain_layout(trees.TokenTree((-1, 0, 0, 1)))
