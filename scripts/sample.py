@@ -26,6 +26,7 @@ import argparse
 import io
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -60,6 +61,20 @@ _top_p = _checked(float, lambda v: 0.0 < v <= 1.0, "a top-p in (0, 1]")
 _seed = _checked(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
 _non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 INTERRUPTED = 130
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    """``--tree 4,2,1,1``: children per node at each depth."""
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or any(w < 1 for w in widths):
+        raise argparse.ArgumentTypeError(
+            f"expected children per node at each depth, e.g. 4,2,1,1 (every width >= 1), got "
+            f"{text!r}"
+        )
+    return widths
 
 
 # Notices that are expected and harmless for this command, by logger: transformers is used for
@@ -135,16 +150,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-draft-tokens",
         type=_positive_int,
-        default=8,
+        default=None,
         metavar="n",
         help="draft tokens proposed per target call (default 8)",
     )
     p.add_argument(
         "--num-drafts",
         type=_positive_int,
-        default=1,
+        default=None,
         metavar="K",
         help="independent draft chains per step, for multi-draft methods (default 1)",
+    )
+    p.add_argument(
+        "--tree",
+        type=_widths,
+        default=None,
+        metavar="W1,W2,...",
+        help="tv / tv_wr / is_bv: draft a branching tree instead of K chains, W_d children per "
+        "node at depth d (e.g. 4,2,1,1; siblings without replacement for tv); sets n and K",
     )
     p.add_argument(
         "--temperature",
@@ -404,6 +427,7 @@ def run(args) -> int:
         method=args.method,
         num_draft_tokens=args.num_draft_tokens,
         num_drafts=num_drafts,
+        tree=args.tree,
         temperature=args.temperature,
         draft_temperature=args.draft_temperature,
         top_k=args.top_k,
@@ -480,6 +504,16 @@ def main(argv=None) -> int:
     silence_notices()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.tree is not None:
+        implied = {"num_drafts": math.prod(args.tree), "num_draft_tokens": len(args.tree)}
+        for name, value in implied.items():
+            given = getattr(args, name)
+            if given is not None and given != value:
+                flag = "--" + name.replace("_", "-")
+                parser.error(f"--tree {args.tree} implies {flag} {value}; drop {flag} {given}")
+            setattr(args, name, value)
+    args.num_draft_tokens = 8 if args.num_draft_tokens is None else args.num_draft_tokens
+    args.num_drafts = 1 if args.num_drafts is None else args.num_drafts
     prompts = len(args.prompt or [DEFAULT_PROMPT])
     if args.batch_size is not None and args.batch_size < prompts:
         parser.error(

@@ -94,6 +94,9 @@ def test_runs_as_a_subprocess_without_network():
         (["--top-p", "0"], "top-p"),
         (["--temperature", "-1"], ">= 0"),
         (["--dtype", "f16"], "invalid choice"),
+        (["--tree", "2,x"], "every width >= 1"),
+        (["--tree", "2,0"], "every width >= 1"),
+        (["--method", "tv", "--tree", "2,2", "--num-drafts", "3"], "drop --num-drafts 3"),
     ],
 )
 def test_bad_flags_exit_with_one_line(capsys, argv, needle):
@@ -110,6 +113,7 @@ def test_bad_flags_exit_with_one_line(capsys, argv, needle):
         (["--target", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
         (["--target", "no-such-alias"], "no-such-alias"),
         (["--method", "asps", "--num-drafts", "2"], "single draft chain"),
+        (["--method", "asps", "--tree", "2,2"], "verifies chains"),
         (["--prompt", "x " * 3000], "context"),
     ],
 )
@@ -144,3 +148,12 @@ def test_tree_methods_are_method_choices():
     parser = cli.build_parser()
     for method in ("tv", "tv_wr", "is_bv"):
         assert parser.parse_args(["--method", method, "--num-drafts", "4"]).method == method
+
+
+def test_branching_tree_run(capsys):
+    """--tree sets n and K: a depth-3 tree with 3 * 2 leaves, drawn without replacement for tv."""
+    argv = ["--method", "tv", "--tree", "3,2,1", "--max-new-tokens", "12", "--json"]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_draft_tokens"] == 3 and result["num_drafts"] == 6
+    assert len(result["tokens"][0]) == 12 and 1.0 <= result["tokens_per_step"] <= 4.0
