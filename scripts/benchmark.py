@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 import asps_jax
 from asps_jax import decode, sampler, statistics
-from asps_jax.verify.api import CHAIN_METHODS
+from asps_jax.verify.api import CHAIN_METHODS, TREE_METHODS
 
 CHAIN = tuple(m for m in sampler.METHODS if m in CHAIN_METHODS)  # sps, asps: K = 1
 MULTI = tuple(m for m in sampler.METHODS if m != "ar" and m not in CHAIN_METHODS)
@@ -81,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=list(FULL_K),
         help="numbers of drafts K for the multi-draft methods (K >= 2 used; sps/asps run at K=1)",
+    )
+    p.add_argument(
+        "--trees",
+        nargs="+",
+        default=[],
+        metavar="W1,W2,...",
+        help="also run the tree methods of --methods (tv, tv_wr, is_bv) on these branching draft "
+        "trees, W_d children per node at depth d (e.g. 4,2,1,1; K = the leaves, n = the depth)",
     )
     p.add_argument("--quick", action="store_true", help=f"a ~1 minute subset: {QUICK}")
     p.add_argument("--batch-size", type=int, default=4, help="prompts decoded together")
@@ -145,6 +153,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.repeats < 0:
         raise ValueError(f"--repeats must be >= 0, got {args.repeats}")
+    args.trees = [parse_widths(text) for text in args.trees]
     if args.temperature < 0 or not math.isfinite(args.temperature):
         raise ValueError(f"--temperature must be finite and >= 0, got {args.temperature}")
     dt = args.draft_temperature
@@ -213,14 +222,29 @@ def task_prompts(task: str, count: int) -> list[str]:
     return [template(row) for row in rows]
 
 
-def plan(methods, ns, ks) -> list[tuple[str, int, int]]:
-    """``(method, n, K)`` runs: AR once, SpS/ASpS at K = 1, multi-draft methods at each K >= 2."""
-    runs = [("ar", 1, 1)]
+def parse_widths(text: str) -> tuple[int, ...]:
+    """``"4,2,1,1"`` -> ``(4, 2, 1, 1)`` (a ValueError naming ``--trees`` otherwise)."""
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise ValueError(f"--trees: expected widths like 4,2,1,1, each >= 1, got {text!r}")
+    return widths
+
+
+def plan(methods, ns, ks, trees=()) -> list[tuple[str, int, int, tuple]]:
+    """``(method, n, K, tree)`` runs: AR once, SpS/ASpS at K = 1, multi-draft methods at each
+    K >= 2 (``tree = ()``: K chains), then each tree method on each branching tree."""
+    runs = [("ar", 1, 1, ())]
     for method in dict.fromkeys(methods):
         if method in CHAIN:
-            runs += [(method, n, 1) for n in ns]
+            runs += [(method, n, 1, ()) for n in ns]
         elif method in MULTI:
-            runs += [(method, n, k) for k in sorted(set(ks)) if k >= 2 for n in ns]
+            runs += [(method, n, k, ()) for k in sorted(set(ks)) if k >= 2 for n in ns]
+    for method in dict.fromkeys(methods):
+        if method in TREE_METHODS:
+            runs += [(method, len(w), math.prod(w), tuple(w)) for w in trees]
     return runs
 
 
@@ -270,7 +294,8 @@ def ratio_se(a: float, se_a: float, b: float, se_b: float) -> tuple[float, float
     return r, abs(r) * math.hypot(se_a / a, se_b / b)
 
 
-def run_ours(target, draft, prompts, method, n, k, args) -> dict:
+def run_ours(target, draft, prompts, method, n, k, args, tree=()) -> dict:
+    sizes = dict(tree=tree) if tree else dict(num_draft_tokens=n, num_drafts=k)
     batch, call = sampler.prepare(
         target,
         None if method == "ar" else draft,
@@ -278,8 +303,7 @@ def run_ours(target, draft, prompts, method, n, k, args) -> dict:
         key=jax.random.key(args.seed),
         max_new_tokens=args.max_new_tokens,
         method=method,
-        num_draft_tokens=n,
-        num_drafts=k,
+        **sizes,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -315,6 +339,11 @@ def run_ours(target, draft, prompts, method, n, k, args) -> dict:
         method=method,
         n=n if method != "ar" else 0,
         K=k,
+        tree=list(tree),
+        scored_nodes_per_step=float(
+            np.sum(stats["scored_nodes_per_step"] * stats["target_calls"])
+            / max(np.sum(stats["target_calls"]), 1)
+        ),
         tokens=tokens,
         steps=steps,
         tokens_per_step=mean,
@@ -456,8 +485,9 @@ def markdown(rows, hf, gains) -> str:
         root = "—"
         if r["root_acceptance"] is not None:
             root = f"{r['root_acceptance']:.3f} ({r['root_optimal_acceptance']:.3f})"
+        name = r["method"] + (f" tree={','.join(map(str, r['tree']))}" if r.get("tree") else "")
         out.append(
-            f"| {r['method']} | {r['K']} | {r['n'] or '—'} | {r['tokens_per_step']:.3f} ± "
+            f"| {name} | {r['K']} | {r['n'] or '—'} | {r['tokens_per_step']:.3f} ± "
             f"{r['tokens_per_step_se']:.3f} | {r['target_calls_per_row']:.1f} | {acc} | {root} | "
             f"{r['compile_s']:.1f} | {r['wall_s']:.3f} | {r['tokens_per_s']:.0f} | "
             f"{_x(r['speedup_vs_ar'])} | {_x(r['speedup_vs_hf_generate'])} | "
@@ -517,7 +547,7 @@ def main(argv=None) -> int:
         prompts = encode_prompts(
             texts, target.tokenizer, target.vocab_size, args.batch_size, args.prompt_tokens
         )
-    runs = plan(args.methods, args.n, args.k)
+    runs = plan(args.methods, args.n, args.k, args.trees)
     ns = sorted(set(args.n))
     progress = tqdm(
         total=len(runs) + (0 if args.no_hf else 1 + len(ns)),
@@ -528,14 +558,13 @@ def main(argv=None) -> int:
         disable=args.quiet or not sys.stdout.isatty(),
     )
     rows = []
-    for method, n, k in runs:
-        progress.set_postfix_str(f"{method} n={n} K={k}")
-        rows.append(run_ours(target, draft, prompts, method, n, k, args))
+    for method, n, k, tree in runs:
+        label = f"{method} n={n} K={k}" + (f" tree={tree}" if tree else "")
+        progress.set_postfix_str(label)
+        rows.append(run_ours(target, draft, prompts, method, n, k, args, tree))
         progress.update()
         if not args.quiet:
-            progress.write(
-                f"# {method} n={n} K={k}: {rows[-1]['tokens_per_s']:.0f} tok/s", file=sys.stderr
-            )
+            progress.write(f"# {label}: {rows[-1]['tokens_per_s']:.0f} tok/s", file=sys.stderr)
     if not args.no_hf:
         progress.set_postfix_str("transformers")
     hf = [] if args.no_hf else run_hf(target, draft, prompts, ns, args, progress)

@@ -53,7 +53,7 @@ def tiny_pair(tmp_path_factory):
 def test_smoke_table_and_json(tiny_pair, tmp_path, capsys):
     target, draft = tiny_pair
     out_json = tmp_path / "bench.json"
-    argv = ["--target", target, "--draft", draft, "--methods", "sps", "specinfer"]
+    argv = ["--target", target, "--draft", draft, "--methods", "sps", "tv", "--trees", "2,1"]
     argv += ["--n", "2", "--k", "2", "--batch-size", "2", "--max-new-tokens", "12"]
     argv += ["--prompt-tokens", "6", "--repeats", "1", "--json", str(out_json)]
     assert benchmark.main(argv) == 0
@@ -62,10 +62,19 @@ def test_smoke_table_and_json(tiny_pair, tmp_path, capsys):
         assert header in stdout
     result = json.loads(out_json.read_text())
 
-    ours = {(r["method"], r["n"], r["K"]): r for r in result["ours"]}
-    assert set(ours) == {("ar", 0, 1), ("sps", 2, 1), ("specinfer", 2, 2)}
-    for (method, n, _), r in ours.items():
+    ours = {(r["method"], r["n"], r["K"], tuple(r["tree"])): r for r in result["ours"]}
+    assert set(ours) == {
+        ("ar", 0, 1, ()),
+        ("sps", 2, 1, ()),
+        ("tv", 2, 2, ()),
+        ("tv", 2, 2, (2, 1)),
+    }
+    assert "| tv tree=2,1 | 2 | 2 |" in stdout
+    for (method, n, k, _), r in ours.items():
         assert f"| {method} |" in stdout
+        # Draft nodes scored per step: none for AR, at most the n * K slots of the tree.
+        assert 0 <= r["scored_nodes_per_step"] <= n * k
+        assert (r["scored_nodes_per_step"] > 0) == (method != "ar")
         assert r["tokens"] == 2 * 12  # EOS never stops a row
         assert 1.0 <= r["tokens_per_step"] <= n + 1 if n else r["tokens_per_step"] == 1.0
         assert r["steps"] * r["tokens_per_step"] == pytest.approx(r["tokens"])
@@ -80,8 +89,8 @@ def test_smoke_table_and_json(tiny_pair, tmp_path, capsys):
             assert 0.0 <= r["acceptance"] <= 1.0
             assert 0.0 <= r["root_acceptance"] <= 1.0
             assert 0.0 < r["root_optimal_acceptance"] <= 1.0
-    ar_tps = ours[("ar", 0, 1)]["tokens_per_s"]
-    sps = ours[("sps", 2, 1)]
+    ar_tps = ours[("ar", 0, 1, ())]["tokens_per_s"]
+    sps = ours[("sps", 2, 1, ())]
     assert sps["speedup_vs_ar"] == pytest.approx(sps["tokens_per_s"] / ar_tps)
 
     hf = {(h["run"], h["n"]): h for h in result["transformers"]}
@@ -121,13 +130,22 @@ def test_asps_gain_pairs_asps_with_sps_at_the_same_n():
 def test_plan_runs_each_method_at_its_draft_counts():
     runs = benchmark.plan(["sps", "specinfer", "ar"], [1, 4], [1, 2, 4])
     assert runs == [
-        ("ar", 1, 1),
-        ("sps", 1, 1),
-        ("sps", 4, 1),
-        ("specinfer", 1, 2),
-        ("specinfer", 4, 2),
-        ("specinfer", 1, 4),
-        ("specinfer", 4, 4),
+        ("ar", 1, 1, ()),
+        ("sps", 1, 1, ()),
+        ("sps", 4, 1, ()),
+        ("specinfer", 1, 2, ()),
+        ("specinfer", 4, 2, ()),
+        ("specinfer", 1, 4, ()),
+        ("specinfer", 4, 4, ()),
+    ]
+    # Branching trees: each tree method on each tree, K = the leaves and n = the depth.
+    runs = benchmark.plan(["tv", "asps"], [4], [2], [(4, 2, 1, 1), (2, 2)])
+    assert runs == [
+        ("ar", 1, 1, ()),
+        ("tv", 4, 2, ()),
+        ("asps", 4, 1, ()),
+        ("tv", 4, 8, (4, 2, 1, 1)),
+        ("tv", 2, 4, (2, 2)),
     ]
 
 
@@ -145,6 +163,8 @@ def test_plan_runs_each_method_at_its_draft_counts():
         (["--top-p", "0"], "--top-p"),
         (["--top-p", "1.5"], "--top-p"),
         (["--repeats", "-1"], "--repeats"),
+        (["--trees", "2,0"], "--trees"),
+        (["--trees", "4,a"], "--trees"),
     ],
 )
 def test_bad_flags_name_the_flag(argv, flag, capsys):
