@@ -26,22 +26,13 @@ from asps_jax import decode, sharding, statistics, trees
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.processors import SamplingParams, validate_sampling_args
-from asps_jax.verify.api import (
-    CHAIN_METHODS,
-    DRAFTS_METHODS,
-    TREE_METHODS,
-    WITHOUT_REPLACEMENT_METHODS,
-)
-from asps_jax.verify.tree import check_options as check_tree_options
+from asps_jax.verify.registry import REGISTRY
 
-# The decode loop draws K drafts independently (with replacement), so the verifier that needs
-# root drafts drawn without replacement is available through verify_drafts only. The registries
-# of verify/api.py are the one list: the CLI and the benchmarks take theirs from here.
-METHODS: tuple[str, ...] = ("ar",) + tuple(
-    m
-    for m in dict.fromkeys(CHAIN_METHODS + DRAFTS_METHODS + TREE_METHODS)
-    if m not in WITHOUT_REPLACEMENT_METHODS
-)
+# The methods of the registry (verify/registry.py) that the decode loop runs: it draws the K
+# drafts independently (with replacement), so the verifier that needs root drafts drawn without
+# replacement is available through verify_drafts only. The CLI and the benchmarks take theirs
+# from here.
+METHODS: tuple[str, ...] = ("ar",) + tuple(m.name for m in REGISTRY.values() if m.in_sample)
 _PROMPT_BUCKET = 16
 _CACHE_BUCKET = 64
 _BATCH_BUCKET = 8
@@ -219,18 +210,19 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) 
     if draft is None:
         raise ValueError(f"method {method!r} needs a draft model (draft=None is only for 'ar')")
     check_compatible(target, draft)
-    if method in CHAIN_METHODS:
+    entry = REGISTRY[method]
+    if entry.kind == "chain":
         if num_drafts != 1:
-            multi = ", ".join(m for m in METHODS if m in DRAFTS_METHODS and m not in CHAIN_METHODS)
+            multi = ", ".join(m for m in METHODS if m in REGISTRY and REGISTRY[m].kind == "drafts")
             raise ValueError(
                 f"method {method!r} verifies a single draft chain; use num_drafts=1 or a "
                 f"multi-draft method ({multi})"
             )
         if options:
             raise ValueError(f"method {method!r} takes no options, got {sorted(options)}")
-    if method in TREE_METHODS:  # the K-chain tree the decode loop draws
-        tree = trees.chains_token_tree(num_drafts, num_draft_tokens)
-        check_tree_options(tree, method, **options)
+    # A tree method runs on the K-chain tree the decode loop draws.
+    tree = trees.chains_token_tree(num_drafts, num_draft_tokens) if entry.kind == "tree" else None
+    entry.validate(options, tree=tree)
 
 
 def _device_memory_bytes(mesh) -> int:

@@ -46,10 +46,11 @@ from tqdm import tqdm
 
 import asps_jax
 from asps_jax import decode, sampler, statistics
-from asps_jax.verify.api import CHAIN_METHODS
+from asps_jax.verify.registry import REGISTRY
 
-CHAIN = tuple(m for m in sampler.METHODS if m in CHAIN_METHODS)  # sps, asps: K = 1
-MULTI = tuple(m for m in sampler.METHODS if m != "ar" and m not in CHAIN_METHODS)
+SPEC = tuple(m for m in sampler.METHODS if m in REGISTRY)  # every method but ar
+CHAIN = tuple(m for m in SPEC if REGISTRY[m].kind == "chain")  # sps, asps: K = 1
+MULTI = tuple(m for m in SPEC if REGISTRY[m].kind != "chain")
 FULL_N = (1, 2, 4, 6, 8, 10)
 FULL_K = (1, 2, 4)
 QUICK = dict(
