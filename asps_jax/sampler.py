@@ -26,7 +26,9 @@ from asps_jax import decode, sharding, statistics, trees
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.processors import SamplingParams, validate_sampling_args
+from asps_jax.verify.api import CHAIN_METHODS, TREE_METHODS
 from asps_jax.verify.registry import REGISTRY
+from asps_jax.verify.tree import check_options as check_tree_options
 
 # The methods of the registry (verify/registry.py) that the decode loop runs: it draws the K
 # drafts independently (with replacement), so the verifier that needs root drafts drawn without
@@ -210,8 +212,9 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) 
     if draft is None:
         raise ValueError(f"method {method!r} needs a draft model (draft=None is only for 'ar')")
     check_compatible(target, draft)
-    entry = REGISTRY[method]
-    if entry.kind == "chain":
+    if REGISTRY[method].kind == "drafts":  # chain and tree methods: below
+        REGISTRY[method].validate(options)
+    if method in CHAIN_METHODS:
         if num_drafts != 1:
             multi = ", ".join(m for m in METHODS if m in REGISTRY and REGISTRY[m].kind == "drafts")
             raise ValueError(
@@ -220,9 +223,9 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) 
             )
         if options:
             raise ValueError(f"method {method!r} takes no options, got {sorted(options)}")
-    # A tree method runs on the K-chain tree the decode loop draws.
-    tree = trees.chains_token_tree(num_drafts, num_draft_tokens) if entry.kind == "tree" else None
-    entry.validate(options, tree=tree)
+    if method in TREE_METHODS:  # the K-chain tree the decode loop draws
+        tree = trees.chains_token_tree(num_drafts, num_draft_tokens)
+        check_tree_options(tree, method, **options)
 
 
 def _device_memory_bytes(mesh) -> int:
