@@ -245,5 +245,4 @@ def verify_drafts(
         return entry.verifier(
             key, draft_tokens[0], draft_logprobs[0], target_logprobs[0], lengths[0]
         )
-    fn = entry.verifier
-    return fn(key, draft_tokens, draft_logprobs, target_logprobs, lengths, **options)
+    return entry.verifier(key, draft_tokens, draft_logprobs, target_logprobs, lengths, **options)
