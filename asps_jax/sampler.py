@@ -27,22 +27,14 @@ from asps_jax import decode, sharding, statistics, trees
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.processors import SamplingParams, validate_sampling_args
-from asps_jax.verify.api import (
-    CHAIN_METHODS,
-    DRAFTS_METHODS,
-    TREE_METHODS,
-    WITHOUT_REPLACEMENT_METHODS,
-)
-from asps_jax.verify.tree import check_options as check_tree_options
+from asps_jax.verify.api import CHAIN_METHODS, TREE_METHODS
+from asps_jax.verify.registry import REGISTRY
 
-# The decode loop draws K drafts independently (with replacement), so the verifier that needs
-# root drafts drawn without replacement is available through verify_drafts only. The registries
-# of verify/api.py are the one list: the CLI and the benchmarks take theirs from here.
-METHODS: tuple[str, ...] = ("ar",) + tuple(
-    m
-    for m in dict.fromkeys(CHAIN_METHODS + DRAFTS_METHODS + TREE_METHODS)
-    if m not in WITHOUT_REPLACEMENT_METHODS
-)
+# The methods of the registry (verify/registry.py) that the decode loop runs: it draws the K
+# drafts independently (with replacement), so the verifier that needs root drafts drawn without
+# replacement is available through verify_drafts only. The CLI and the benchmarks take theirs
+# from here.
+METHODS: tuple[str, ...] = ("ar",) + tuple(m.name for m in REGISTRY.values() if m.in_sample)
 _PROMPT_BUCKET = 16
 _CACHE_BUCKET = 64
 _BATCH_BUCKET = 8
@@ -249,9 +241,11 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options, 
     if draft is None:
         raise ValueError(f"method {method!r} needs a draft model (draft=None is only for 'ar')")
     check_compatible(target, draft)
+    if REGISTRY[method].kind == "drafts":  # chain and tree methods: below
+        REGISTRY[method].validate(options)
     if method in CHAIN_METHODS:
         if num_drafts != 1:
-            multi = ", ".join(m for m in METHODS if m in DRAFTS_METHODS and m not in CHAIN_METHODS)
+            multi = ", ".join(m for m in METHODS if m in REGISTRY and REGISTRY[m].kind == "drafts")
             raise ValueError(
                 f"method {method!r} verifies a single draft chain; use num_drafts=1 or a "
                 f"multi-draft method ({multi})"
@@ -263,7 +257,7 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options, 
             tree = trees.branching_token_tree(widths)
         else:
             tree = trees.chains_token_tree(num_drafts, num_draft_tokens)
-        check_tree_options(tree, method, **options)
+        REGISTRY[method].validate(options, tree=tree)
 
 
 def _device_memory_bytes(mesh) -> int:

@@ -16,7 +16,8 @@ acceptance the machinery alone decides):
   overlap ``1 - TV(target, draft)`` of ~0.75 on random contexts, the range of llama-68m drafting
   for a 7B target.
 
-Per method (ar; sps and asps with K = 1; specinfer with K = 2) and draft length n, the jitted
+Per method (default ar; sps and asps with K = 1; specinfer with K = 2; any method of
+``sampler.METHODS``, K = 2 unless it verifies one chain) and draft length n, the jitted
 ``decode.generate`` loop runs batch 1 for ``--max-new-tokens`` tokens (EOS off), medians of
 ``--repeats`` runs in CPU time (``time.process_time``) and wall time. Reported: tokens/s, tokens
 per step (ATN, mean +- standard error over all steps of all runs), the cost ratio
@@ -48,6 +49,7 @@ from asps_jax.models import LlamaConfig, Model
 from asps_jax.models.base import run_params
 from asps_jax.models.llama import init_params
 from asps_jax.scoring import score_chain
+from asps_jax.verify.registry import REGISTRY
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import SHAPES  # noqa: E402
@@ -58,7 +60,12 @@ SMOKE_TARGET = dict(TARGET, vocab_size=256, hidden_size=64, intermediate_size=12
 SMOKE_TARGET.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
 SMOKE_DRAFT = dict(DRAFT, vocab_size=256, hidden_size=32, intermediate_size=64)
 SMOKE_DRAFT.update(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
-METHODS = {"ar": 1, "sps": 1, "asps": 1, "specinfer": 2}  # method: K
+DEFAULT_METHODS = ("ar", "sps", "asps", "specinfer")
+
+
+def num_drafts(method: str) -> int:
+    """K: 1 for ar and the one-chain methods, 2 for the others."""
+    return 1 if method == "ar" or REGISTRY[method].kind == "chain" else 2
 
 
 def build_pair(target_shape, draft_shape, head_std, layer_scale, seed=0):
@@ -105,7 +112,7 @@ def forward_seconds(model, cache_len: int, repeats: int) -> tuple[float, float]:
 
 
 def run_method(target, draft, prompt, method, n, args) -> dict:
-    k = METHODS[method]
+    k = num_drafts(method)
 
     def prepare(seed):
         return sampler.prepare(
@@ -167,7 +174,9 @@ def run_method(target, draft, prompt, method, n, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument(
+        "--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(sampler.METHODS)
+    )
     p.add_argument("--n", nargs="+", type=int, default=[2, 4, 8], help="draft lengths")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=16)

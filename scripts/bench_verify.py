@@ -48,22 +48,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import asps_jax
-from asps_jax.verify import multi, tokenlevel
+from asps_jax.verify import multi, registry, tokenlevel
 from asps_jax.verify.acceptance import optimal_acceptance
+from asps_jax.verify.selection import PAIRWISE_RULES, RULES
 
-CHAIN_METHODS = ("sps", "asps")
-DRAFTS_METHODS = (
-    "sps",
-    "specinfer",
-    "specinfer_wor",
-    "spectr",
-    "is",
-    "is[truncated_lp]",
-    "is[fixed_order]",
-    "is[sir]",
-    "optimal",
-)
 BASELINE = "sps"
+CHAIN_METHODS = registry.names("chain")
+# The multi-draft suite: the SpS baseline on chain 0, then every multi-draft method; "is" also
+# with each pairwise rule, written "is[rule]".
+DRAFTS_METHODS = (BASELINE,) + tuple(
+    v
+    for m in registry.names("drafts")
+    for v in ((m,) + tuple(f"is[{r}]" for r in PAIRWISE_RULES) if m == "is" else (m,))
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,14 +177,13 @@ def markdown(rows: list[dict]) -> str:
 
 
 CORPUS = Path(__file__).resolve().parents[1] / "data/tinyshakespeare.txt"
-REAL_METHODS = (
-    "specinfer",
-    "spectr",
-    "is[level_race]",
-    "is[truncated_lp]",
-    "is[fixed_order]",
-    "is[sir]",
-    "optimal",
+# Exact node acceptance with K i.i.d. drafts: the multi-draft methods for that law, "is" with
+# each of its rules.
+REAL_METHODS = tuple(
+    v
+    for m in registry.names("drafts")
+    if registry.REGISTRY[m].law == "iid"
+    for v in (tuple(f"is[{r}]" for r in RULES) if m == "is" else (m,))
 )
 
 

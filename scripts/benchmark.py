@@ -46,10 +46,11 @@ from tqdm import tqdm
 
 import asps_jax
 from asps_jax import decode, sampler, statistics
-from asps_jax.verify.api import CHAIN_METHODS, TREE_METHODS
+from asps_jax.verify.registry import REGISTRY
 
-CHAIN = tuple(m for m in sampler.METHODS if m in CHAIN_METHODS)  # sps, asps: K = 1
-MULTI = tuple(m for m in sampler.METHODS if m != "ar" and m not in CHAIN_METHODS)
+SPEC = tuple(m for m in sampler.METHODS if m in REGISTRY)  # every method but ar
+CHAIN = tuple(m for m in SPEC if REGISTRY[m].kind == "chain")  # sps, asps: K = 1
+MULTI = tuple(m for m in SPEC if REGISTRY[m].kind != "chain")
 FULL_N = (1, 2, 4, 6, 8, 10)
 FULL_K = (1, 2, 4)
 QUICK = dict(
@@ -243,7 +244,7 @@ def plan(methods, ns, ks, trees=()) -> list[tuple[str, int, int, tuple]]:
         elif method in MULTI:
             runs += [(method, n, k, ()) for k in sorted(set(ks)) if k >= 2 for n in ns]
     for method in dict.fromkeys(methods):
-        if method in TREE_METHODS:
+        if method in SPEC and REGISTRY[method].kind == "tree":
             runs += [(method, len(w), math.prod(w), tuple(w)) for w in trees]
     return runs
 

@@ -113,6 +113,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from asps_jax.sampler import METHODS
+    from asps_jax.verify.registry import describe
 
     p = _Parser(
         prog="sample.py",
@@ -143,9 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--method",
         default="asps",
         choices=METHODS,
-        help="verification method: ar = target alone; sps / asps = one draft chain; "
-        "specinfer / spectr / is / optimal = several drafts, token by token; tv / tv_wr / is_bv "
-        "= several drafts verified as one tree (default asps)",
+        help=f"verification method: ar = target alone; {describe(METHODS[1:])} (default asps)",
     )
     p.add_argument(
         "--num-draft-tokens",

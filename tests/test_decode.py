@@ -20,6 +20,8 @@ from scipy import stats as sps_stats
 import asps_jax
 from asps_jax import decode, sampler
 from asps_jax.sampler import METHODS, NonFiniteLogitsError
+from asps_jax.verify.api import CHAIN_METHODS
+from asps_jax.verify.registry import REGISTRY
 
 VOCAB = 12
 N_DRAFT = 2
@@ -84,7 +86,7 @@ METHOD_OPTIONS = {"optimal": dict(grad_steps=20), "is": dict(fit_steps=5)}
 def _sample(target, draft, prompts, method, **kw):
     kw.update(METHOD_OPTIONS.get(method, {}))
     kw.setdefault("num_draft_tokens", N_DRAFT)
-    kw.setdefault("num_drafts", 1 if method in ("ar", "sps", "asps") else 2)
+    kw.setdefault("num_drafts", 1 if method == "ar" or REGISTRY[method].kind == "chain" else 2)
     kw.setdefault("max_new_tokens", MAX_NEW)
     kw.setdefault("eos_token_id", -1)
     kw.setdefault("key", jax.random.key(0))
@@ -145,7 +147,7 @@ def test_first_two_tokens_follow_the_target_law(pair, method):
         opt /= steps
         stderr = np.sqrt(acc * (1 - acc) / steps)
         assert acc <= opt + 4 * stderr, (acc, opt)
-        if method in ("sps", "asps"):
+        if method in CHAIN_METHODS:
             assert abs(acc - opt) <= 4 * stderr, (acc, opt)
     _assert_two_token_law(hf_target, out, method)
 

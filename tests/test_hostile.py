@@ -11,6 +11,7 @@ from hf_checkpoints import write_tiny_llama
 
 import asps_jax
 from asps_jax import sampler
+from asps_jax.verify import registry
 
 VOCAB = 12
 PROMPT = [1, 5, 3]
@@ -48,6 +49,10 @@ def _prepare(pair, **kwargs):
         (dict(eos_token_id=VOCAB), "eos_token_id"),
         (dict(eos_token_id=[2, VOCAB + 5]), "eos_token_id"),
         (dict(method="ar", num_drafts=2), "num_drafts must be 1"),
+        # Multi-draft options are checked by the registry before anything is traced.
+        (dict(method="is", num_drafts=2, levels=0), "levels must be an int >= 1"),
+        (dict(method="specinfer", num_drafts=2, tail="block"), "tail must be one of"),
+        (dict(method="is_bv", num_drafts=2, beta=1.0), "unknown option"),
         (dict(num_draft_tokens=64), "num_draft_tokens=64 does not fit"),
         # Used to be accepted and fail ~25 s later with a 596 GiB allocation traceback.
         (dict(method="specinfer", num_drafts=2**20, num_draft_tokens=60), "--num-drafts"),
@@ -73,7 +78,7 @@ def test_single_draft_error_names_only_methods_sample_accepts(pair):
         _prepare(pair, method="sps", num_drafts=2)
     message = str(info.value)
     assert "specinfer_wor" not in message  # sample refuses it: never suggest it
-    for method in ("specinfer", "spectr", "is", "optimal"):
+    for method in registry.names("drafts", sample=True):
         assert method in message
 
 

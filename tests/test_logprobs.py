@@ -16,6 +16,7 @@ from hf_checkpoints import write_tiny_llama
 
 import asps_jax
 from asps_jax.sampler import METHODS
+from asps_jax.verify.registry import REGISTRY
 
 VOCAB = 12
 N_DRAFT = 2
@@ -52,7 +53,7 @@ def _sample(target, draft, method, **kw):
         key=kw.pop("key", jax.random.key(5)),
         method=method,
         num_draft_tokens=N_DRAFT,
-        num_drafts=1 if method in ("ar", "sps", "asps") else 2,
+        num_drafts=1 if method == "ar" or REGISTRY[method].kind == "chain" else 2,
         max_new_tokens=MAX_NEW,
         temperature=TEMPERATURE,
         top_k=TOP_K,

@@ -17,14 +17,22 @@ from hf_checkpoints import write_tiny_llama
 
 import asps_jax
 from asps_jax.sampler import NonFiniteLogitsError
+from asps_jax.verify.registry import REGISTRY
 
 VOCAB = 12
 MAX_NEW = 6
 PROMPT = [2, 4]
 ROWS = 24
-METHODS = [("ar", 1), ("asps", 1), ("specinfer", 2)]
-# The tree methods, on the K-chain tree.
-TREE = [("tv_wr", 2), ("is_bv", 2)]
+
+
+def _num_drafts(method):
+    return 1 if method == "ar" or REGISTRY[method].kind == "chain" else 2
+
+
+# AR and one method of each registry kind (K = 1 for one chain, else 2); the tree methods run on
+# the K-chain tree.
+METHODS = [(m, _num_drafts(m)) for m in ("ar", "asps", "specinfer")]
+TREE = [(m, _num_drafts(m)) for m in ("tv_wr", "is_bv")]
 
 
 def _llama(path, seed, **kwargs):

@@ -20,7 +20,7 @@ from asps_jax import metrics
 from asps_jax.verify import chain
 
 OUTCOME = {"sps": chain.sps_outcome_logweights, "asps": chain.asps_outcome_logweights}
-METHODS = ("sps", "asps")
+METHODS = asps_jax.verify.CHAIN_METHODS
 EXPECTED_LENGTH = {"sps": metrics.expected_length_sps, "asps": metrics.expected_length_asps}
 
 

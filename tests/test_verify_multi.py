@@ -23,7 +23,7 @@ from scipy import stats
 
 import asps_jax
 from asps_jax import draws as draws_mod
-from asps_jax.verify import api, multi, tokenlevel
+from asps_jax.verify import api, multi, registry, tokenlevel
 from asps_jax.verify.acceptance import optimal_acceptance, sorted_prefix_acceptance
 
 
@@ -626,7 +626,7 @@ def test_statistical_tail_emitted_law(method, law_name):
 
 def test_tail_option_is_validated_and_sps_keeps_the_old_law():
     tokens, lq, lp = _small_inputs()
-    for method in ("specinfer", "spectr", "is", "optimal", "specinfer_wor"):
+    for method in ALL_DRAFT_METHODS:
         with pytest.raises(ValueError, match="tail must be one of"):
             asps_jax.verify_drafts(
                 jax.random.key(0),
@@ -666,7 +666,7 @@ def test_tail_option_is_validated_and_sps_keeps_the_old_law():
 
 # --- Out-of-contract input (issue 15 defects 9, 10) and specinfer_wor repeats (issue 9) ---
 
-ALL_DRAFT_METHODS = ("specinfer", "spectr", "is", "optimal", "specinfer_wor")
+ALL_DRAFT_METHODS = registry.names("drafts")
 
 
 DEFECT_V, DEFECT_N = 10, 3
@@ -675,7 +675,7 @@ DEFECT_V, DEFECT_N = 10, 3
 @functools.cache
 def _defect_runner(method):
     """Jitted, vmapped over keys: ``fn(keys, tokens[K, n], lq[K, n, V], lp[K, n+1, V])``."""
-    if method in ("sps", "asps"):
+    if method in api.CHAIN_METHODS:
 
         def one(key, tokens, lq, lp):
             return asps_jax.verify_chain(key, tokens[0], lq[0], lp[0], method=method)
@@ -688,7 +688,7 @@ def _defect_runner(method):
     return jax.jit(jax.vmap(one, in_axes=(0, None, None, None)))
 
 
-@pytest.mark.parametrize("method", ("sps", "asps") + ALL_DRAFT_METHODS)
+@pytest.mark.parametrize("method", api.CHAIN_METHODS + ALL_DRAFT_METHODS)
 def test_zero_probability_and_out_of_range_tokens_are_never_emitted(method):
     """Issue 15 defects 9 and 10 under jit (traced ids): (a) q = p = point mass on token 1 and the
     draft token 0 (p(0) = q(0) = 0): token 0 is never emitted; (b) ids 7, 9, 100 and -5 with

@@ -1,4 +1,5 @@
-"""Public verification entry points, the result type and the method registries."""
+"""Public verification entry points, the result type and the method lists (derived from
+verify/registry.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from asps_jax.verify import registry
 
 
 @jax.tree_util.register_dataclass
@@ -48,31 +51,16 @@ DraftsVerifier = Callable[..., Verdict]
 draft_length[K], **options)``."""
 
 
-def _chain_methods() -> dict[str, ChainVerifier]:
-    from asps_jax.verify import chain
-
-    return {"sps": chain.sps, "asps": chain.asps}
-
-
-def _drafts_methods() -> dict[str, DraftsVerifier]:
-    from asps_jax.verify import multi
-
-    return dict(multi.METHODS)
-
-
-CHAIN_METHODS: tuple[str, ...] = ("sps", "asps")
-DRAFTS_METHODS: tuple[str, ...] = (
-    "specinfer",
-    "spectr",
-    "is",
-    "optimal",
-    "specinfer_wor",  # root drafts drawn without replacement (multi.sample_without_replacement)
-    "sps",
-    "asps",
+# The public lists, derived from the one registry (verify/registry.py). verify_drafts also takes
+# the chain methods (on chain 0 alone), after the multi-draft ones.
+CHAIN_METHODS: tuple[str, ...] = registry.names("chain")
+DRAFTS_METHODS: tuple[str, ...] = registry.names("drafts") + CHAIN_METHODS
+# Root drafts drawn without replacement (multi.sample_without_replacement): verify_drafts only.
+WITHOUT_REPLACEMENT_METHODS: tuple[str, ...] = tuple(
+    m.name for m in registry.REGISTRY.values() if "iid" not in m.laws
 )
-WITHOUT_REPLACEMENT_METHODS: tuple[str, ...] = ("specinfer_wor",)
 # Sequence-level verifiers of a whole token tree (verify.tree.verify_tree, docs/algorithms.md §7).
-TREE_METHODS: tuple[str, ...] = ("tv", "tv_wr", "is_bv")
+TREE_METHODS: tuple[str, ...] = registry.names("tree")
 
 
 def _check_method(method: str, known, fn_name: str) -> None:
@@ -185,7 +173,7 @@ def verify_chain(
     _check_dtypes(draft_tokens, draft_logprobs, target_logprobs, "verify_chain")
     _check_token_range(draft_tokens, vocab, "verify_chain")
     length = _check_draft_length(draft_length, n, (), "verify_chain")
-    fn = _chain_methods()[method]
+    fn = registry.REGISTRY[method].verifier
     return fn(
         key,
         draft_tokens.astype(jnp.int32),
@@ -251,10 +239,10 @@ def verify_drafts(
     draft_tokens = draft_tokens.astype(jnp.int32)
     draft_logprobs = draft_logprobs.astype(jnp.float32)
     target_logprobs = target_logprobs.astype(jnp.float32)
-    if method in CHAIN_METHODS:
-        if options:
-            raise ValueError(f"verify_drafts: method {method!r} takes no options, got {options}")
-        fn = _chain_methods()[method]
-        return fn(key, draft_tokens[0], draft_logprobs[0], target_logprobs[0], lengths[0])
-    fn = _drafts_methods()[method]
-    return fn(key, draft_tokens, draft_logprobs, target_logprobs, lengths, **options)
+    entry = registry.REGISTRY[method]
+    entry.validate(options, vocab=vocab)
+    if entry.kind == "chain":
+        return entry.verifier(
+            key, draft_tokens[0], draft_logprobs[0], target_logprobs[0], lengths[0]
+        )
+    return entry.verifier(key, draft_tokens, draft_logprobs, target_logprobs, lengths, **options)

@@ -10,8 +10,8 @@ step stops after Y; if the matched chains end (depth n or their ``draft_length``
 drawn from the target at that depth. Conditional on the history the alive drafts' next tokens are
 fresh independent draws, so each node's exact scheme makes the whole step exact.
 
-Registry :data:`METHODS`: ``"specinfer"``, ``"spectr"``, ``"is"``, ``"optimal"`` and
-``"specinfer_wor"`` (for root drafts drawn *without* replacement by
+:data:`METHODS` (the ``"drafts"`` entries of verify/registry.py): ``"specinfer"``, ``"spectr"``,
+``"is"``, ``"optimal"`` and ``"specinfer_wor"`` (for root drafts drawn *without* replacement by
 :func:`sample_without_replacement`; a different draft law, hence a different name).
 
 ``"is"`` and ``"optimal"`` are importance-sampling selection followed by SpS against the exact law
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from asps_jax.draws import draw_from_weights, draw_without_replacement
 from asps_jax.verify import chain
 from asps_jax.verify.api import Verdict, make_verdict
+from asps_jax.verify.registry import REGISTRY, names
 from asps_jax.verify.selection import PAIRWISE_RULES, RULES, RuleConfig
 from asps_jax.verify.tokenlevel import (
     importance_sampling,
@@ -44,16 +45,9 @@ from asps_jax.verify.tokenlevel import (
     spectr,
 )
 
-IS_DEFAULTS = {
-    "rule": "level_race",
-    "levels": 16,
-    "fit_steps": 15,
-    "s": 5,
-    "alphabet": 40,
-    "lp_iters": 300,
-    "tol": 1e-5,
-}
-OPTIMAL_DEFAULTS = {"levels": 16, "fit_steps": 15, "grad_steps": 200}
+# The options and defaults live in the registry; ``tail`` is a keyword of every verifier here.
+IS_DEFAULTS = {k: v for k, v in REGISTRY["is"].options if k != "tail"}
+OPTIMAL_DEFAULTS = {k: v for k, v in REGISTRY["optimal"].options if k != "tail"}
 RACE_OPTIONS = ("levels", "fit_steps")
 PAIRWISE_OPTIONS = ("s", "alphabet", "lp_iters", "tol")
 
@@ -355,10 +349,5 @@ def sample_without_replacement(key: jax.Array, draft_logprobs: jax.Array, num_dr
     return draw_without_replacement(key, draft_logprobs, num_drafts)
 
 
-METHODS = {
-    "specinfer": verify_specinfer,
-    "spectr": verify_spectr,
-    "is": verify_is,
-    "optimal": verify_optimal,
-    "specinfer_wor": verify_specinfer_wor,
-}
+METHODS = {name: REGISTRY[name].verifier for name in names("drafts")}
+"""The multi-draft verifiers of the registry (verify/registry.py), name -> function."""
