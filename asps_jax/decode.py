@@ -6,8 +6,10 @@ cache length); it is the static ``self`` of every jitted entry point, and everyt
 call (parameters, prompts, keys, sampling parameters) is an array pytree. One compiled step runs six
 stages, each in its own ``jax.named_scope`` so that a profile reads as the step does:
 
-1. ``draft``: K draft chains per row (``rollout.py``);
-2. ``score``: one target forward over the whole token tree (``scoring.py``);
+1. ``draft``: K draft chains per row, or a branching tree with one draft replica per root path
+   (``rollout.py``, ``SpecConfig.widths``);
+2. ``score``: one target forward over the whole token tree (``scoring.py``); a tree method scores
+   the merged tree (siblings that drew one token are one node);
 3. ``verify``: ``verify_chain`` / ``verify_drafts`` on the chains, or ``verify_tree`` on the
    node-indexed tree for the sequence-level methods (``"tv"``, ``"tv_wr"``, ``"is_bv"``), then
    EOS truncation of the emitted block;
