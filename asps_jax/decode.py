@@ -52,12 +52,14 @@ from asps_jax.statistics import DecodeStats
 from asps_jax.verify import Verdict, verify_chain, verify_drafts, verify_tree
 from asps_jax.verify.acceptance import optimal_acceptance
 from asps_jax.verify.api import CHAIN_METHODS, TREE_METHODS
+from asps_jax.verify.tree import LevelRaceRule
 
 __all__ = ["DecodeState", "DecodeStats", "Decoder", "SamplingParams", "SpecConfig"]
 
 _PURPOSE_DRAFT = 0
 _PURPOSE_VERIFY = 1
 _PURPOSE_AR = 2
+_ROWS = "rows"  # the vmap axis over a batch's rows in verification
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,10 +556,19 @@ def _verify_tree(dec: Decoder, state, drafts: Drafts, target_lp_BNV, keys_B):
     tree = spec.token_tree
     node_tokens_BN, draft_lp_BNV, valid_BN = _tree_nodes(spec, state.root, drafts)
     options = dict(spec.options)
+    if spec.method == "is_bv" and options.get("alive", "walkers") == "walkers":
+        # The level race fits a node only when some row of the batch has two walkers there (most
+        # nodes below the root have one): the same verdicts, far fewer fits.
+        rule = options.get("rule", "level_race")
+        if rule == "level_race":
+            options["rule"] = LevelRaceRule(batch_axis=_ROWS)
+        elif isinstance(rule, LevelRaceRule):
+            options["rule"] = dataclasses.replace(rule, batch_axis=_ROWS)
     found = jax.vmap(
         lambda key, x, lq, lp, valid: verify_tree(
             key, tree, x, lq, lp, valid, method=spec.method, **options
-        )
+        ),
+        axis_name=_ROWS,
     )(keys_B, node_tokens_BN, draft_lp_BNV, target_lp_BNV, valid_BN)
     deepest_B = jnp.take_along_axis(found.path, (found.num_tokens - 1)[:, None], axis=1)[:, 0]
     verdict = Verdict(

@@ -559,3 +559,32 @@ def test_bad_input(kwargs, match):
     }
     with pytest.raises(ValueError, match=match):
         verify_tree(jax.random.key(0), **args)
+
+
+def test_race_fits_only_where_a_row_needs_them_with_the_same_verdicts():
+    """``LevelRaceRule(batch_axis=...)`` under ``vmap`` with that axis name skips a level's fit
+    when no row has two walkers there: every verdict equals the plain rule's, on random trees
+    (shared root tokens: some rows fit below the root) and on trees whose chains all start
+    apart (no row fits below the root)."""
+    num_drafts, vocab, n, size = 3, 4, 3, 512
+    target, drafts = _chain_models(5, num_drafts, vocab, n, identical=True)
+    tree = trees.chains_token_tree(num_drafts, n)
+    tokens, lq, lp = _sample_chains(
+        np.random.default_rng(8), target, drafts[0], num_drafts, n, size
+    )
+    apart = tokens.copy()
+    apart[:, 1::n] = np.arange(num_drafts)  # root tokens 0, 1, 2: one walker below the root
+    keys = jax.random.split(jax.random.key(9), size)
+
+    def run(rule, axis_name=None):
+        def one(k, t, a, b):
+            return verify_tree(k, tree, t, a, b, method="is_bv", rule=rule)
+
+        return jax.jit(jax.vmap(one, axis_name=axis_name))
+
+    plain = run(vt.LevelRaceRule())
+    skipping = run(vt.LevelRaceRule(batch_axis="rows"), "rows")
+    for t in (tokens, apart):
+        want = jax.tree.map(np.asarray, plain(keys, t, lq, lp))
+        got = jax.tree.map(np.asarray, skipping(keys, t, lq, lp))
+        jax.tree.map(np.testing.assert_array_equal, got, want)

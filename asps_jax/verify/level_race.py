@@ -163,6 +163,7 @@ def fit_race(
     fit_steps: int,
     grad_steps: int = 0,
     step_size: float = 0.3,
+    batch_axis: str | None = None,
 ) -> LevelRace:
     """Fit a level race to p at one node (the fit depends on (p, q, alive) only).
 
@@ -176,6 +177,11 @@ def fit_race(
     Args:
       p: [V] target; q: [K, V] draft laws; alive: bool[K] (at least one true).
       num_levels: J >= 1; fit_steps: T >= 1 evaluations of the law; grad_steps >= 0 (static).
+      batch_axis: the name of a ``vmap`` axis this call is mapped over (e.g. the rows of a
+        batch), or None. Under ``vmap`` the ``lax.cond`` that skips the fit at a node with one
+        alive draft becomes a select that computes the fit for every row; with the axis named,
+        the fit runs (for every row) only when some row needs it, and each row still gets its
+        own result (the same as without the name).
     """
     num_drafts, vocab = q.shape
     dtype = p.dtype
@@ -246,5 +252,14 @@ def fit_race(
     def single(_):
         return jnp.full((vocab, num_levels), 1.0 / num_levels, dtype), q[jnp.argmax(alive)]
 
-    law, q_sel = jax.lax.cond(num_alive >= 2, fit, single, None)
-    return LevelRace(law=law, q_sel=q_sel, single=num_alive < 2)
+    need = num_alive >= 2
+    if batch_axis is None:
+        law, q_sel = jax.lax.cond(need, fit, single, None)
+    else:
+
+        def fit_where_needed(_):
+            return jax.tree.map(lambda a, b: jnp.where(need, a, b), fit(None), single(None))
+
+        any_row = jax.lax.psum(need.astype(jnp.int32), batch_axis) > 0
+        law, q_sel = jax.lax.cond(any_row, fit_where_needed, single, None)
+    return LevelRace(law=law, q_sel=q_sel, single=~need)

@@ -290,9 +290,10 @@ class LevelRaceRule:
 
     levels: int = 16  # J
     fit_steps: int = 15  # T
+    batch_axis: str | None = None  # a vmap axis over rows: fit only when some row needs it
 
     def walkers(self, p, q_WV, tokens_W, alive_W):
-        race = fit_race(p, q_WV, alive_W, self.levels, self.fit_steps)
+        race = fit_race(p, q_WV, alive_W, self.levels, self.fit_steps, batch_axis=self.batch_axis)
         return race_selection(race, tokens_W, alive_W), race.q_sel
 
     def counted(self, p, q_V, pi_M, tokens_W, alive_W):
