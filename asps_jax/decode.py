@@ -534,10 +534,13 @@ def _verify(dec: Decoder, state, drafts: Drafts, target_lp) -> tuple[Verdict, ja
         )
     else:
         options = dict(spec.options)
+        if spec.method in ("is", "optimal"):  # fit the level race only where a row needs it
+            options["batch_axis"] = _ROWS
         verdict = jax.vmap(
             lambda key, x, lq, lp, length: verify_drafts(
                 key, x, lq, lp, method=spec.method, draft_length=length, **options
-            )
+            ),
+            axis_name=_ROWS,
         )(verify_keys_B, drafts.tokens_BKD, drafts.logprobs_BKDV, target_lp, drafts.lengths_BK)
     return verdict, trees.path_nodes(spec.tree, verdict.draft_index)
 

@@ -58,7 +58,12 @@ def test_every_public_list_is_derived_from_the_registry():
     for name, fn in multi.METHODS.items():
         assert fn is REGISTRY[name].verifier and callable(fn)
     assert multi.IS_DEFAULTS == {k: v for k, v in REGISTRY["is"].options if k != "tail"}
-    assert multi.OPTIMAL_DEFAULTS == {"levels": 16, "fit_steps": 15, "grad_steps": 200}
+    assert multi.OPTIMAL_DEFAULTS == {
+        "levels": 16,
+        "fit_steps": 15,
+        "batch_axis": None,
+        "grad_steps": 200,
+    }
     for name in api.TREE_METHODS:
         assert REGISTRY[name].verifier.keywords == {"method": name}
 
@@ -85,6 +90,7 @@ def test_entries_are_small_frozen_values():
         ("is", {"temperature": 1.0}, "unknown option"),
         ("is", {"rule": "nope"}, "unknown rule"),
         ("is", {"levels": 0}, "levels must be an int >= 1"),
+        ("is", {"batch_axis": 3}, "batch_axis must be a vmap axis name"),
         ("optimal", {"s": 3}, "LP option"),
         ("tv", {"alive": "count"}, "takes no options"),
         ("tv_wr", {"rule": "sir"}, "takes no options"),

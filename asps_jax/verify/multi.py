@@ -192,6 +192,15 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+def _axis_name(value):
+    """``batch_axis``: None, or the name of the ``vmap`` axis the call is mapped over."""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(
+            f"verify_drafts: batch_axis must be a vmap axis name or None, got {value!r}"
+        )
+    return value
+
+
 def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
     """Validate ``options`` (plain Python values) into a static :class:`RuleConfig`."""
     if method == "optimal":
@@ -207,6 +216,7 @@ def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
             levels=_positive_int("levels", opts["levels"]),
             fit_steps=_positive_int("fit_steps", opts["fit_steps"]),
             grad_steps=_positive_int("grad_steps", opts["grad_steps"], minimum=0),
+            batch_axis=_axis_name(opts["batch_axis"]),
         )
     opts = _pick(method, options, IS_DEFAULTS)
     rule = opts["rule"]
@@ -223,6 +233,7 @@ def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
             rule=rule,
             levels=_positive_int("levels", opts["levels"]),
             fit_steps=_positive_int("fit_steps", opts["fit_steps"]),
+            batch_axis=_axis_name(opts["batch_axis"]),
         )
     wrong = sorted(set(options) & set(RACE_OPTIONS))
     if wrong:
@@ -295,7 +306,9 @@ def verify_is(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> V
     Options: ``rule`` in ``"level_race"`` (default, §3.10: ``levels`` J = 16, ``fit_steps``
     T = 15), or the pairwise tournaments ``"truncated_lp"`` (``s`` = 5 LP positions),
     ``"fixed_order"``, ``"sir"`` with ``alphabet`` (40; the SIR block, an upper bound on s),
-    ``lp_iters`` (300), ``tol`` (1e-5, certified LP gap).
+    ``lp_iters`` (300), ``tol`` (1e-5, certified LP gap). ``batch_axis`` (None): when the call
+    is ``vmap``-ed with that ``axis_name`` over a batch's rows, the level race fits a node only
+    if some row has two alive drafts there (``level_race.fit_race``; the same verdicts).
     """
     cfg = _rule_config("is", lp.shape[-1], options)
     return verify_tree(
@@ -316,7 +329,7 @@ def verify_optimal(key, tokens, lq, lp, draft_length, *, tail="asps", **options)
     steps on the exact ``sum_y min(p, q_I)``). Exact for any fit; measured within 0.001 of
     :func:`~asps_jax.verify.acceptance.optimal_acceptance` on average on real laws (K = 2..8), not
     a certified optimum. Cost per node with two or more alive drafts ~ (15 + 3 * 200) evaluations
-    of an O(K J V) closed form.
+    of an O(K J V) closed form. ``batch_axis`` as for :func:`verify_is`.
     """
     cfg = _rule_config("optimal", lp.shape[-1], options)
     return verify_tree(

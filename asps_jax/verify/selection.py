@@ -62,6 +62,7 @@ class RuleConfig:
     levels: int = 16  # J: levels of the level race
     fit_steps: int = 15  # T: fixed-point evaluations of the level race's law
     grad_steps: int = 0  # then gradient steps on free level laws ("optimal")
+    batch_axis: str | None = None  # a vmap axis over rows: the race fits only where a row needs it
 
 
 @jax.tree_util.register_dataclass

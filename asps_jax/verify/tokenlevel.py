@@ -157,7 +157,9 @@ def importance_sampling_rules(p, q, alive, cfg: RuleConfig):
     """The token-independent part of :func:`importance_sampling`: the level race's fitted rates
     (:class:`LevelRace`), or the pairwise tournament's rules (the LP solves)."""
     if cfg.rule == "level_race":
-        return fit_race(p, q, alive, cfg.levels, cfg.fit_steps, cfg.grad_steps)
+        return fit_race(
+            p, q, alive, cfg.levels, cfg.fit_steps, cfg.grad_steps, batch_axis=cfg.batch_axis
+        )
     return tournament_rules(p, q, alive, cfg)
 
 
