@@ -28,7 +28,7 @@ TEMPERATURE = [1.0, 0.8, 0.0, 1.3]
 TOP_K = [0, 8, 0, 3]
 TOP_P = [1.0, 0.9, 1.0, 0.7]
 DRAFT_TEMPERATURE = [1.0, 1.3, 0.0, 0.6]
-METHOD_OPTIONS = {"optimal": dict(grad_steps=20), "is": dict(fit_steps=5)}
+METHOD_OPTIONS = {"optimal": dict(grad_steps=4), "is": dict(fit_steps=5)}  # as test_decode.py
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 from hf_checkpoints import write_tiny_llama
+from subprocess_env import xla_flags
 from test_cli import cli
 
 import asps_jax
@@ -65,7 +66,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     target_model = write_tiny_llama(root / "target", seed=0, initializer_range=0.4)
     write_tiny_llama(root / "draft", seed=1, initializer_range=0.4, noise_from=target_model)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS=xla_flags())
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     port = str(_free_port())
     workers = [

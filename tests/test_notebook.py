@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from subprocess_env import xla_flags
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -35,6 +36,7 @@ def test_notebook_executes_and_saves_its_figures(tmp_path, monkeypatch):
     monkeypatch.setenv("ASPS_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("ASPS_NOTEBOOK_FIGURES", str(tmp_path))
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("XLA_FLAGS", xla_flags())  # the kernel compiles 6 small programs
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         nb,

@@ -22,6 +22,7 @@ import pytest
 from hf_checkpoints import write_tiny_llama
 from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
+from subprocess_env import xla_flags
 from test_cli import cli
 
 import asps_jax
@@ -67,7 +68,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     _write_llama(root / "draft", 1, noise_from=_write_llama(root / "target", 0))
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=8")
     worker = subprocess.Popen(
         [sys.executable, str(HERE / "sharding_worker.py"), str(root)],
         stdout=subprocess.PIPE,
