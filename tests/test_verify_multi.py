@@ -789,3 +789,30 @@ def test_bench_script_real_laws(tmp_path, monkeypatch, capsys):
         bench.main(["--real", "--ks", "1"])
     with pytest.raises(SystemExit):
         bench.main(["--real", "--methods", "asps"])
+
+
+@pytest.mark.parametrize("method, options", [("is", {}), ("optimal", {"grad_steps": 2})])
+def test_batch_axis_fits_only_where_needed_with_the_same_verdicts(method, options):
+    """``batch_axis`` under a named ``vmap`` skips a depth's level-race fit when no row has two
+    alive drafts there; every verdict equals the unnamed call's, on random drafts (some rows keep
+    two chains alive below the root) and on drafts whose roots all differ (none does)."""
+    rng = np.random.default_rng(12)
+    rows, k, n, vocab = 256, 3, 3, 4
+    tokens = rng.integers(0, vocab, (rows, k, n)).astype(np.int32)
+    apart = tokens.copy()
+    apart[:, :, 0] = np.arange(k)
+    lq = np.log(rng.dirichlet(np.ones(vocab), (rows, k, n))).astype(np.float32)
+    lp = np.log(rng.dirichlet(np.ones(vocab), (rows, k, n + 1))).astype(np.float32)
+    keys = jax.random.split(jax.random.key(2), rows)
+
+    def run(axis_name, **extra):
+        def one(key, x, q, p):
+            return asps_jax.verify_drafts(key, x, q, p, method=method, **options, **extra)
+
+        return jax.jit(jax.vmap(one, axis_name=axis_name))
+
+    plain, skipping = run(None), run("rows", batch_axis="rows")
+    for x in (tokens, apart):
+        want = jax.tree.map(np.asarray, plain(keys, x, lq, lp))
+        got = jax.tree.map(np.asarray, skipping(keys, x, lq, lp))
+        jax.tree.map(np.testing.assert_array_equal, got, want)
