@@ -30,7 +30,8 @@ import asps_jax  # noqa: E402
 from asps_jax import sharding  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_multihost import CASES, CLI_ARGS, MESH, PROMPTS, sample_kwargs  # noqa: E402
+from test_multihost import CLI_ARGS, MESH  # noqa: E402
+from test_sharding import CASES, PROMPTS, sample_kwargs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,39 +19,24 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from hf_checkpoints import write_tiny_llama
 from subprocess_env import xla_flags
 from test_cli import cli
+from test_sharding import CASES, PROMPTS, sample_kwargs  # the same sampling runs as on one host
 
 import asps_jax
 from asps_jax import sharding
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-CASES = {"asps": 1, "specinfer": 2}  # method -> number of drafts K
 MESH = "data=2,model=2"
-PROMPTS = [[1, 5, 3], [4, 7, 9, 1, 0, 11, 6], [2]]
 # The command line on the bundled pair; "ar" keeps the compile short (the flags and the printing
 # are under test here, the speculative methods above).
 CLI_ARGS = ["--method", "ar", "--max-new-tokens", "8", "--batch-size", "3", "--seed", "5"]
 CLI_ARGS += ["--prompt", "ROMEO:", "--json", "--no-compile-cache"]
 TIMEOUT_S = 240
-
-
-def sample_kwargs(method: str) -> dict:
-    return dict(
-        key=jax.random.key(7),
-        max_new_tokens=6,
-        method=method,
-        num_draft_tokens=2,
-        num_drafts=CASES[method],
-        temperature=1.0,
-        top_p=[1.0, 0.9, 1.0],
-        eos_token_id=-1,
-    )
 
 
 def _free_port() -> int:
