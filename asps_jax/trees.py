@@ -393,6 +393,21 @@ def chain_layout(tree: TokenTree) -> ChainLayout:
     return ChainLayout(chain_nodes=chain_nodes, first_chain=first_chain)
 
 
+def parse_widths(text: str) -> tuple[int, ...]:
+    """``"4,2,1,1"`` -> ``(4, 2, 1, 1)``: a branching tree's children per node at each depth, as
+    the command lines write it (a one-line ``ValueError`` otherwise)."""
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise ValueError(
+            f"expected children per node at each depth, e.g. 4,2,1,1 (every width >= 1), got "
+            f"{text!r}"
+        )
+    return widths
+
+
 @dataclasses.dataclass(frozen=True)
 class BranchingPlan:
     """How the draft replicas of a :func:`branching_token_tree` draw its tokens (static).

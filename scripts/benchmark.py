@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 import asps_jax
 from asps_jax import decode, sampler, statistics
+from asps_jax.trees import parse_widths
 from asps_jax.verify.registry import REGISTRY
 
 SPEC = tuple(m for m in sampler.METHODS if m in REGISTRY)  # every method but ar
@@ -154,7 +155,10 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.repeats < 0:
         raise ValueError(f"--repeats must be >= 0, got {args.repeats}")
-    args.trees = [parse_widths(text) for text in args.trees]
+    try:
+        args.trees = [parse_widths(text) for text in args.trees]
+    except ValueError as err:
+        raise ValueError(f"--trees: {err}") from None
     if args.temperature < 0 or not math.isfinite(args.temperature):
         raise ValueError(f"--temperature must be finite and >= 0, got {args.temperature}")
     dt = args.draft_temperature
@@ -221,17 +225,6 @@ def task_prompts(task: str, count: int) -> list[str]:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"--task {task}: cannot load {name} ({first})") from None
     return [template(row) for row in rows]
-
-
-def parse_widths(text: str) -> tuple[int, ...]:
-    """``"4,2,1,1"`` -> ``(4, 2, 1, 1)`` (a ValueError naming ``--trees`` otherwise)."""
-    try:
-        widths = tuple(int(w) for w in text.split(","))
-    except ValueError:
-        widths = ()
-    if not widths or min(widths) < 1:
-        raise ValueError(f"--trees: expected widths like 4,2,1,1, each >= 1, got {text!r}")
-    return widths
 
 
 def plan(methods, ns, ks, trees=()) -> list[tuple[str, int, int, tuple]]:

@@ -65,16 +65,12 @@ INTERRUPTED = 130
 
 def _widths(text: str) -> tuple[int, ...]:
     """``--tree 4,2,1,1``: children per node at each depth."""
+    from asps_jax.trees import parse_widths
+
     try:
-        widths = tuple(int(w) for w in text.split(","))
-    except ValueError:
-        widths = ()
-    if not widths or any(w < 1 for w in widths):
-        raise argparse.ArgumentTypeError(
-            f"expected children per node at each depth, e.g. 4,2,1,1 (every width >= 1), got "
-            f"{text!r}"
-        )
-    return widths
+        return parse_widths(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 # Notices that are expected and harmless for this command, by logger: transformers is used for
