@@ -9,8 +9,6 @@ process gets all rows back. The checkpoints are tiny random Llamas written by tr
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import socket
@@ -19,14 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hf_checkpoints import write_tiny_llama
 from subprocess_env import xla_flags
 from test_cli import cli
-from test_sharding import CASES, PROMPTS, sample_kwargs  # the same sampling runs as on one host
+from test_sharding import CASES, PROMPTS, single_device_runs
 
-import asps_jax
 from asps_jax import sharding
 
 HERE = Path(__file__).resolve().parent
@@ -65,17 +61,7 @@ def runs(tmp_path_factory):
         for i in range(2)
     ]
     try:
-        target = asps_jax.load_model(str(root / "target"))
-        draft = asps_jax.load_model(str(root / "draft"))
-        local = {}
-        for method in CASES:
-            out = asps_jax.sample(target, draft, PROMPTS, **sample_kwargs(method))
-            local[method] = np.asarray(out.tokens).tolist()
-            local[f"{method}/lengths"] = np.asarray(out.lengths).tolist()
-        stdout = io.StringIO()
-        with contextlib.redirect_stdout(stdout):
-            assert cli.main(CLI_ARGS) == 0
-        local["cli"] = json.loads(stdout.getvalue())
+        local = single_device_runs(root, CLI_ARGS)
         outputs, deadline = [], time.monotonic() + TIMEOUT_S
         for worker in workers:
             try:

@@ -62,6 +62,23 @@ def _write_llama(path, seed, noise_from=None):
     return write_tiny_llama(path, seed=seed, initializer_range=0.4, noise_from=noise_from)
 
 
+def single_device_runs(root, cli_args) -> dict:
+    """The reference every multi-device run is compared with: each case's tokens and lengths on
+    one device, and the CLI's JSON output for ``cli_args``."""
+    target = asps_jax.load_model(str(root / "target"))
+    draft = asps_jax.load_model(str(root / "draft"))
+    local = {}
+    for method in CASES:
+        out = asps_jax.sample(target, draft, PROMPTS, **sample_kwargs(method))
+        local[method] = np.asarray(out.tokens).tolist()
+        local[f"{method}/lengths"] = np.asarray(out.lengths).tolist()
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert cli.main(cli_args) == 0
+    local["cli"] = json.loads(stdout.getvalue())
+    return local
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(single-device tokens and CLI output, the 8-device worker's report)."""
@@ -77,16 +94,7 @@ def runs(tmp_path_factory):
         env=env,
     )
     try:
-        target = asps_jax.load_model(str(root / "target"))
-        draft = asps_jax.load_model(str(root / "draft"))
-        local = {}
-        for method in CASES:
-            out = asps_jax.sample(target, draft, PROMPTS, **sample_kwargs(method))
-            local[method] = np.asarray(out.tokens).tolist()
-        stdout = io.StringIO()
-        with contextlib.redirect_stdout(stdout):
-            assert cli.main(CLI_ARGS) == 0
-        local["cli"] = json.loads(stdout.getvalue())
+        local = single_device_runs(root, CLI_ARGS)
         out, err = worker.communicate(timeout=600)
     finally:
         worker.kill()
