@@ -43,11 +43,29 @@ def test_prepared_layout(pair):
     _, m = pair
     p = prepare_params(m.config, m.params)
     assert isinstance(p["layers"], tuple) and len(p["layers"]) == m.config.num_hidden_layers
-    E, NH, H = m.config.hidden_size, m.config.num_attention_heads, m.config.head_dim
-    assert p["layers"][1]["wo"].shape == (NH * H, E)
-    np.testing.assert_array_equal(
-        np.asarray(p["layers"][1]["wq"]), np.asarray(m.params["layers"]["wq"][1])
+    c = m.config
+    E, NH, KVH, H, F = (
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.intermediate_size,
     )
+    layer, stored = p["layers"][1], {k: np.asarray(a[1]) for k, a in m.params["layers"].items()}
+    assert layer["wqkv"].shape == ((NH + 2 * KVH) * H, E)
+    assert layer["wo"].shape == (E, NH * H)
+    assert layer["w_gate_up"].shape == (2 * F, E) and layer["w_down"].shape == (E, F)
+    # [out, in]: row j of wqkv is q output j (head j // H, dim j % H), then k's rows, then v's.
+    np.testing.assert_array_equal(np.asarray(layer["wqkv"][: NH * H]), stored["wq"].reshape(E, -1).T)
+    np.testing.assert_array_equal(
+        np.asarray(layer["wqkv"][NH * H + KVH * H :]), stored["wv"].reshape(E, -1).T
+    )
+    np.testing.assert_array_equal(np.asarray(layer["w_gate_up"][F:]), stored["w_up"].T)
+    np.testing.assert_array_equal(np.asarray(layer["wo"]), stored["wo"].reshape(NH * H, E).T)
+    if c.tie_word_embeddings:
+        assert "lm_head" not in p and "lm_head_t" not in p
+    else:
+        np.testing.assert_array_equal(np.asarray(p["lm_head_t"]), np.asarray(m.params["lm_head"]).T)
     assert prepare_params(m.config, p) is p  # idempotent
     assert run_params(m) is run_params(m)  # made once per model
 

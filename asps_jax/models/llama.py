@@ -28,6 +28,7 @@ from asps_jax.models.layers import (
     axes_of,
     check_inputs,
     init_from_shapes,
+    lm_logits,
     output_logits,
     rms_norm,
 )
@@ -229,37 +230,79 @@ HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 # --- Forward ----------------------------------------------------------------------------------
 
 
-def prepare_params(config: LlamaConfig, params: dict) -> dict:
-    """The run layout of ``params``: ``"layers"`` as a tuple of ``L`` per-layer dicts.
+# The run layout of one layer (``prepare_params``): every projection stored ``[out, in]`` (HF's own
+# orientation) with the products that read the same input fused into one matrix.
+RUN_LAYER_KEYS = frozenset({"attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"})
 
-    Same arrays, unstacked once (call it where parameters are loaded or placed, not per forward):
-    inside a compiled forward, slicing layer ``i`` out of a stacked ``[L, ...]`` parameter is a
-    copy of its weights on every call (XLA cannot alias a slice of an input buffer), which
-    doubles the bytes a one-token forward moves. :func:`forward` accepts both layouts; this one is
-    ~2x faster at small batch (scripts/bench_model.py). Idempotent. Slicing keeps each
-    parameter's mesh sharding (the ``layers`` axis is never split).
+
+@jax.jit
+def _run_layer(p: dict) -> dict:
+    """One layer of the stored layout (``[in, out]``, head axes split) in the run layout."""
+    E = p["wq"].shape[0]
+    out_in = lambda w: w.reshape(E, -1).T  # [E, ...] -> [out, E]
+    return {
+        "attn_norm": p["attn_norm"],
+        "wqkv": jnp.concatenate([out_in(p["wq"]), out_in(p["wk"]), out_in(p["wv"])], axis=0),
+        "wo": p["wo"].reshape(-1, E).T,  # [E, NH*H]
+        "mlp_norm": p["mlp_norm"],
+        "w_gate_up": jnp.concatenate([p["w_gate"].T, p["w_up"].T], axis=0),  # [2F, E]
+        "w_down": p["w_down"].T,  # [E, F]
+    }
+
+
+def prepare_params(config: LlamaConfig, params: dict) -> dict:
+    """The run layout of ``params``: ``"layers"`` a tuple of ``L`` per-layer dicts whose
+    projections are stored ``[out, in]`` and fused (``wqkv``: q, k, v rows; ``w_gate_up``: gate,
+    up rows), and the head ``"lm_head_t"`` ``[V, E]`` in place of ``"lm_head"`` ``[E, V]``.
+
+    Made once where parameters are loaded or placed (``base.run_params``), never per forward:
+    * per layer: inside a compiled forward, slicing layer ``i`` out of a stacked ``[L, ...]``
+      parameter is a copy of its weights on every call (XLA cannot alias a slice of an input
+      buffer), which doubled the bytes a one-token forward moves;
+    * ``[out, in]``: XLA:CPU's matrix-vector product reads a ``[out, in]`` matrix (one dot
+      product per output, contiguous rows) faster than an ``[in, out]`` one, up to 1.8x for
+      ``w_down`` (scripts/bench_model.py);
+    * fused: one product per input instead of three (q, k, v) or two (gate, up).
+
+    The logits equal those of the stored layout to float tolerance. Idempotent. The layer arrays
+    are new buffers (a copy of the weights; the stored ``params`` stay valid).
     """
     layers = params["layers"]
     if isinstance(layers, (tuple, list)):
         return params
     L = config.num_hidden_layers
-    per_layer = tuple({name: a[i] for name, a in layers.items()} for i in range(L))
-    for p in per_layer:
-        p["wo"] = p["wo"].reshape(-1, p["wo"].shape[-1])
-    return {**params, "layers": per_layer}
+    run = {k: v for k, v in params.items() if k not in ("layers", "lm_head")}
+    run["layers"] = tuple(_run_layer({k: a[i] for k, a in layers.items()}) for i in range(L))
+    if "lm_head" in params:
+        run["lm_head_t"] = jax.jit(jnp.transpose)(params["lm_head"])
+    return run
+
+
+def _run_layer_forward(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, cos, sin, mask, scale):
+    """:func:`_layer` on one layer of the run layout."""
+    NH, KVH, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    h = rms_norm(x_BTE, p["attn_norm"], c.rms_norm_eps)
+    qkv = jnp.einsum("bte,de->btd", h, p["wqkv"])
+    q, k, v = jnp.split(qkv, (NH * H, (NH + KVH) * H), axis=-1)
+    q = apply_rope(q.reshape(q.shape[:2] + (NH, H)), cos, sin)
+    k = apply_rope(k.reshape(k.shape[:2] + (KVH, H)), cos, sin)
+    v = v.reshape(v.shape[:2] + (KVH, H))
+    attn = attention(q, k, v, cache_k, cache_v, mask, scale)
+    x_BTE = x_BTE + jnp.einsum("btd,ed->bte", attn.reshape(attn.shape[:2] + (-1,)), p["wo"])
+    h = rms_norm(x_BTE, p["mlp_norm"], c.rms_norm_eps)
+    gate, up = jnp.split(jnp.einsum("bte,fe->btf", h, p["w_gate_up"]), 2, axis=-1)
+    x_BTE = x_BTE + jnp.einsum("btf,ef->bte", jax.nn.silu(gate) * up, p["w_down"])
+    return x_BTE, (k, v)
 
 
 def _layer(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, cos, sin, mask, scale):
-    """One decoder layer; ``p`` holds that layer's parameters. Returns ``(x, (k, v))``."""
+    """One decoder layer of the stored layout; ``p`` holds that layer's parameters."""
     h = rms_norm(x_BTE, p["attn_norm"], c.rms_norm_eps)
     q = apply_rope(jnp.einsum("bte,enh->btnh", h, p["wq"]), cos, sin)
     k = apply_rope(jnp.einsum("bte,ekh->btkh", h, p["wk"]), cos, sin)
     v = jnp.einsum("bte,ekh->btkh", h, p["wv"])
     attn = attention(q, k, v, cache_k, cache_v, mask, scale)
-    if p["wo"].ndim == 2:  # run layout: [NH*H, E], no transpose per call
-        x_BTE = x_BTE + jnp.einsum("btd,de->bte", attn.reshape(attn.shape[:2] + (-1,)), p["wo"])
-    else:
-        x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"])
+    x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"])
     h = rms_norm(x_BTE, p["mlp_norm"], c.rms_norm_eps)
     gate = jax.nn.silu(jnp.einsum("bte,ef->btf", h, p["w_gate"]))
     up = jnp.einsum("bte,ef->btf", h, p["w_up"])
@@ -286,7 +329,7 @@ def forward(
     cos, sin = rope_tables(
         c.rope_theta, c.head_dim, c.rope_scaling, c.max_position_embeddings, positions
     )
-    layer = functools.partial(_layer, c, cos=cos, sin=sin, mask=mask, scale=c.head_dim**-0.5)
+    kw = dict(cos=cos, sin=sin, mask=mask, scale=c.head_dim**-0.5)
     x = params["embed"][tokens]  # [B, T, E]
     layers = params["layers"]
     if isinstance(layers, (tuple, list)):
@@ -294,8 +337,10 @@ def forward(
             raise ValueError(f"params has {len(layers)} layers, config {c.num_hidden_layers}")
         ks, vs = [], []
         for i, p in enumerate(layers):
+            if set(p) != RUN_LAYER_KEYS:
+                raise ValueError(f"params layer {i}: keys {sorted(p)}, want {sorted(RUN_LAYER_KEYS)}")
             kv = (None, None) if cache is None else (cache.k[i], cache.v[i])
-            x, (k, v) = layer(p, x, *kv)
+            x, (k, v) = _run_layer_forward(c, p, x, *kv, **kw)
             ks.append(k)
             vs.append(v)
         new_k, new_v = jnp.stack(ks), jnp.stack(vs)
@@ -303,9 +348,11 @@ def forward(
 
         def body(x_BTE, xs):
             p, cache_k, cache_v = xs
-            return layer(p, x_BTE, cache_k, cache_v)
+            return _layer(c, p, x_BTE, cache_k, cache_v, **kw)
 
         xs = (layers, None, None) if cache is None else (layers, cache.k, cache.v)
         x, (new_k, new_v) = jax.lax.scan(body, x, xs)
     x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    if "lm_head_t" in params:  # run layout: [V, E], the orientation of a tied embedding
+        return lm_logits(x, params["lm_head_t"], True), KVBlock(k=new_k, v=new_v)
     return output_logits(x, params, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)
