@@ -56,7 +56,8 @@ def test_prepared_layout(pair):
     assert layer["wo"].shape == (E, NH * H)
     assert layer["w_gate_up"].shape == (2 * F, E) and layer["w_down"].shape == (E, F)
     # [out, in]: row j of wqkv is q output j (head j // H, dim j % H), then k's rows, then v's.
-    np.testing.assert_array_equal(np.asarray(layer["wqkv"][: NH * H]), stored["wq"].reshape(E, -1).T)
+    wq = np.asarray(layer["wqkv"][: NH * H])
+    np.testing.assert_array_equal(wq, stored["wq"].reshape(E, -1).T)
     np.testing.assert_array_equal(
         np.asarray(layer["wqkv"][NH * H + KVH * H :]), stored["wv"].reshape(E, -1).T
     )

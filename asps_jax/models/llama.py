@@ -239,7 +239,10 @@ RUN_LAYER_KEYS = frozenset({"attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", 
 def _run_layer(p: dict) -> dict:
     """One layer of the stored layout (``[in, out]``, head axes split) in the run layout."""
     E = p["wq"].shape[0]
-    out_in = lambda w: w.reshape(E, -1).T  # [E, ...] -> [out, E]
+
+    def out_in(w):  # [E, ...] -> [out, E]
+        return w.reshape(E, -1).T
+
     return {
         "attn_norm": p["attn_norm"],
         "wqkv": jnp.concatenate([out_in(p["wq"]), out_in(p["wk"]), out_in(p["wv"])], axis=0),
@@ -338,7 +341,8 @@ def forward(
         ks, vs = [], []
         for i, p in enumerate(layers):
             if set(p) != RUN_LAYER_KEYS:
-                raise ValueError(f"params layer {i}: keys {sorted(p)}, want {sorted(RUN_LAYER_KEYS)}")
+                want = sorted(RUN_LAYER_KEYS)
+                raise ValueError(f"params layer {i} has keys {sorted(p)}; the run layout: {want}")
             kv = (None, None) if cache is None else (cache.k[i], cache.v[i])
             x, (k, v) = _run_layer_forward(c, p, x, *kv, **kw)
             ks.append(k)
