@@ -384,15 +384,15 @@ def _sync_draft_replicas(cache: kv_cache.KVCache, start_B, winner_B, num_drafts:
     """Copy slots ``[start, start + width)`` of the winning chain's replica to all K replicas."""
     batch = start_B.shape[0]
 
-    def sync(a):  # [L, B * K, S, KVH, H]
-        layers, rows, slots = a.shape[:3]
-        a_LBKS = a.reshape((layers, batch, num_drafts, slots) + a.shape[3:])
+    def sync(a):  # [L, B * K, KVH, S, H]
+        layers = a.shape[0]
+        a_LBKS = a.reshape((layers, batch, num_drafts) + a.shape[2:])
 
-        def per_row(row_a, start, winner):  # row_a: [L, K, S, KVH, H]
-            window = jax.lax.dynamic_slice_in_dim(row_a, start, width, axis=2)
+        def per_row(row_a, start, winner):  # row_a: [L, K, KVH, S, H]
+            window = jax.lax.dynamic_slice_in_dim(row_a, start, width, axis=3)
             chosen = jnp.take(window, winner, axis=1)[:, None]
             window = jnp.broadcast_to(chosen, window.shape)
-            return jax.lax.dynamic_update_slice_in_dim(row_a, window, start, axis=2)
+            return jax.lax.dynamic_update_slice_in_dim(row_a, window, start, axis=3)
 
         a_LBKS = jax.vmap(per_row, in_axes=(1, 0, 0), out_axes=1)(a_LBKS, start_B, winner_B)
         return a_LBKS.reshape(a.shape)

@@ -15,27 +15,32 @@ CONFIG = LlamaConfig(
 
 
 def reference_commit(k, lengths, new_k, nodes, num):
+    """``k [L, B, KVH, S, H]`` <- ``new_k [L, B, T, KVH, H]``, one slot at a time."""
     k = k.copy()
-    S = k.shape[2]
+    S = k.shape[3]
     for b in range(k.shape[1]):
         for j in range(num[b]):
             if lengths[b] + j < S:
-                k[:, b, lengths[b] + j] = new_k[:, b, nodes[b, j]]
+                k[:, b, :, lengths[b] + j] = new_k[:, b, nodes[b, j]]
     return k, lengths + num
 
 
-def test_commit_matches_numpy_loop():
+@pytest.mark.parametrize("row_loop", [False, True], ids=["scatter", "row_loop"])
+@pytest.mark.parametrize("S", [10, 6, 4], ids=["fits", "clamped_window", "path_longer_than_cache"])
+def test_commit_matches_numpy_loop(row_loop, S):
     rng = np.random.default_rng(0)
-    L, B, S, T, P = 3, 4, 10, 6, 5
-    k = rng.normal(size=(L, B, S, 2, 2)).astype(np.float32)
-    v = rng.normal(size=(L, B, S, 2, 2)).astype(np.float32)
-    lengths = np.array([0, 3, 7, 8], np.int32)
-    new_k = rng.normal(size=(L, B, T, 2, 2)).astype(np.float32)
-    new_v = rng.normal(size=(L, B, T, 2, 2)).astype(np.float32)
+    L, B, T, P = 3, 4, 6, 5
+    KVH, H = 3, 2
+    k = rng.normal(size=(L, B, KVH, S, H)).astype(np.float32)
+    v = rng.normal(size=(L, B, KVH, S, H)).astype(np.float32)
+    lengths = np.array([0, 3, 7, 8], np.int32) * S // 10  # rows 2, 3 overflow: dropped
+    new_k = rng.normal(size=(L, B, T, KVH, H)).astype(np.float32)
+    new_v = rng.normal(size=(L, B, T, KVH, H)).astype(np.float32)
     nodes = rng.integers(0, T, (B, P)).astype(np.int32)
-    num = np.array([5, 0, 3, 4], np.int32)  # row 3 overflows: slot 10, 11 are dropped
+    num = np.array([5, 0, 3, 4], np.int32)
     cache = KVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths))
-    out = jax.jit(commit)(cache, KVBlock(jnp.asarray(new_k), jnp.asarray(new_v)), nodes, num)
+    block = KVBlock(jnp.asarray(new_k), jnp.asarray(new_v))
+    out = jax.jit(commit, static_argnames="row_loop")(cache, block, nodes, num, row_loop=row_loop)
     want_k, want_len = reference_commit(k, lengths, new_k, nodes, num)
     want_v, _ = reference_commit(v, lengths, new_v, nodes, num)
     np.testing.assert_array_equal(np.asarray(out.k), want_k)
@@ -46,7 +51,7 @@ def test_commit_matches_numpy_loop():
 
 def test_init_cache_and_mask():
     cache = init_cache(CONFIG, batch_size=2, max_len=5, dtype=jnp.bfloat16)
-    assert cache.k.shape == (3, 2, 5, 2, 2) == cache.v.shape and cache.k.dtype == jnp.bfloat16
+    assert cache.k.shape == (3, 2, 2, 5, 2) == cache.v.shape and cache.k.dtype == jnp.bfloat16
     assert len(CACHE_AXES) == cache.k.ndim and cache.max_len == 5
     cache = KVCache(cache.k, cache.v, jnp.array([0, 3], jnp.int32))
     mask = np.asarray(cache_mask(cache, 2))
@@ -62,8 +67,8 @@ def test_commit_casts_to_cache_dtype():
     block = KVBlock(jnp.ones((3, 1, 2, 2, 2), jnp.float32), jnp.ones((3, 1, 2, 2, 2), jnp.float32))
     out = commit(cache, block, jnp.array([[1, 0]], jnp.int32), jnp.array([2], jnp.int32))
     assert out.k.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(out.k[:, 0, :2], np.float32), 1.0)
-    np.testing.assert_array_equal(np.asarray(out.k[:, 0, 2:], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(out.k[:, 0, :, :2], np.float32), 1.0)
+    np.testing.assert_array_equal(np.asarray(out.k[:, 0, :, 2:], np.float32), 0.0)
 
 
 def test_bad_arguments():

@@ -53,7 +53,7 @@ class Forward(Protocol):
     * ``mask`` bool[B, T, S+T] (the S cache slots, then the T new tokens; bool[B, T, T] without a
       cache): ``mask[b, t, j]`` lets token t see key j. Every row has a True entry. Cache slot s
       holds the token at position s, so a family with a local window can derive key positions;
-    * ``cache`` a ``KVCache`` [L, B, S, KVH, H] or None; it is only read;
+    * ``cache`` a ``KVCache`` [L, B, KVH, S, H] or None; it is only read;
     * returns float32 logits [B, T, V] and the new keys/values ``KVBlock`` [L, B, T, KVH, H],
       which the caller commits (only the accepted path) with ``kv_cache.commit``.
     """

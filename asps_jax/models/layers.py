@@ -59,11 +59,11 @@ def check_inputs(config, tokens, positions, mask, cache) -> None:
     B, T = tokens.shape
     if positions.shape != (B, T):
         raise ValueError(f"positions must have shape {(B, T)}, got {positions.shape}")
-    S = 0 if cache is None else cache.k.shape[2]
+    S = 0 if cache is None else cache.max_len
     if mask.shape != (B, T, S + T) or mask.dtype != jnp.bool_:
         raise ValueError(f"mask must be bool[{B}, {T}, {S + T}], got {mask.dtype}{mask.shape}")
     if cache is not None:
-        want = (config.num_hidden_layers, B, S, config.num_key_value_heads, config.head_dim)
+        want = (config.num_hidden_layers, B, config.num_key_value_heads, S, config.head_dim)
         if cache.k.shape != want:
             raise ValueError(f"cache.k must have shape {want}, got {cache.k.shape}")
 
@@ -85,7 +85,8 @@ def window_mask(mask_BTS: jax.Array, positions_BT: jax.Array, window: int) -> ja
 
 
 def attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v, mask_BTS, scale: float) -> jax.Array:
-    """Grouped-query attention of T new queries over the cache (may be None) and the T new keys.
+    """Grouped-query attention of T new queries over the cache (``cache_k/v [B, KVH, S, H]``, may
+    be None) and the T new keys (``[B, T, KVH, H]``).
 
     Returns ``[B, T, NH, H]`` in the dtype of ``q``. Scores and softmax in float32; masked entries
     get ``finfo.min`` (not -inf) so a fully masked row stays finite.
@@ -105,15 +106,14 @@ def attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v, mask_BTS, scale: float) 
     q_BTKGH = q_BTNH.reshape(B, T, KVH, NH // KVH, H)
     # The cache and the new tokens are attended separately and only the (small) scores are
     # concatenated: concatenating keys/values would copy the whole cache every step.
-    parts = (
-        [(k_BTKH, v_BTKH)]
-        if cache_k is None
-        else [(cache_k.astype(dtype), cache_v.astype(dtype)), (k_BTKH, v_BTKH)]
-    )
+    # (keys, values, einsum subscript): the cache [B, KVH, S, H], the new tokens [B, T, KVH, H].
+    parts = [(k_BTKH, v_BTKH, "bskh")]
+    if cache_k is not None:
+        parts.insert(0, (cache_k.astype(dtype), cache_v.astype(dtype), "bksh"))
     scores = jnp.concatenate(
         [
-            jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, keys, preferred_element_type=jnp.float32)
-            for keys, _ in parts
+            jnp.einsum(f"btkgh,{kv}->bkgts", q_BTKGH, keys, preferred_element_type=jnp.float32)
+            for keys, _, kv in parts
         ],
         axis=-1,
     )  # [B, KVH, G, T, S+T]
@@ -122,16 +122,18 @@ def attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v, mask_BTS, scale: float) 
     scores = jnp.where(mask_BTS[:, None, None] & bad_BS[:, None, None, None], jnp.nan, scores)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out, start = 0, 0
-    for keys, values in parts:
-        width = keys.shape[1]
+    for _, values, kv in parts:
+        width = values.shape[kv.index("s")]
+        # Output [B, KVH, G, T, H]: ordered like the cache's batch dims, so XLA reads the cache's
+        # values in place (a [B, T, ...] output made it transpose them on every call).
         out = out + jnp.einsum(
-            "bkgts,bskh->btkgh",
+            f"bkgts,{kv}->bkgth",
             probs[..., start : start + width],
             values,
             preferred_element_type=jnp.float32,
         )
         start += width
-    return out.astype(dtype).reshape(B, T, NH, H)
+    return jnp.moveaxis(out.astype(dtype), 3, 1).reshape(B, T, NH, H)
 
 
 def project_qkv(h_BTE: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
