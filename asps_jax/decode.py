@@ -363,8 +363,9 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
         failed_B = active_B & ~logits_ok(logits_BTV[:, 0])
         num_B = (active_B & ~failed_B).astype(jnp.int32)
     with jax.named_scope("commit"):
+        nodes_B1 = jnp.zeros((batch, 1), jnp.int32)
         t_cache = kv_cache.commit(
-            state.target_cache, new_kv, jnp.zeros((batch, 1), jnp.int32), num_B
+            state.target_cache, new_kv, nodes_B1, num_B, row_loop=dec.mesh is None
         )
         num_B, hit = _first_eos_length(next_B[:, None], num_B, sampling.eos_ids)
     with jax.named_scope("metrics"):
@@ -603,7 +604,8 @@ def _commit(dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B
     draft tokens) into the target cache; the draft replicas take chain ``chain_B``'s slots (a
     chain whose prefix is the accepted path)."""
     n, k = dec.spec.num_draft_tokens, dec.spec.num_drafts
-    t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B)
+    in_place = dec.mesh is None  # kv_cache.commit: a row loop would gather a sharded batch
+    t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=in_place)
     d_cache = drafts.cache
     if k > 1:
         d_cache = _sync_draft_replicas(d_cache, drafts.start_B, chain_B, k, n + 1)

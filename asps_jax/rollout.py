@@ -81,7 +81,7 @@ def rollout(
     def feed(cache, token_R, depth):
         logits_R1V, new_kv = scoring.score_chain(forward, params, cache, token_R[:, None], valid_R1)
         logits_R1V = sharding.constrain(logits_R1V, ("batch", None, "vocab"), mesh)
-        cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R)
+        cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R, row_loop=mesh is None)
         logprobs_RV = sampling.process(logits_R1V[:, 0], draft=True)
         ok_R = logits_ok(logits_R1V[:, 0])
         depth_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, depth)
@@ -102,7 +102,7 @@ def rollout(
     # The (n+1)-th feed only stores x_n's keys/values; its law is never used.
     logits_R1V, new_kv = scoring.score_chain(forward, params, cache, last_R[:, None], valid_R1)
     del logits_R1V
-    cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R)
+    cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R, row_loop=mesh is None)
     tokens_RD = jnp.swapaxes(tokens_DR, 0, 1)
     logprobs_RDV = jnp.swapaxes(logprobs_DRV, 0, 1)
     return cache, tokens_RD, logprobs_RDV, jnp.swapaxes(ok_DR, 0, 1)
