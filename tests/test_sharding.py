@@ -181,15 +181,15 @@ def test_state_layout_splits_rows_and_kv_heads():
         return jax.ShapeDtypeStruct(shape, np.float32)
 
     state = {
-        "target_cache": KVCache(k=sds(2, 8, 64, 2, 4), v=sds(2, 8, 64, 2, 4), lengths=sds(8)),
-        "draft_cache": KVCache(k=sds(2, 16, 64, 4, 4), v=sds(2, 16, 64, 4, 4), lengths=sds(16)),
+        "target_cache": KVCache(k=sds(2, 8, 2, 64, 4), v=sds(2, 8, 2, 64, 4), lengths=sds(8)),
+        "draft_cache": KVCache(k=sds(2, 16, 4, 64, 4), v=sds(2, 16, 4, 64, 4), lengths=sds(16)),
         "tokens": sds(8, 9),
         "odd_rows": sds(3),
     }
     shapes = sharding.sharded_shapes(state, mesh)
     specs = jax.tree.map(lambda s: s.sharding.spec, shapes)
     assert specs["target_cache"].k == P(None, "data", None, None, None)  # 2 KV heads: whole
-    assert specs["draft_cache"].v == P(None, "data", None, "model", None)
+    assert specs["draft_cache"].v == P(None, "data", "model", None, None)
     assert specs["draft_cache"].lengths == P("data") and specs["tokens"] == P("data", None)
     assert specs["odd_rows"] == P(None)
     assert shapes["tokens"].shape == (8, 9)
