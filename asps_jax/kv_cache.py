@@ -57,8 +57,19 @@ def init_cache(config, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCa
     return KVCache(k=zeros, v=zeros, lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
+# row_loop=None writes row by row when one row of the cache is at least this large: then a copy of
+# the cache costs more than a loop iteration per row (a 20,000-row batch of a tiny model's cache
+# is copied faster than it is looped over).
+ROW_LOOP_MIN_ROW_BYTES = 64 * 1024
+
+
 def commit(
-    cache: KVCache, new_kv: KVBlock, nodes: jax.Array, num: jax.Array, *, row_loop: bool = False
+    cache: KVCache,
+    new_kv: KVBlock,
+    nodes: jax.Array,
+    num: jax.Array,
+    *,
+    row_loop: bool | None = False,
 ) -> KVCache:
     """Append ``new_kv[:, b, nodes[b, j]]`` at slot ``lengths[b] + j`` for ``j < num[b]``.
 
@@ -66,12 +77,13 @@ def commit(
       nodes: int32[B, P], the accepted nodes of each row in root-path order, P the longest path
         (extra entries ignored).
       num: int32[B], how many of them to append (0 leaves the row unchanged).
-      row_loop: write row by row, each row's window of P slots with one
-        ``dynamic_update_slice``, in a loop over the B rows; otherwise one scatter for the whole
-        batch. Inside a compiled decode loop XLA:CPU updates the cache in place with the first,
-        while the scatter made it copy the whole cache on every call (llama-68m shape, 1024
-        slots: 1.9 ms of a 17 ms step). Use the scatter where the cache's batch axis is split
-        across devices (a loop over rows would gather it).
+      row_loop: True writes row by row, each row's window of P slots with one
+        ``dynamic_update_slice``, in a loop over the B rows; False, one scatter for the whole
+        batch; None, the loop when a row of the cache holds at least ``ROW_LOOP_MIN_ROW_BYTES``.
+        Inside a compiled decode loop XLA:CPU updates the cache in place with the loop, while the
+        scatter made it copy the whole cache on every call (llama-68m shape, 1024 slots: 1.9 ms
+        of a 17 ms step). Pass False where the cache's batch axis is split across devices (a loop
+        over rows would gather it).
 
     Writes that would land at or beyond ``max_len`` are dropped; the caller sizes the cache so
     that this never happens for tokens it keeps. Both ways write the same values.
@@ -88,6 +100,8 @@ def commit(
     P = nodes.shape[1]
     j = jnp.arange(P, dtype=jnp.int32)[None, :]
     lengths = cache.lengths.astype(jnp.int32)
+    if row_loop is None:
+        row_loop = cache.k[0, 0].size * cache.k.dtype.itemsize * L >= ROW_LOOP_MIN_ROW_BYTES
     if row_loop and P <= S:
         # Row b's window starts at min(lengths[b], S - P); window slot w holds path entry
         # w - offset[b] when that entry is written, else keeps its old value.

@@ -57,6 +57,7 @@ def rollout(
     """
     rows = root_R.shape[0]
     ones_R = jnp.ones((rows,), jnp.int32)
+    row_loop = None if mesh is None else False  # kv_cache.commit: no row loop on a mesh
     zeros_R1 = jnp.zeros((rows, 1), jnp.int32)
     valid_R1 = jnp.ones((rows, 1), bool)
 
@@ -81,7 +82,7 @@ def rollout(
     def feed(cache, token_R, depth):
         logits_R1V, new_kv = scoring.score_chain(forward, params, cache, token_R[:, None], valid_R1)
         logits_R1V = sharding.constrain(logits_R1V, ("batch", None, "vocab"), mesh)
-        cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R, row_loop=mesh is None)
+        cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R, row_loop=row_loop)
         logprobs_RV = sampling.process(logits_R1V[:, 0], draft=True)
         ok_R = logits_ok(logits_R1V[:, 0])
         depth_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, depth)
@@ -102,7 +103,7 @@ def rollout(
     # The (n+1)-th feed only stores x_n's keys/values; its law is never used.
     logits_R1V, new_kv = scoring.score_chain(forward, params, cache, last_R[:, None], valid_R1)
     del logits_R1V
-    cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R, row_loop=mesh is None)
+    cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R, row_loop=row_loop)
     tokens_RD = jnp.swapaxes(tokens_DR, 0, 1)
     logprobs_RDV = jnp.swapaxes(logprobs_DRV, 0, 1)
     return cache, tokens_RD, logprobs_RDV, jnp.swapaxes(ok_DR, 0, 1)

@@ -25,7 +25,7 @@ def reference_commit(k, lengths, new_k, nodes, num):
     return k, lengths + num
 
 
-@pytest.mark.parametrize("row_loop", [False, True], ids=["scatter", "row_loop"])
+@pytest.mark.parametrize("row_loop", [False, True, None], ids=["scatter", "row_loop", "auto"])
 @pytest.mark.parametrize("S", [10, 6, 4], ids=["fits", "clamped_window", "path_longer_than_cache"])
 def test_commit_matches_numpy_loop(row_loop, S):
     rng = np.random.default_rng(0)

@@ -5,10 +5,13 @@ values instead of writing them, which is what tree scoring needs (docs/design.md
 decode loop scores a whole draft tree in one call and commits only the accepted path.
 
 Layout choices:
-* layers are stacked on a leading ``L`` axis; the forward is one ``lax.scan`` (one compiled layer);
-* projections are stored ``[in, out]`` (``x @ W``) with the head axes split out, e.g.
-  ``wq [L, E, NH, H]``; HF's ``nn.Linear`` stores ``[out, in]`` and computes ``x @ W.T``, so every
-  HF projection is transposed once at load (``HF_TENSORS``, kind ``"linear"``, hf_table.py);
+* stored (checkpoints, sharding rules, ``param_shapes``): layers stacked on a leading ``L`` axis,
+  projections ``[in, out]`` (``x @ W``) with the head axes split out, e.g. ``wq [L, E, NH, H]``;
+  HF's ``nn.Linear`` stores ``[out, in]`` and computes ``x @ W.T``, so every HF projection is
+  transposed once at load (``HF_TENSORS``, kind ``"linear"``, hf_table.py). On this layout the
+  forward is one ``lax.scan`` (one compiled layer);
+* run (:func:`prepare_params`, what the decoding loop uses): per-layer weights ``[out, in]``, q/k/v
+  and gate/up fused, the layers unrolled; same logits, and the fast path on CPU;
 * RoPE in HF's split-half layout (``rope.py``), so q/k weights need no permutation.
 """
 
@@ -230,25 +233,29 @@ HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 
 
 # The run layout of one layer (``prepare_params``): every projection stored ``[out, in]`` (HF's own
-# orientation) with the products that read the same input fused into one matrix.
+# orientation) with the products that read the same input fused into one matrix. Fused rows are
+# interleaved so that splitting the rows into equal blocks (a "model" mesh axis over kv heads or
+# the MLP) gives each device whole kv groups (their q heads, k, v) and matching gate/up rows.
 RUN_LAYER_KEYS = frozenset({"attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"})
 
 
 @jax.jit
 def _run_layer(p: dict) -> dict:
-    """One layer of the stored layout (``[in, out]``, head axes split) in the run layout."""
-    E = p["wq"].shape[0]
-
-    def out_in(w):  # [E, ...] -> [out, E]
-        return w.reshape(E, -1).T
-
+    """One layer of the stored layout (``[in, out]``, head axes split) in the run layout:
+    ``wqkv [KVH * (G + 2) * H, E]`` (per kv head: its G query heads, its key, its value),
+    ``wo [E, NH * H]``, ``w_gate_up [F * 2, E]`` (the gate and up row of each unit) and
+    ``w_down [E, F]``."""
+    E, NH, H = p["wq"].shape
+    KVH = p["wk"].shape[1]
+    q = p["wq"].reshape(E, KVH, NH // KVH, H)  # query head n = kv head n // G, HF's GQA order
+    qkv = jnp.concatenate([q, p["wk"][:, :, None], p["wv"][:, :, None]], axis=2)
     return {
         "attn_norm": p["attn_norm"],
-        "wqkv": jnp.concatenate([out_in(p["wq"]), out_in(p["wk"]), out_in(p["wv"])], axis=0),
-        "wo": p["wo"].reshape(-1, E).T,  # [E, NH*H]
+        "wqkv": qkv.reshape(E, -1).T,
+        "wo": p["wo"].reshape(-1, E).T,
         "mlp_norm": p["mlp_norm"],
-        "w_gate_up": jnp.concatenate([p["w_gate"].T, p["w_up"].T], axis=0),  # [2F, E]
-        "w_down": p["w_down"].T,  # [E, F]
+        "w_gate_up": jnp.stack([p["w_gate"], p["w_up"]], axis=-1).reshape(E, -1).T,
+        "w_down": p["w_down"].T,
     }
 
 
@@ -281,17 +288,19 @@ def prepare_params(config: LlamaConfig, params: dict) -> dict:
 def _run_layer_forward(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, cos, sin, mask, scale):
     """:func:`_layer` on one layer of the run layout."""
     NH, KVH, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    G = NH // KVH
+    B, T = x_BTE.shape[:2]
     h = rms_norm(x_BTE, p["attn_norm"], c.rms_norm_eps)
-    qkv = jnp.einsum("bte,de->btd", h, p["wqkv"])
-    q, k, v = jnp.split(qkv, (NH * H, (NH + KVH) * H), axis=-1)
-    q = apply_rope(q.reshape(q.shape[:2] + (NH, H)), cos, sin)
-    k = apply_rope(k.reshape(k.shape[:2] + (KVH, H)), cos, sin)
-    v = v.reshape(v.shape[:2] + (KVH, H))
+    qkv = jnp.einsum("bte,de->btd", h, p["wqkv"]).reshape(B, T, KVH, G + 2, H)
+    q = apply_rope(qkv[:, :, :, :G].reshape(B, T, NH, H), cos, sin)
+    k = apply_rope(qkv[:, :, :, G], cos, sin)
+    v = qkv[:, :, :, G + 1]
     attn = attention(q, k, v, cache_k, cache_v, mask, scale)
-    x_BTE = x_BTE + jnp.einsum("btd,ed->bte", attn.reshape(attn.shape[:2] + (-1,)), p["wo"])
+    x_BTE = x_BTE + jnp.einsum("btd,ed->bte", attn.reshape(B, T, NH * H), p["wo"])
     h = rms_norm(x_BTE, p["mlp_norm"], c.rms_norm_eps)
-    gate, up = jnp.split(jnp.einsum("bte,fe->btf", h, p["w_gate_up"]), 2, axis=-1)
-    x_BTE = x_BTE + jnp.einsum("btf,ef->bte", jax.nn.silu(gate) * up, p["w_down"])
+    gate_up = jnp.einsum("bte,fe->btf", h, p["w_gate_up"]).reshape(B, T, -1, 2)
+    act = jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]
+    x_BTE = x_BTE + jnp.einsum("btf,ef->bte", act, p["w_down"])
     return x_BTE, (k, v)
 
 
@@ -322,7 +331,7 @@ def forward(
 
     ``params`` in the stored (stacked) layout runs the layers as one ``lax.scan``; in the run
     layout of :func:`prepare_params` the layers are unrolled over the per-layer weights (the fast
-    path: no weight is copied). Both give the same logits.
+    path: no weight is copied per call). Both give the same logits to float tolerance.
     """
     check_inputs(config, tokens, positions, mask, cache)
     c = config
