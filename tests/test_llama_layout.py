@@ -52,20 +52,18 @@ def test_prepared_layout(pair):
         c.intermediate_size,
     )
     layer, stored = p["layers"][1], {k: np.asarray(a[1]) for k, a in m.params["layers"].items()}
-    assert layer["wqkv"].shape == ((NH + 2 * KVH) * H, E)
-    assert layer["wo"].shape == (E, NH * H)
-    assert layer["w_gate_up"].shape == (2 * F, E) and layer["w_down"].shape == (E, F)
-    # [out, in], rows interleaved per kv head: its G query heads, its key, its value.
-    G = NH // KVH
-    qkv = np.asarray(layer["wqkv"]).reshape(KVH, G + 2, H, E)
-    wq = stored["wq"].reshape(E, KVH, G, H).transpose(1, 2, 3, 0)
-    np.testing.assert_array_equal(qkv[:, :G], wq)
-    np.testing.assert_array_equal(qkv[:, G], stored["wk"].transpose(1, 2, 0))
-    np.testing.assert_array_equal(qkv[:, G + 1], stored["wv"].transpose(1, 2, 0))
-    gate_up = np.asarray(layer["w_gate_up"]).reshape(F, 2, E)
-    np.testing.assert_array_equal(gate_up[:, 0], stored["w_gate"].T)
-    np.testing.assert_array_equal(gate_up[:, 1], stored["w_up"].T)
+    # [out, in] with the head axes merged: row n * H + h of wq is query head n, dimension h.
+    for name, rows in (
+        ("wq", NH * H),
+        ("wk", KVH * H),
+        ("wv", KVH * H),
+        ("w_gate", F),
+        ("w_up", F),
+    ):
+        assert layer[name].shape == (rows, E)
+        np.testing.assert_array_equal(np.asarray(layer[name]), stored[name].reshape(E, -1).T)
     np.testing.assert_array_equal(np.asarray(layer["wo"]), stored["wo"].reshape(NH * H, E).T)
+    np.testing.assert_array_equal(np.asarray(layer["w_down"]), stored["w_down"].T)
     for name in ("embed", "final_norm", "lm_head"):  # the stored arrays, not copies
         assert p.get(name) is m.params.get(name)
     assert prepare_params(m.config, p) is p  # idempotent

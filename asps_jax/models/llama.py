@@ -10,8 +10,8 @@ Layout choices:
   HF's ``nn.Linear`` stores ``[out, in]`` and computes ``x @ W.T``, so every HF projection is
   transposed once at load (``HF_TENSORS``, kind ``"linear"``, hf_table.py). On this layout the
   forward is one ``lax.scan`` (one compiled layer);
-* run (:func:`prepare_params`, what the decoding loop uses): per-layer weights ``[out, in]``, q/k/v
-  and gate/up fused, the layers unrolled; same logits, and the fast path on CPU;
+* run (:func:`prepare_params`, what the decoding loop uses): per-layer weights ``[out, in]``, the
+  layers unrolled; same logits, and the fast path on CPU;
 * RoPE in HF's split-half layout (``rope.py``), so q/k weights need no permutation.
 """
 
@@ -232,47 +232,35 @@ HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 # --- Forward ----------------------------------------------------------------------------------
 
 
-# The run layout of one layer (``prepare_params``): every projection stored ``[out, in]`` (HF's own
-# orientation) with the products that read the same input fused into one matrix. Fused rows are
-# interleaved so that splitting the rows into equal blocks (a "model" mesh axis over kv heads or
-# the MLP) gives each device whole kv groups (their q heads, k, v) and matching gate/up rows.
-RUN_LAYER_KEYS = frozenset({"attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"})
+# The run layout of one layer (``prepare_params``): every projection stored ``[out, in]``, HF's
+# own orientation, as one matrix (head axes merged).
+RUN_LAYER_KEYS = frozenset(
+    {"attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"}
+)
 
 
 @jax.jit
 def _run_layer(p: dict) -> dict:
-    """One layer of the stored layout (``[in, out]``, head axes split) in the run layout:
-    ``wqkv [KVH * (G + 2) * H, E]`` (per kv head: its G query heads, its key, its value),
-    ``wo [E, NH * H]``, ``w_gate_up [F * 2, E]`` (the gate and up row of each unit) and
-    ``w_down [E, F]``."""
-    E, NH, H = p["wq"].shape
-    KVH = p["wk"].shape[1]
-    q = p["wq"].reshape(E, KVH, NH // KVH, H)  # query head n = kv head n // G, HF's GQA order
-    qkv = jnp.concatenate([q, p["wk"][:, :, None], p["wv"][:, :, None]], axis=2)
-    return {
-        "attn_norm": p["attn_norm"],
-        "wqkv": qkv.reshape(E, -1).T,
-        "wo": p["wo"].reshape(-1, E).T,
-        "mlp_norm": p["mlp_norm"],
-        "w_gate_up": jnp.stack([p["w_gate"], p["w_up"]], axis=-1).reshape(E, -1).T,
-        "w_down": p["w_down"].T,
-    }
+    """One layer of the stored layout (``[in, out]``, head axes split) in the run layout."""
+    E = p["wq"].shape[0]
+    run = {name: p[name].reshape(E, -1).T for name in ("wq", "wk", "wv", "w_gate", "w_up")}
+    run.update(wo=p["wo"].reshape(-1, E).T, w_down=p["w_down"].T)
+    return dict(run, attn_norm=p["attn_norm"], mlp_norm=p["mlp_norm"])
 
 
 def prepare_params(config: LlamaConfig, params: dict) -> dict:
     """The run layout of ``params``: ``"layers"`` a tuple of ``L`` per-layer dicts whose
-    projections are stored ``[out, in]`` and fused (``wqkv``: q, k, v rows; ``w_gate_up``: gate,
-    up rows). The embedding, final norm and head are the stored arrays themselves (the head's
-    ``[E, V]`` reads as fast as ``[V, E]``, within 2%, at both benchmark shapes).
+    projections are stored ``[out, in]`` (e.g. ``wq [NH * H, E]``). The embedding, final norm and
+    head are the stored arrays themselves (the head's ``[E, V]`` reads as fast as ``[V, E]``,
+    within 2%, at both benchmark shapes).
 
     Made once where parameters are loaded or placed (``base.run_params``), never per forward:
     * per layer: inside a compiled forward, slicing layer ``i`` out of a stacked ``[L, ...]``
       parameter is a copy of its weights on every call (XLA cannot alias a slice of an input
       buffer), which doubled the bytes a one-token forward moves;
     * ``[out, in]``: XLA:CPU's matrix-vector product reads a ``[out, in]`` matrix (one dot
-      product per output, contiguous rows) faster than an ``[in, out]`` one, up to 1.8x for
-      ``w_down`` (scripts/bench_model.py);
-    * fused: one product per input instead of three (q, k, v) or two (gate, up).
+      product per output, contiguous rows) faster than an ``[in, out]`` one: 28 against 15.5 GB
+      per CPU second for llama-68m's ``w_down`` in a micro-benchmark on 2 cores.
 
     The logits equal those of the stored layout to float tolerance. Idempotent. The layer arrays
     are new buffers (a copy of the weights; the stored ``params`` stay valid).
@@ -287,20 +275,18 @@ def prepare_params(config: LlamaConfig, params: dict) -> dict:
 
 def _run_layer_forward(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, cos, sin, mask, scale):
     """:func:`_layer` on one layer of the run layout."""
-    NH, KVH, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    G = NH // KVH
     B, T = x_BTE.shape[:2]
+    NH, KVH, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     h = rms_norm(x_BTE, p["attn_norm"], c.rms_norm_eps)
-    qkv = jnp.einsum("bte,de->btd", h, p["wqkv"]).reshape(B, T, KVH, G + 2, H)
-    q = apply_rope(qkv[:, :, :, :G].reshape(B, T, NH, H), cos, sin)
-    k = apply_rope(qkv[:, :, :, G], cos, sin)
-    v = qkv[:, :, :, G + 1]
+    q = apply_rope(jnp.einsum("bte,de->btd", h, p["wq"]).reshape(B, T, NH, H), cos, sin)
+    k = apply_rope(jnp.einsum("bte,de->btd", h, p["wk"]).reshape(B, T, KVH, H), cos, sin)
+    v = jnp.einsum("bte,de->btd", h, p["wv"]).reshape(B, T, KVH, H)
     attn = attention(q, k, v, cache_k, cache_v, mask, scale)
     x_BTE = x_BTE + jnp.einsum("btd,ed->bte", attn.reshape(B, T, NH * H), p["wo"])
     h = rms_norm(x_BTE, p["mlp_norm"], c.rms_norm_eps)
-    gate_up = jnp.einsum("bte,fe->btf", h, p["w_gate_up"]).reshape(B, T, -1, 2)
-    act = jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]
-    x_BTE = x_BTE + jnp.einsum("btf,ef->bte", act, p["w_down"])
+    gate = jax.nn.silu(jnp.einsum("bte,fe->btf", h, p["w_gate"]))
+    up = jnp.einsum("bte,fe->btf", h, p["w_up"])
+    x_BTE = x_BTE + jnp.einsum("btf,ef->bte", gate * up, p["w_down"])
     return x_BTE, (k, v)
 
 
