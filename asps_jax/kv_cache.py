@@ -101,7 +101,7 @@ def commit(
     j = jnp.arange(P, dtype=jnp.int32)[None, :]
     lengths = cache.lengths.astype(jnp.int32)
     if row_loop is None:
-        row_loop = cache.k[0, 0].size * cache.k.dtype.itemsize * L >= ROW_LOOP_MIN_ROW_BYTES
+        row_loop = L * KVH * S * H * cache.k.dtype.itemsize >= ROW_LOOP_MIN_ROW_BYTES
     if row_loop and P <= S:
         # Row b's window starts at min(lengths[b], S - P); window slot w holds path entry
         # w - offset[b] when that entry is written, else keeps its old value.

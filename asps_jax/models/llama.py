@@ -273,35 +273,26 @@ def prepare_params(config: LlamaConfig, params: dict) -> dict:
     return {**params, "layers": per_layer}
 
 
-def _run_layer_forward(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, cos, sin, mask, scale):
-    """:func:`_layer` on one layer of the run layout."""
+def _layer(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, run, cos, sin, mask, scale):
+    """One decoder layer; ``p`` holds that layer's parameters, in the run layout (``[out, in]``
+    matrices) when ``run``, else in the stored one (``[in, out]``, head axes split)."""
     B, T = x_BTE.shape[:2]
     NH, KVH, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    h = rms_norm(x_BTE, p["attn_norm"], c.rms_norm_eps)
-    q = apply_rope(jnp.einsum("bte,de->btd", h, p["wq"]).reshape(B, T, NH, H), cos, sin)
-    k = apply_rope(jnp.einsum("bte,de->btd", h, p["wk"]).reshape(B, T, KVH, H), cos, sin)
-    v = jnp.einsum("bte,de->btd", h, p["wv"]).reshape(B, T, KVH, H)
-    attn = attention(q, k, v, cache_k, cache_v, mask, scale)
-    x_BTE = x_BTE + jnp.einsum("btd,ed->bte", attn.reshape(B, T, NH * H), p["wo"])
-    h = rms_norm(x_BTE, p["mlp_norm"], c.rms_norm_eps)
-    gate = jax.nn.silu(jnp.einsum("bte,fe->btf", h, p["w_gate"]))
-    up = jnp.einsum("bte,fe->btf", h, p["w_up"])
-    x_BTE = x_BTE + jnp.einsum("btf,ef->bte", gate * up, p["w_down"])
-    return x_BTE, (k, v)
 
+    def proj(h_BTI, name):  # [B, T, in] -> [B, T, out]
+        w = p[name]
+        if run:
+            return jnp.einsum("bti,oi->bto", h_BTI, w)
+        return jnp.einsum("bti,io->bto", h_BTI, w.reshape(h_BTI.shape[-1], -1))
 
-def _layer(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, cos, sin, mask, scale):
-    """One decoder layer of the stored layout; ``p`` holds that layer's parameters."""
     h = rms_norm(x_BTE, p["attn_norm"], c.rms_norm_eps)
-    q = apply_rope(jnp.einsum("bte,enh->btnh", h, p["wq"]), cos, sin)
-    k = apply_rope(jnp.einsum("bte,ekh->btkh", h, p["wk"]), cos, sin)
-    v = jnp.einsum("bte,ekh->btkh", h, p["wv"])
+    q = apply_rope(proj(h, "wq").reshape(B, T, NH, H), cos, sin)
+    k = apply_rope(proj(h, "wk").reshape(B, T, KVH, H), cos, sin)
+    v = proj(h, "wv").reshape(B, T, KVH, H)
     attn = attention(q, k, v, cache_k, cache_v, mask, scale)
-    x_BTE = x_BTE + jnp.einsum("btnh,nhe->bte", attn, p["wo"])
+    x_BTE = x_BTE + proj(attn.reshape(B, T, NH * H), "wo")
     h = rms_norm(x_BTE, p["mlp_norm"], c.rms_norm_eps)
-    gate = jax.nn.silu(jnp.einsum("bte,ef->btf", h, p["w_gate"]))
-    up = jnp.einsum("bte,ef->btf", h, p["w_up"])
-    x_BTE = x_BTE + jnp.einsum("btf,fe->bte", gate * up, p["w_down"])
+    x_BTE = x_BTE + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
     return x_BTE, (k, v)
 
 
@@ -336,7 +327,7 @@ def forward(
                 want = sorted(RUN_LAYER_KEYS)
                 raise ValueError(f"params layer {i} has keys {sorted(p)}; the run layout: {want}")
             kv = (None, None) if cache is None else (cache.k[i], cache.v[i])
-            x, (k, v) = _run_layer_forward(c, p, x, *kv, **kw)
+            x, (k, v) = _layer(c, p, x, *kv, run=True, **kw)
             ks.append(k)
             vs.append(v)
         new_k, new_v = jnp.stack(ks), jnp.stack(vs)
@@ -344,7 +335,7 @@ def forward(
 
         def body(x_BTE, xs):
             p, cache_k, cache_v = xs
-            return _layer(c, p, x_BTE, cache_k, cache_v, **kw)
+            return _layer(c, p, x_BTE, cache_k, cache_v, run=False, **kw)
 
         xs = (layers, None, None) if cache is None else (layers, cache.k, cache.v)
         x, (new_k, new_v) = jax.lax.scan(body, x, xs)
