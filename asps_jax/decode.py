@@ -346,12 +346,6 @@ def _first_false(ok_X, absent: int) -> jax.Array:
     return jnp.where(jnp.all(ok_X, axis=-1), absent, jnp.argmax(~ok_X, axis=-1))
 
 
-def _row_loop(dec: Decoder) -> bool | None:
-    """``kv_cache.commit``'s ``row_loop``: its own choice on one device; the batch scatter on a
-    mesh (a loop over rows would gather the cache's split batch axis)."""
-    return None if dec.mesh is None else False
-
-
 def _ar_step(dec: Decoder, target_params, sampling, state):
     forward = forward_for(dec.target_config)
     batch = state.root.shape[0]
@@ -371,7 +365,7 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
     with jax.named_scope("commit"):
         nodes_B1 = jnp.zeros((batch, 1), jnp.int32)
         t_cache = kv_cache.commit(
-            state.target_cache, new_kv, nodes_B1, num_B, row_loop=_row_loop(dec)
+            state.target_cache, new_kv, nodes_B1, num_B, row_loop=kv_cache.row_loop_for(dec.mesh)
         )
         num_B, hit = _first_eos_length(next_B[:, None], num_B, sampling.eos_ids)
     with jax.named_scope("metrics"):
@@ -610,7 +604,8 @@ def _commit(dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B
     draft tokens) into the target cache; the draft replicas take chain ``chain_B``'s slots (a
     chain whose prefix is the accepted path)."""
     n, k = dec.spec.num_draft_tokens, dec.spec.num_drafts
-    t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=_row_loop(dec))
+    row_loop = kv_cache.row_loop_for(dec.mesh)
+    t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=row_loop)
     d_cache = drafts.cache
     if k > 1:
         d_cache = _sync_draft_replicas(d_cache, drafts.start_B, chain_B, k, n + 1)

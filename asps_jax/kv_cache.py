@@ -63,6 +63,12 @@ def init_cache(config, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCa
 ROW_LOOP_MIN_ROW_BYTES = 64 * 1024
 
 
+def row_loop_for(mesh) -> bool | None:
+    """:func:`commit`'s ``row_loop`` for a decoding loop: its own choice (None) on one device, the
+    batch scatter (False) on a mesh, where a loop over rows would gather the split batch axis."""
+    return None if mesh is None else False
+
+
 def commit(
     cache: KVCache,
     new_kv: KVBlock,

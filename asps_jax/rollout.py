@@ -57,7 +57,7 @@ def rollout(
     """
     rows = root_R.shape[0]
     ones_R = jnp.ones((rows,), jnp.int32)
-    row_loop = None if mesh is None else False  # kv_cache.commit: no row loop on a mesh
+    row_loop = kv_cache.row_loop_for(mesh)
     zeros_R1 = jnp.zeros((rows, 1), jnp.int32)
     valid_R1 = jnp.ones((rows, 1), bool)
 

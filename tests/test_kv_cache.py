@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from asps_jax import kv_cache
 from asps_jax.kv_cache import CACHE_AXES, KVBlock, KVCache, cache_mask, commit, init_cache
 from asps_jax.models import LlamaConfig
 
@@ -25,7 +26,7 @@ def reference_commit(k, lengths, new_k, nodes, num):
     return k, lengths + num
 
 
-@pytest.mark.parametrize("row_loop", [False, True, None], ids=["scatter", "row_loop", "auto"])
+@pytest.mark.parametrize("row_loop", [False, True], ids=["scatter", "row_loop"])
 @pytest.mark.parametrize("S", [10, 6, 4], ids=["fits", "clamped_window", "path_longer_than_cache"])
 def test_commit_matches_numpy_loop(row_loop, S):
     rng = np.random.default_rng(0)
@@ -47,6 +48,28 @@ def test_commit_matches_numpy_loop(row_loop, S):
     np.testing.assert_array_equal(np.asarray(out.v), want_v)
     np.testing.assert_array_equal(np.asarray(out.lengths), want_len)
     assert out.lengths.dtype == jnp.int32
+
+
+def test_row_loop_none_loops_only_where_a_row_is_large(monkeypatch):
+    """``row_loop=None``: the batch scatter for a cache of small rows, the row loop (a loop of
+    dynamic updates, no scatter) once a row reaches ``ROW_LOOP_MIN_ROW_BYTES``; and
+    ``row_loop_for`` never loops on a mesh."""
+    cache = init_cache(CONFIG, 3, 8)  # a row: 3 layers * 2 heads * 8 slots * 2 dims * 4 bytes
+    block = KVBlock(jnp.ones((3, 3, 2, 2, 2)), jnp.ones((3, 3, 2, 2, 2)))
+    nodes, num = jnp.zeros((3, 2), jnp.int32), jnp.ones((3,), jnp.int32)
+
+    def program():
+        return str(jax.make_jaxpr(lambda c: commit(c, block, nodes, num, row_loop=None))(cache))
+
+    def loops(jaxpr):  # fori_loop with a static trip count traces as a scan
+        return "scan" in jaxpr or "while" in jaxpr
+
+    small = program()
+    assert "scatter" in small and not loops(small)
+    monkeypatch.setattr(kv_cache, "ROW_LOOP_MIN_ROW_BYTES", 3 * 2 * 8 * 2 * 4)
+    large = program()
+    assert loops(large) and "scatter" not in large
+    assert kv_cache.row_loop_for(None) is None and kv_cache.row_loop_for(object()) is False
 
 
 def test_init_cache_and_mask():
