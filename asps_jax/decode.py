@@ -50,7 +50,7 @@ from asps_jax.models import forward_for
 from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
 from asps_jax.verify import Verdict, verify_chain, verify_drafts, verify_tree
-from asps_jax.verify.acceptance import optimal_acceptance
+from asps_jax.verify.acceptance import identical_drafts_acceptance
 from asps_jax.verify.api import CHAIN_METHODS, TREE_METHODS
 from asps_jax.verify.tree import LevelRaceRule
 
@@ -622,8 +622,9 @@ def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, root_lp_BV) -> jax.Ar
         return jnp.exp(jax.nn.logsumexp(overlap_BV, axis=-1))
     if not dec.diagnostics:
         return jnp.full(drafts.start_B.shape, jnp.nan, jnp.float32)
-    root_chains = np.unique(dec.spec.layout.first_chain[dec.spec.token_tree.depth == 1])
-    return optimal_acceptance(root_lp_BV, drafts.logprobs_BKDV[:, root_chains, 0])
+    # Every root child is drawn from the one draft law at the root (chain 0's).
+    num_root_children = np.unique(dec.spec.layout.first_chain[dec.spec.token_tree.depth == 1]).size
+    return identical_drafts_acceptance(root_lp_BV, drafts.logprobs_BKDV[:, 0, 0], num_root_children)
 
 
 def _emitted_logprobs(path_lp_BTV, verdict: Verdict) -> jax.Array:

@@ -24,7 +24,11 @@ from scipy import stats
 import asps_jax
 from asps_jax import draws as draws_mod
 from asps_jax.verify import api, multi, registry, tokenlevel
-from asps_jax.verify.acceptance import optimal_acceptance, sorted_prefix_acceptance
+from asps_jax.verify.acceptance import (
+    identical_drafts_acceptance,
+    optimal_acceptance,
+    sorted_prefix_acceptance,
+)
 
 
 def _models(seed, num_drafts, vocab, n, identical, sparse=0.0):
@@ -267,6 +271,12 @@ def test_optimal_acceptance_matches_lp_and_brute_force(num_drafts):
             assert value == pytest.approx(ot_lp_optimum(p, list(qs)), abs=1e-9)
 
 
+def _identical64(p, q, num_drafts):
+    with jax.enable_x64(True):
+        lp, lq = jnp.log(jnp.asarray(p)), jnp.log(jnp.asarray(q))
+        return float(jax.jit(identical_drafts_acceptance, static_argnums=2)(lp, lq, num_drafts))
+
+
 def test_sorted_prefix_is_exact_for_identical_drafts():
     """The O(V log V) prefix form against all 2^V subsets (V = 12), and vs HiGHS at V = 40."""
     from multidraft_reference import pairwise_lp_optimum
@@ -281,15 +291,25 @@ def test_sorted_prefix_is_exact_for_identical_drafts():
             args = (jnp.log(jnp.asarray(p)), jnp.log(jnp.asarray(qs)))
             value = float(jax.jit(sorted_prefix_acceptance)(*args))
         assert value == pytest.approx(brute_force_acceptance(p, list(qs)), abs=1e-12)
+        assert _identical64(p, q, num_drafts) == pytest.approx(value, abs=1e-12)
     p, q = rng.dirichlet(np.ones(40)), rng.dirichlet(np.ones(40))
     coupling = np.outer(q, q) * (1 - np.eye(40))
     expected = pairwise_lp_optimum(p, q * q + coupling.sum(0), coupling)
     assert _optimal_acceptance64(p, np.stack([q, q])) == pytest.approx(expected, abs=1e-9)
+    assert _identical64(p, q, 2) == pytest.approx(expected, abs=1e-9)
+    assert _identical64(p, q, 1) == pytest.approx(np.minimum(p, q).sum(), abs=1e-12)
     # Batched leading axes, float32.
     uniform = jnp.full((2, 3, 2, 40), 1 / 40)
     batch = _optimal_acceptance(jnp.log(uniform[:, :, 0]), jnp.log(uniform))
     assert batch.shape == (2, 3)
     np.testing.assert_allclose(np.asarray(batch), 1.0, atol=1e-6)
+    batch = identical_drafts_acceptance(jnp.log(uniform[:, :, 0]), jnp.log(uniform[:, :, 1]), 3)
+    assert batch.shape == (2, 3)
+    np.testing.assert_allclose(np.asarray(batch), 1.0, atol=1e-6)
+    with pytest.raises(ValueError, match="shape of target_logprobs"):
+        identical_drafts_acceptance(jnp.zeros((2, 5)), jnp.zeros((2, 4)), 2)
+    with pytest.raises(ValueError, match="num_drafts must be >= 1"):
+        identical_drafts_acceptance(jnp.zeros(5), jnp.zeros(5), 0)
 
 
 def test_acceptance_ordering_on_random_nodes(capsys):

@@ -54,6 +54,41 @@ def sorted_prefix_acceptance(target_logprobs: jax.Array, draft_logprobs: jax.Arr
     return 1.0 + jnp.min(mins)
 
 
+def identical_drafts_acceptance(
+    target_logprobs: jax.Array, draft_logprobs: jax.Array, num_drafts: int
+) -> jax.Array:
+    """:func:`optimal_acceptance` for ``num_drafts`` independent drafts that share one law.
+
+    Args:
+      target_logprobs: [..., V] log p.
+      draft_logprobs: [..., V] log q, the law of every draft.
+      num_drafts: K >= 1.
+
+    Returns:
+      [...] ``1 + min_S [p(S) - q(S)^K]``, exact at every V: the minimising S is a prefix of the
+      tokens sorted by ``p / q``, so one sort per law is all it takes (``optimal_acceptance`` on
+      K copies of q sorts K + 1 times, and also tries every subset when ``V <= 12``).
+    """
+    target_logprobs = jnp.asarray(target_logprobs)
+    draft_logprobs = jnp.asarray(draft_logprobs)
+    if draft_logprobs.shape != target_logprobs.shape:
+        raise ValueError(
+            "identical_drafts_acceptance: draft_logprobs must have the shape of target_logprobs "
+            f"{target_logprobs.shape}, got {draft_logprobs.shape}"
+        )
+    if num_drafts < 1:
+        raise ValueError(f"identical_drafts_acceptance: num_drafts must be >= 1, got {num_drafts}")
+
+    def one(lp, lq):
+        order = jnp.argsort(_log_ratio(lp, lq))
+        vals = jnp.cumsum(jnp.exp(lp[order])) - jnp.cumsum(jnp.exp(lq[order])) ** num_drafts
+        return 1.0 + jnp.minimum(jnp.min(vals), 0.0)
+
+    vocab = target_logprobs.shape[-1]
+    lp, lq = target_logprobs.reshape((-1, vocab)), draft_logprobs.reshape((-1, vocab))
+    return jax.vmap(one)(lp, lq).reshape(target_logprobs.shape[:-1])
+
+
 def _brute_force(p, q) -> jax.Array:
     vocab = p.shape[-1]
     subsets = jnp.asarray(
