@@ -11,11 +11,13 @@ scripts' ``--no-compile-cache`` flag) turns it off.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
 ENV_DIR = "ASPS_JAX_CACHE_DIR"
 ENV_OFF = "ASPS_JAX_NO_CACHE"
+MAX_BYTES = 4 << 30  # past this size the least recently used programs are dropped
 
 
 def default_dir() -> Path:
@@ -52,4 +54,8 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if importlib.util.find_spec("filelock") is not None:
+        # A bounded cache is an LRU one that holds a file lock around every read and write: two
+        # runs sharing the directory never read an entry the other is still writing.
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return directory
