@@ -249,6 +249,14 @@ def _prefill_cache(forward, params, cache, prompts_BP, num_B):
     return kv_cache.commit(cache, new_kv, nodes_BP, num_B)
 
 
+def _per_layer_cache(params) -> bool:
+    """Parameters whose layers are separate arrays (a run layout, e.g. Llama's
+    ``prepare_params``) run the layers one by one; their cache is then one buffer per layer, read
+    in place (a layer of a stacked cache is a copy per forward: 0.5b shape, 1024 slots, 189 ->
+    135 ms CPU per one-token forward)."""
+    return isinstance(params, dict) and isinstance(params.get("layers"), (tuple, list))
+
+
 def _prefill(dec: Decoder, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B):
     spec = dec.spec
     batch = prompts_BP.shape[0]
@@ -256,7 +264,9 @@ def _prefill(dec: Decoder, target_params, draft_params, prompts_BP, prompt_lengt
     prompt_lengths_B = prompt_lengths_B.astype(jnp.int32)
     committed_B = jnp.maximum(prompt_lengths_B - 1, 0)
     t_dtype = jax.tree.leaves(target_params)[0].dtype
-    t_cache = kv_cache.init_cache(dec.target_config, batch, dec.cache_len, t_dtype)
+    t_cache = kv_cache.init_cache(
+        dec.target_config, batch, dec.cache_len, t_dtype, per_layer=_per_layer_cache(target_params)
+    )
     t_cache = _prefill_cache(
         forward_for(dec.target_config), target_params, t_cache, prompts_BP, committed_B
     )
@@ -264,7 +274,13 @@ def _prefill(dec: Decoder, target_params, draft_params, prompts_BP, prompt_lengt
     if spec.uses_draft:
         k = spec.num_drafts
         d_dtype = jax.tree.leaves(draft_params)[0].dtype
-        d_cache = kv_cache.init_cache(dec.draft_config, batch * k, dec.cache_len, d_dtype)
+        d_cache = kv_cache.init_cache(
+            dec.draft_config,
+            batch * k,
+            dec.cache_len,
+            d_dtype,
+            per_layer=_per_layer_cache(draft_params),
+        )
         d_cache = _prefill_cache(
             forward_for(dec.draft_config),
             draft_params,
@@ -398,7 +414,8 @@ def _sync_draft_replicas(cache: kv_cache.KVCache, start_B, winner_B, num_drafts:
         a_LBKS = jax.vmap(per_row, in_axes=(1, 0, 0), out_axes=1)(a_LBKS, start_B, winner_B)
         return a_LBKS.reshape(a.shape)
 
-    return dataclasses.replace(cache, k=sync(cache.k), v=sync(cache.v))
+    k, v = (kv_cache.map_layers(sync, a) for a in (cache.k, cache.v))
+    return dataclasses.replace(cache, k=k, v=v)
 
 
 def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:

@@ -22,13 +22,52 @@ CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: jax.Array  # [L, B, KVH, S, H], keys after RoPE
-    v: jax.Array  # [L, B, KVH, S, H]
+    """Keys (after RoPE) and values, stacked ``[L, B, KVH, S, H]`` or per layer: a tuple of ``L``
+    arrays ``[B, KVH, S, H]`` (``init_cache(per_layer=True)``). Inside a compiled forward that
+    runs its layers one by one, layer ``i`` of a stacked cache is a copy of it on every call (XLA
+    cannot alias a slice of a buffer); separate buffers are read in place (``docs/design.md``).
+    """
+
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
     lengths: jax.Array  # int32[B], number of valid slots per row
 
     @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """``(L, B, KVH, S, H)`` either way."""
+        return layers_shape(self.k)
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    @property
     def max_len(self) -> int:
-        return int(self.k.shape[3])
+        return int(self.shape[3])
+
+    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+        """Layer ``i``'s ``(k, v)``, each ``[B, KVH, S, H]``."""
+        return self.k[i], self.v[i]
+
+    def stacked(self) -> tuple[jax.Array, jax.Array]:
+        """``(k, v)`` stacked ``[L, B, KVH, S, H]`` (a copy when per layer), for a ``lax.scan``
+        over the layers."""
+        if self.per_layer:
+            return jnp.stack(self.k), jnp.stack(self.v)
+        return self.k, self.v
+
+
+def layers_shape(a) -> tuple[int, ...]:
+    """The ``[L, ...]`` shape of a stacked array or of a tuple of ``L`` per-layer arrays."""
+    return (len(a), *a[0].shape) if isinstance(a, tuple) else tuple(a.shape)
+
+
+def map_layers(fn, a):
+    """``fn`` of an ``[L, ...]`` array, applied to a stacked array as a whole or to each array of
+    a per-layer tuple as ``[1, ...]`` (a reshape, not a copy)."""
+    if isinstance(a, tuple):
+        return tuple(fn(x[None])[0] for x in a)
+    return fn(a)
 
 
 @jax.tree_util.register_dataclass
@@ -40,21 +79,21 @@ class KVBlock:
     v: jax.Array  # [L, B, T, KVH, H]
 
 
-def init_cache(config, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache of ``max_len`` slots per row."""
+def init_cache(
+    config, batch_size: int, max_len: int, dtype=jnp.float32, *, per_layer: bool = False
+) -> KVCache:
+    """An empty cache of ``max_len`` slots per row; ``per_layer``: one buffer per layer."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
-    shape = (
-        config.num_hidden_layers,
-        batch_size,
-        config.num_key_value_heads,
-        max_len,
-        config.head_dim,
-    )
-    zeros = jnp.zeros(shape, dtype)
-    return KVCache(k=zeros, v=zeros, lengths=jnp.zeros((batch_size,), jnp.int32))
+    shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+    lengths = jnp.zeros((batch_size,), jnp.int32)
+    if per_layer:
+        layers = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+        return KVCache(k=layers, v=tuple(jnp.zeros(shape, dtype) for _ in layers), lengths=lengths)
+    zeros = jnp.zeros((config.num_hidden_layers, *shape), dtype)
+    return KVCache(k=zeros, v=zeros, lengths=lengths)
 
 
 # row_loop=None writes row by row when one row of the cache is at least this large: then a copy of
@@ -94,7 +133,7 @@ def commit(
     Writes that would land at or beyond ``max_len`` are dropped; the caller sizes the cache so
     that this never happens for tokens it keeps. Both ways write the same values.
     """
-    L, B, KVH, S, H = cache.k.shape
+    L, B, KVH, S, H = cache.shape
     if new_kv.k.shape[:2] != (L, B) or new_kv.k.shape[3:] != (KVH, H):
         raise ValueError(
             f"new_kv.k must have shape [{L}, {B}, T, {KVH}, {H}], got {new_kv.k.shape}"
@@ -107,7 +146,8 @@ def commit(
     j = jnp.arange(P, dtype=jnp.int32)[None, :]
     lengths = cache.lengths.astype(jnp.int32)
     if row_loop is None:
-        row_loop = L * KVH * S * H * cache.k.dtype.itemsize >= ROW_LOOP_MIN_ROW_BYTES
+        dtype = jax.tree.leaves(cache.k)[0].dtype
+        row_loop = L * KVH * S * H * dtype.itemsize >= ROW_LOOP_MIN_ROW_BYTES
     if row_loop and P <= S:
         # Row b's window starts at min(lengths[b], S - P); window slot w holds path entry
         # w - offset[b] when that entry is written, else keeps its old value.
@@ -116,12 +156,12 @@ def commit(
         keep_BP = (src_BP >= 0) & (src_BP < num[:, None])
         nodes = jnp.take_along_axis(nodes, jnp.clip(src_BP, 0, P - 1), axis=1)
 
-        def write(cache_a, block_a):  # [L, B, KVH, S, H] <- [L, B, T, KVH, H]
-            picked = _picked(block_a, nodes, cache_a.dtype)  # [L, B, KVH, P, H]
+        def write(cache_a, block_a):  # [L', B, KVH, S, H] <- [L', B, T, KVH, H]
+            picked = _picked(block_a, nodes, cache_a.dtype)  # [L', B, KVH, P, H]
 
             def row(b, cache_a):
                 at = (0, b, 0, start_B[b], 0)
-                old = jax.lax.dynamic_slice(cache_a, at, (L, 1, KVH, P, H))
+                old = jax.lax.dynamic_slice(cache_a, at, (cache_a.shape[0], 1, KVH, P, H))
                 new = jax.lax.dynamic_slice_in_dim(picked, b, 1, axis=1)
                 window = jnp.where(keep_BP[b][None, None, None, :, None], new, old)
                 return jax.lax.dynamic_update_slice(cache_a, window, at)
@@ -132,15 +172,20 @@ def commit(
         # Slot S is out of range: with mode="drop" the unaccepted entries write nowhere.
         slots_BP = jnp.where(j < num[:, None], lengths[:, None] + j, S)
 
-        def write(cache_a, block_a):  # [L, B, KVH, S, H] <- [L, B, T, KVH, H]
+        def write(cache_a, block_a):  # [L', B, KVH, S, H] <- [L', B, T, KVH, H]
             picked = _picked(block_a, nodes, cache_a.dtype)
             rows, heads = jnp.arange(B)[:, None, None], jnp.arange(KVH)[None, :, None]
             # Scattered at (b, every head, slots[b, j]) for every layer at once.
             return cache_a.at[:, rows, heads, slots_BP[:, None, :]].set(picked, mode="drop")
 
+    def write_all(cache_a, block_a):  # a per-layer cache: each layer its own write
+        if isinstance(cache_a, tuple):
+            return tuple(write(c[None], block_a[i : i + 1])[0] for i, c in enumerate(cache_a))
+        return write(cache_a, block_a)
+
     return KVCache(
-        k=write(cache.k, new_kv.k),
-        v=write(cache.v, new_kv.v),
+        k=write_all(cache.k, new_kv.k),
+        v=write_all(cache.v, new_kv.v),
         lengths=lengths + num.astype(jnp.int32),
     )
 

@@ -290,7 +290,10 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):
 
     def place(x):
         if isinstance(x, KVCache):
-            kv = NamedSharding(mesh, rules.partition_spec(CACHE_AXES, x.k.shape, mesh_shape))
+            kv = NamedSharding(mesh, rules.partition_spec(CACHE_AXES, x.shape, mesh_shape))
+            if x.per_layer:  # each layer's buffer as the stacked cache's slice
+                kv = NamedSharding(mesh, P(*kv.spec[1:]))
+                kv = (kv,) * x.shape[0]
             return KVCache(k=kv, v=kv, lengths=rows(x.lengths))
         return rows(x)
 

@@ -105,7 +105,7 @@ def _times(fn, repeats: int) -> tuple[list[float], list[float]]:
 def forward_seconds(model, cache_len: int, repeats: int, tokens: int = 1) -> tuple[float, float]:
     """Median (CPU, wall) seconds of a forward of ``tokens`` chained tokens (the target call of an
     SpS step scores n + 1) against ``cache_len - 8`` cached slots."""
-    cache = init_cache(model.config, 1, cache_len)
+    cache = init_cache(model.config, 1, cache_len, per_layer=True)  # as the decoding loop's
     cache = dataclasses.replace(cache, lengths=jnp.full_like(cache.lengths, cache_len - 8))
     fwd, params = model.forward, run_params(model)
     step = jax.jit(lambda p, c, t: score_chain(fwd, p, c, t, jnp.ones(t.shape, bool))[0])

@@ -116,7 +116,7 @@ def _ours(model, tokens: np.ndarray, repeats: int) -> dict[str, tuple[float, flo
     fwd = model.forward
     params = run_params(model)
     tree = build_chain_tree(1, 8)
-    cache0 = init_cache(model.config, B, P + 16, jnp.float32)
+    cache0 = init_cache(model.config, B, P + 16, jnp.float32, per_layer=True)  # as decode's
 
     @jax.jit
     def prefill(params, cache, toks):

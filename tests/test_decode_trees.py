@@ -74,6 +74,8 @@ def test_merged_tree_scores_fewer_nodes_and_gives_the_same_tokens(pair, method):
     assert merged_decoder.merge_tree
     every_slot = dataclasses.replace(merged_decoder, merge_tree=False)
     merged_state = merged_decoder.generate(**args)
+    # Llama's run layout unrolls the layers; the loop then keeps one cache buffer per layer.
+    assert merged_state.target_cache.per_layer and merged_state.draft_cache.per_layer
     merged = sampler.summarize_stats(merged_state, batch)
     merged_tokens = np.asarray(merged_state.tokens)
     full_state = every_slot.generate(**args)

@@ -26,9 +26,14 @@ def reference_commit(k, lengths, new_k, nodes, num):
     return k, lengths + num
 
 
+def _per_layer(cache: KVCache) -> KVCache:
+    return KVCache(tuple(cache.k), tuple(cache.v), cache.lengths)
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked", "per_layer"])
 @pytest.mark.parametrize("row_loop", [False, True], ids=["scatter", "row_loop"])
 @pytest.mark.parametrize("S", [10, 6, 4], ids=["fits", "clamped_window", "path_longer_than_cache"])
-def test_commit_matches_numpy_loop(row_loop, S):
+def test_commit_matches_numpy_loop(row_loop, S, per_layer):
     rng = np.random.default_rng(0)
     L, B, T, P = 3, 4, 6, 5
     KVH, H = 3, 2
@@ -40,12 +45,15 @@ def test_commit_matches_numpy_loop(row_loop, S):
     nodes = rng.integers(0, T, (B, P)).astype(np.int32)
     num = np.array([5, 0, 3, 4], np.int32)
     cache = KVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths))
+    if per_layer:
+        cache = _per_layer(cache)
     block = KVBlock(jnp.asarray(new_k), jnp.asarray(new_v))
     out = jax.jit(commit, static_argnames="row_loop")(cache, block, nodes, num, row_loop=row_loop)
+    assert out.per_layer == per_layer and out.shape == (L, B, KVH, S, H)
     want_k, want_len = reference_commit(k, lengths, new_k, nodes, num)
     want_v, _ = reference_commit(v, lengths, new_v, nodes, num)
-    np.testing.assert_array_equal(np.asarray(out.k), want_k)
-    np.testing.assert_array_equal(np.asarray(out.v), want_v)
+    np.testing.assert_array_equal(np.asarray(out.stacked()[0]), want_k)
+    np.testing.assert_array_equal(np.asarray(out.stacked()[1]), want_v)
     np.testing.assert_array_equal(np.asarray(out.lengths), want_len)
     assert out.lengths.dtype == jnp.int32
 
@@ -83,6 +91,11 @@ def test_init_cache_and_mask():
     np.testing.assert_array_equal(mask[1], [[True, True, True, False, False]] * 2)
     leaves = jax.tree.leaves(cache)  # a pytree: usable as a jit argument / donated state
     assert len(leaves) == 3
+    layered = init_cache(CONFIG, batch_size=2, max_len=5, dtype=jnp.bfloat16, per_layer=True)
+    assert layered.per_layer and len(layered.k) == 3 and len(jax.tree.leaves(layered)) == 7
+    assert layered.shape == cache.shape and layered.max_len == 5
+    assert layered.k[0].shape == (2, 2, 5, 2) and layered.k[0].dtype == jnp.bfloat16
+    assert layered.layer(1)[0] is layered.k[1] and layered.stacked()[0].shape == cache.k.shape
 
 
 def test_commit_casts_to_cache_dtype():

@@ -70,14 +70,17 @@ def test_prepared_layout(pair):
     assert run_params(m) is run_params(m)  # made once per model
 
 
-def test_prefill_then_decode_matches_transformers(pair):
-    """Prefill 5 tokens, then 3 one-token steps, on the run layout == HF full-sequence logits."""
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked_cache", "per_layer_cache"])
+@pytest.mark.parametrize("layout", ["run", "stored"])
+def test_prefill_then_decode_matches_transformers(pair, layout, per_layer):
+    """Prefill 5 tokens, then 3 one-token steps == HF full-sequence logits, for either parameter
+    layout and either cache layout (the decode loop pairs the run layout with a per-layer cache)."""
     hf, m = pair
     B, T, P = 2, 8, 5
     tokens = np.random.default_rng(4).integers(0, V, (B, T)).astype(np.int32)
     with torch.no_grad():
         expected = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
-    params = prepare_params(m.config, m.params)
+    params = prepare_params(m.config, m.params) if layout == "run" else m.params
 
     @jax.jit
     def run(params, cache, chunk, start):
@@ -90,13 +93,14 @@ def test_prefill_then_decode_matches_transformers(pair):
         nodes = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (B, t))
         return logits, commit(cache, kv, nodes, jnp.full((B,), t, jnp.int32))
 
-    cache = init_cache(m.config, B, T, jnp.float32)
+    cache = init_cache(m.config, B, T, jnp.float32, per_layer=per_layer)
     logits, cache = run(params, cache, jnp.asarray(tokens[:, :P]), 0)
     got = [np.asarray(logits)]
     for i in range(P, T):
         logits, cache = run(params, cache, jnp.asarray(tokens[:, i : i + 1]), i)
         got.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(got, axis=1), expected, atol=1e-4, rtol=1e-4)
+    assert cache.per_layer == per_layer
 
 
 def test_wrong_layer_count_is_a_clear_error(pair):

@@ -217,7 +217,7 @@ def forward(
 
     x = params["embed"][tokens]
     x = x + lookup(params["positions"], positions).astype(x.dtype)
-    caches = (None, None) if cache is None else (cache.k, cache.v)
+    caches = (None, None) if cache is None else cache.stacked()
     xs = (params["layers"], jnp.asarray(layer_scale), *caches)
     x, (new_k, new_v) = jax.lax.scan(layer, x, xs)
     x = layer_norm(x, params["final_norm"], params["final_norm_b"], eps)

@@ -232,7 +232,7 @@ def forward(
 
     x = params["embed"][tokens]
     x = x + lookup(params["positions"], positions).astype(x.dtype)
-    caches = (None, None) if cache is None else (cache.k, cache.v)
+    caches = (None, None) if cache is None else cache.stacked()
     x, (new_k, new_v) = jax.lax.scan(layer, x, (params["layers"], local_L, *caches))
     x = layer_norm(x, params["final_norm"], params["final_norm_b"], eps)
     return output_logits(x, params, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)

@@ -64,8 +64,8 @@ def check_inputs(config, tokens, positions, mask, cache) -> None:
         raise ValueError(f"mask must be bool[{B}, {T}, {S + T}], got {mask.dtype}{mask.shape}")
     if cache is not None:
         want = (config.num_hidden_layers, B, config.num_key_value_heads, S, config.head_dim)
-        if cache.k.shape != want:
-            raise ValueError(f"cache.k must have shape {want}, got {cache.k.shape}")
+        if cache.shape != want:
+            raise ValueError(f"cache.k must have shape {want}, got {cache.shape}")
 
 
 def window_mask(mask_BTS: jax.Array, positions_BT: jax.Array, window: int) -> jax.Array:

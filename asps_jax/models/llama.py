@@ -326,7 +326,7 @@ def forward(
             if set(p) != RUN_LAYER_KEYS:
                 want = sorted(RUN_LAYER_KEYS)
                 raise ValueError(f"params layer {i} has keys {sorted(p)}; the run layout: {want}")
-            kv = (None, None) if cache is None else (cache.k[i], cache.v[i])
+            kv = (None, None) if cache is None else cache.layer(i)
             x, (k, v) = _layer(c, p, x, *kv, run=True, **kw)
             ks.append(k)
             vs.append(v)
@@ -337,7 +337,7 @@ def forward(
             p, cache_k, cache_v = xs
             return _layer(c, p, x_BTE, cache_k, cache_v, run=False, **kw)
 
-        xs = (layers, None, None) if cache is None else (layers, cache.k, cache.v)
+        xs = (layers, None, None) if cache is None else (layers, *cache.stacked())
         x, (new_k, new_v) = jax.lax.scan(body, x, xs)
     x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
     return output_logits(x, params, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)

@@ -255,7 +255,7 @@ def forward(
     if c.projected:
         x = jnp.einsum("btp,pe->bte", x, params["project_in"])
     x = x + lookup(params["positions"], positions + POSITION_OFFSET).astype(x.dtype)
-    xs = (params["layers"], None, None) if cache is None else (params["layers"], cache.k, cache.v)
+    xs = (params["layers"], None, None) if cache is None else (params["layers"], *cache.stacked())
     x, (new_k, new_v) = jax.lax.scan(layer, x, xs)
     if c.final_layer_norm:
         x = layer_norm(x, params["final_norm"], params["final_norm_b"], LAYER_NORM_EPS)
