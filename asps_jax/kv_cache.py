@@ -35,7 +35,7 @@ class KVCache:
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
         """``(L, B, KVH, S, H)`` either way."""
-        return layers_shape(self.k)
+        return (len(self.k), *self.k[0].shape) if self.per_layer else tuple(self.k.shape)
 
     @property
     def per_layer(self) -> bool:
@@ -57,17 +57,14 @@ class KVCache:
         return self.k, self.v
 
 
-def layers_shape(a) -> tuple[int, ...]:
-    """The ``[L, ...]`` shape of a stacked array or of a tuple of ``L`` per-layer arrays."""
-    return (len(a), *a[0].shape) if isinstance(a, tuple) else tuple(a.shape)
-
-
-def map_layers(fn, a):
-    """``fn`` of an ``[L, ...]`` array, applied to a stacked array as a whole or to each array of
-    a per-layer tuple as ``[1, ...]`` (a reshape, not a copy)."""
+def map_layers(fn, a, *stacked):
+    """``fn(a, *stacked)`` for an ``[L, ...]`` cache array ``a`` and ``[L, ...]`` arrays
+    ``stacked``: on a stacked ``a`` as a whole; on a per-layer tuple layer by layer, each layer
+    as ``[1, ...]`` (a reshape, not a copy) with the matching ``[1, ...]`` slices of ``stacked``.
+    """
     if isinstance(a, tuple):
-        return tuple(fn(x[None])[0] for x in a)
-    return fn(a)
+        return tuple(fn(x[None], *(s[i : i + 1] for s in stacked))[0] for i, x in enumerate(a))
+    return fn(a, *stacked)
 
 
 @jax.tree_util.register_dataclass
@@ -178,14 +175,9 @@ def commit(
             # Scattered at (b, every head, slots[b, j]) for every layer at once.
             return cache_a.at[:, rows, heads, slots_BP[:, None, :]].set(picked, mode="drop")
 
-    def write_all(cache_a, block_a):  # a per-layer cache: each layer its own write
-        if isinstance(cache_a, tuple):
-            return tuple(write(c[None], block_a[i : i + 1])[0] for i, c in enumerate(cache_a))
-        return write(cache_a, block_a)
-
     return KVCache(
-        k=write_all(cache.k, new_kv.k),
-        v=write_all(cache.v, new_kv.v),
+        k=map_layers(write, cache.k, new_kv.k),
+        v=map_layers(write, cache.v, new_kv.v),
         lengths=lengths + num.astype(jnp.int32),
     )
 
