@@ -547,6 +547,13 @@ def test_same_key_same_verdict_and_merged_path():
         ({"method": "is_bv", "rule": 3}, "rule must be one of"),
         ({"method": "is_bv", "alive": "count", "rule": "level_race"}, "needs rule='fixed_order'"),
         ({"method": "is_bv", "alive": "count", "tree": trees.TokenTree((-1, 0, 0, 1, 1))}, "same"),
+        # As verify_chain / verify_drafts: ids are integers in [0, V), laws floating point (these
+        # used to be accepted; -3 and 100 were emitted).
+        ({"node_tokens": jnp.array([0.0, 1, 2, 1, 0])}, "node_tokens must be integer ids"),
+        ({"draft_logprobs": jnp.zeros((5, 3), jnp.int32)}, "draft_logprobs must be floating"),
+        ({"target_logprobs": jnp.zeros((5, 3), jnp.int32)}, "target_logprobs must be floating"),
+        ({"node_tokens": jnp.array([0, 1, -3, 1, 1])}, r"must lie in \[0, V=3\), got -3"),
+        ({"node_tokens": jnp.array([0, 1, 2, 100, 1])}, r"must lie in \[0, V=3\), got 100"),
     ],
 )
 def test_bad_input(kwargs, match):
@@ -557,8 +564,43 @@ def test_bad_input(kwargs, match):
         "target_logprobs": jnp.zeros((5, 3)),
         **kwargs,
     }
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         verify_tree(jax.random.key(0), **args)
+    assert "\n" not in str(info.value)
+
+
+def test_traced_out_of_range_ids_end_their_branch():
+    """Under jit (ids traced, so not checked), a slot whose id lies outside [0, V) or has draft
+    probability 0 ends its branch, as the chain verifiers end a chain: the verdicts are those of
+    the same tree with that slot and its subtree marked invalid, key for key, and no id outside
+    [0, V) is ever emitted (they used to be: [-3, 1, 1] and [100, 2, 1] for V = 6)."""
+    vocab, size = 6, 64
+    tree = trees.chains_token_tree(3, 2)  # slots 1-2, 3-4, 5-6: chains 0, 1, 2
+    lq = np.log(np.full((7, vocab), 1.0 / vocab))
+    lq[6, 5] = -np.inf  # chain 2's second token has draft probability 0
+    lp = np.log(np.random.default_rng(0).dirichlet(np.ones(vocab), 7))
+    hostile = jnp.array([0, -3, 1, 4, 100, 2, 5], jnp.int32)
+    clean = jnp.array([0, 0, 1, 4, 0, 2, 0], jnp.int32)
+    cut = jnp.array([True, False, False, True, False, True, False])
+    keys = jax.random.split(jax.random.key(1), size)
+
+    def run(tokens, valid):
+        fn = jax.vmap(
+            lambda k: {
+                m: verify_tree(k, tree, tokens, lq, lp, valid, method=m) for m in vt.TREE_METHODS
+            }
+        )
+        return fn(keys)
+
+    run = jax.jit(run, compiler_options=_FAST_COMPILE)
+    got = jax.tree.map(np.asarray, run(hostile, jnp.ones(7, bool)))
+    want = jax.tree.map(np.asarray, run(clean, cut))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    for verdict in got.values():
+        emitted = verdict.tokens[verdict.tokens >= 0]
+        assert (emitted < vocab).all() and (verdict.tokens >= -1).all()
+        assert (verdict.num_tokens <= 2).all()  # the root, then at most slot 3 or 5
+        assert np.isin(verdict.path, [-1, 0, 3, 5]).all()
 
 
 def test_race_fits_only_where_a_row_needs_them_with_the_same_verdicts():

@@ -90,26 +90,30 @@ def _concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _check_dtypes(draft_tokens, draft_logprobs, target_logprobs, fn_name: str) -> None:
+def _check_dtypes(
+    draft_tokens, draft_logprobs, target_logprobs, fn_name: str, tokens_name: str = "draft_tokens"
+) -> None:
     """Token ids must be integers and laws floating point (dtypes are known even when traced)."""
     if not jnp.issubdtype(draft_tokens.dtype, jnp.integer):
         raise ValueError(
-            f"{fn_name}: draft_tokens must be integer ids, got dtype {draft_tokens.dtype}"
+            f"{fn_name}: {tokens_name} must be integer ids, got dtype {draft_tokens.dtype}"
         )
     for name, arr in (("draft_logprobs", draft_logprobs), ("target_logprobs", target_logprobs)):
         if not jnp.issubdtype(arr.dtype, jnp.floating):
             raise ValueError(f"{fn_name}: {name} must be floating point, got dtype {arr.dtype}")
 
 
-def _check_token_range(draft_tokens, vocab: int, fn_name: str) -> None:
+def _check_token_range(
+    draft_tokens, vocab: int, fn_name: str, tokens_name: str = "draft token ids"
+) -> None:
     """Concrete ids must lie in [0, V); traced ones out of range end their chain (never emitted,
-    chain.effective_length)."""
+    chain.effective_length) or their branch (verify.tree)."""
     if draft_tokens.size and _concrete(draft_tokens):
         arr = np.asarray(draft_tokens)
         bad = arr[(arr < 0) | (arr >= vocab)]
         if bad.size:
             raise ValueError(
-                f"{fn_name}: draft token ids must lie in [0, V={vocab}), got {bad[0].item()}"
+                f"{fn_name}: {tokens_name} must lie in [0, V={vocab}), got {bad[0].item()}"
             )
 
 

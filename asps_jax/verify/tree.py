@@ -43,7 +43,7 @@ import numpy as np
 
 from asps_jax import draws, trees
 from asps_jax.logspace import NEG_INF
-from asps_jax.verify.api import TREE_METHODS
+from asps_jax.verify.api import TREE_METHODS, _check_dtypes, _check_token_range
 from asps_jax.verify.chain import asps_outcome_logweights
 from asps_jax.verify.level_race import fit_race, race_selection
 
@@ -434,9 +434,26 @@ def check_options(tree: trees.TokenTree, method: str, **options) -> None:
     _check_options(tree, method, options)
 
 
+def _in_contract(node_tokens, draft_logprobs, valid):
+    """``(tokens, valid)``: a slot whose id lies outside ``[0, V)``, or whose draft law gives its
+    token probability 0, cannot have been drawn; it ends its branch (it and its subtree count as
+    not drawn, as ``chain.effective_length`` ends a chain), so it is never emitted. Out-of-range
+    ids become 0. The root (slot 0, not drawn) is always valid. Inside the contract nothing
+    changes."""
+    vocab = draft_logprobs.shape[1]
+    in_range = (node_tokens >= 0) & (node_tokens < vocab)
+    tokens = jnp.where(in_range, node_tokens, 0).astype(jnp.int32)
+    lq_x = jnp.take_along_axis(draft_logprobs, tokens[:, None], axis=1)[:, 0]
+    drawn = (in_range & (lq_x > NEG_INF)).at[0].set(True)
+    return tokens, valid & drawn
+
+
 def _outcome(
     tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
 ):
+    """``(stop, emit, node, tokens)``: the outcome law, the canonical slots and the in-contract
+    tokens (:func:`_in_contract`)."""
+    node_tokens, valid = _in_contract(node_tokens, draft_logprobs, valid)
     q = jnp.exp(draft_logprobs)
     p = jnp.exp(target_logprobs)
     node, parent, real = trees.merge_duplicates(tree, node_tokens, valid)
@@ -445,7 +462,7 @@ def _outcome(
         stop, emit, _ = _is_bv_outcome(*args, options["rule"], options["alive"], select_key)
     else:
         stop, emit = _traversal_outcome(*args, restrict=method == "tv", walk_all=method == "tv_wr")
-    return stop, emit, node
+    return stop, emit, node, node_tokens
 
 
 def tree_outcome(
@@ -463,7 +480,7 @@ def tree_outcome(
     """
     options = _check_options(tree, method, options)
     select_key = jax.random.key(0) if select_key is None else select_key
-    stop, emit, _ = _outcome(
+    stop, emit, _, _ = _outcome(
         tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
     )
     return stop, emit
@@ -474,7 +491,7 @@ def sample_tree(key, tree, node_tokens, draft_logprobs, target_logprobs, valid, 
     draw and one token draw."""
     options = _check_options(tree, method, options)
     select_key = jax.random.fold_in(key, _SELECT)
-    stop, emit, node = _outcome(
+    stop, emit, node, node_tokens = _outcome(
         tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
     )
     stop_node = draws.draw_from_weights(jax.random.fold_in(key, _STOP), stop)
@@ -550,6 +567,12 @@ def verify_tree(
     valid = jnp.ones((n_nodes,), bool) if valid is None else jnp.asarray(valid, bool)
     if valid.shape != (n_nodes,):
         raise ValueError(f"verify_tree: valid must be bool[N={n_nodes}], got shape {valid.shape}")
+    # As verify_chain / verify_drafts: dtypes always, ids when concrete (the root's is not used);
+    # traced out-of-range ids end their branch (_in_contract).
+    _check_dtypes(node_tokens, draft_logprobs, target_logprobs, "verify_tree", "node_tokens")
+    _check_token_range(
+        node_tokens[1:], draft_logprobs.shape[1], "verify_tree", "node_tokens (slots 1..N-1)"
+    )
     return sample_tree(
         key,
         tree,
