@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import decode, sharding, statistics, trees
+from asps_jax import decode, footprint, sharding, statistics, trees
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.processors import SamplingParams, validate_sampling_args
@@ -35,9 +35,8 @@ from asps_jax.verify.registry import REGISTRY
 # replacement is available through verify_drafts only. The CLI and the benchmarks take theirs
 # from here.
 METHODS: tuple[str, ...] = ("ar",) + tuple(m.name for m in REGISTRY.values() if m.in_sample)
-_PROMPT_BUCKET = 16
-_CACHE_BUCKET = 64
-_BATCH_BUCKET = 8
+# Prompt width, cache length and batch padding (footprint.py's size estimate pads the same way).
+_PROMPT_BUCKET, _CACHE_BUCKET, _BATCH_BUCKET = footprint.BUCKETS
 
 
 class NonFiniteLogitsError(FloatingPointError):
@@ -229,7 +228,7 @@ def _check_tree(tree, method, num_drafts, num_draft_tokens) -> tuple[int, ...]:
     return widths
 
 
-def _check_method(method, draft, target, num_drafts, num_draft_tokens, options, widths=()) -> None:
+def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) -> None:
     if method not in METHODS:
         raise ValueError(f"method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "ar":
@@ -241,7 +240,7 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options, 
     if draft is None:
         raise ValueError(f"method {method!r} needs a draft model (draft=None is only for 'ar')")
     check_compatible(target, draft)
-    if REGISTRY[method].kind == "drafts":  # chain and tree methods: below
+    if REGISTRY[method].kind == "drafts":  # chains: below; trees: _check_tree_options
         REGISTRY[method].validate(options)
     if method in CHAIN_METHODS:
         if num_drafts != 1:
@@ -252,7 +251,12 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options, 
             )
         if options:
             raise ValueError(f"method {method!r} takes no options, got {sorted(options)}")
-    if method in TREE_METHODS:  # the tree the decode loop draws: K chains, or branching
+
+
+def _check_tree_options(method, num_drafts, num_draft_tokens, options, widths) -> None:
+    """A tree method's options against the tree the decode loop draws (K chains, or branching).
+    Builds that tree: called after :func:`check_memory` has refused trees too big to build."""
+    if method in TREE_METHODS:
         if widths:
             tree = trees.branching_token_tree(widths)
         else:
@@ -276,39 +280,42 @@ def _device_memory_bytes(mesh) -> int:
         return 1 << 62  # unknown: never refuse
 
 
-def _kv_cache_bytes(config, rows: int, cache_len: int, dtype) -> int:
-    per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    return rows * cache_len * per_slot * np.dtype(dtype).itemsize
-
-
 def check_memory(
-    target, draft, *, batch, prompt_len, max_new_tokens, num_draft_tokens, num_drafts, mesh=None
-) -> None:
-    """Refuse, before anything is allocated, a call whose KV caches and per-step logits cannot fit.
-
-    The estimate counts the two caches (``B`` rows, ``B*K`` draft rows, ``S`` slots) and the float32
-    laws of one step (draft and target over every tree node, a few copies for verification);
-    weights are already loaded. It errs low, so it only stops calls that cannot possibly run.
-    """
-    n, k = num_draft_tokens, num_drafts
-    cache_len = _round_up(prompt_len + max_new_tokens + n + 2, _CACHE_BUCKET)
-    rows = _round_up(batch, _BATCH_BUCKET) if batch > 1 else 1
-    param_dtype = jax.tree.leaves(target.params)[0].dtype
-    caches = _kv_cache_bytes(target.config, rows, cache_len, param_dtype)
-    if draft is not None:
-        draft_dtype = jax.tree.leaves(draft.params)[0].dtype
-        caches += _kv_cache_bytes(draft.config, rows * k, cache_len, draft_dtype)
-    laws = 4 * rows * k * (2 * n + 1) * target.vocab_size * 4
-    need, have = caches + laws, _device_memory_bytes(mesh)
-    if need > have:
-        gib = 1 << 30
-        biggest = "num_drafts (--num-drafts)" if k > 1 else "num_draft_tokens (--num-draft-tokens)"
-        raise ValueError(
-            f"this call needs about {need / gib:.1f} GiB (KV caches {caches / gib:.1f} GiB for "
-            f"{batch} rows x {k} drafts x {cache_len} slots, step laws {laws / gib:.1f} GiB) but "
-            f"the device has {have / gib:.1f} GiB: lower the batch size (--batch-size), "
-            f"{biggest} or max_new_tokens (--max-new-tokens)"
-        )
+    target,
+    draft,
+    *,
+    batch,
+    prompt_len,
+    max_new_tokens,
+    num_draft_tokens,
+    num_drafts,
+    mesh=None,
+    method="asps",
+    widths=(),
+    options=None,
+) -> dict[str, int]:
+    """Refuse, before anything is built or allocated, a call that cannot fit the device(s): the
+    estimate of :func:`asps_jax.footprint.estimate` from the shapes alone (caches, draft
+    replicas, the tree and its ``N x N`` masks, laws, verification buffers) plus the weights,
+    against the devices' memory. A one-line ``ValueError`` names the argument to lower; returns
+    the estimate's parts (bytes) otherwise."""
+    dtypes = [jax.tree.leaves(m.params)[0].dtype for m in (target, draft) if m is not None]
+    return footprint.check(
+        target.config,
+        None if draft is None else draft.config,
+        available=_device_memory_bytes(mesh),
+        weights=footprint.weight_bytes(target, draft),
+        method=method,
+        batch=batch,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens,
+        num_draft_tokens=num_draft_tokens,
+        num_drafts=num_drafts,
+        widths=tuple(widths),
+        options=options,
+        target_itemsize=np.dtype(dtypes[0]).itemsize,
+        draft_itemsize=np.dtype(dtypes[-1]).itemsize,
+    )
 
 
 def prepare(
@@ -354,7 +361,7 @@ def prepare(
         "num_draft_tokens", 8 if num_draft_tokens is None else num_draft_tokens, 1
     )
     num_drafts = _check_int("num_drafts", 1 if num_drafts is None else num_drafts, 1)
-    _check_method(method, draft, target, num_drafts, num_draft_tokens, options, widths)
+    _check_method(method, draft, target, num_drafts, num_draft_tokens, options)
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
     if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32
         top_k = np.minimum(np.asarray(top_k, np.int64), target.vocab_size)
@@ -386,7 +393,11 @@ def prepare(
         num_draft_tokens=num_draft_tokens,
         num_drafts=num_drafts,
         mesh=mesh,
+        method=method,
+        widths=widths,
+        options=options,
     )
+    _check_tree_options(method, num_drafts, num_draft_tokens, options, widths)
     if mesh is not None:  # rows of length 0 until the batch splits evenly over "data"
         prompts_bp, lengths_b = sharding.pad_batch(
             prompts_bp, lengths_b, sharding.batch_multiple(mesh)

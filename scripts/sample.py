@@ -344,6 +344,8 @@ def _check_sizes(args, target, draft, encoded, mesh) -> None:
         num_draft_tokens=n,
         num_drafts=k,
         mesh=mesh,
+        method=args.method,
+        widths=args.tree if args.method != "ar" and args.tree else (),
     )
 
 

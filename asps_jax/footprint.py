@@ -1,0 +1,256 @@
+"""The memory a sampling call needs, estimated from its shapes alone (docs/api.md §3).
+
+:func:`estimate` adds up, in bytes, what one call of :func:`asps_jax.sample` holds at its peak,
+before anything is built: no tree, no array, no trace. It is the one size check of the library
+(``sample`` / ``stream`` / ``Session``) and of ``scripts/sample.py``; :func:`check` turns it
+into a one-line error that names the argument to lower.
+
+The parts, for ``B`` rows (padded to the batch bucket), ``S`` cache slots, ``N`` tree nodes
+(``1 + K*n`` for K chains of n tokens, ``1 + w_1 + w_1 w_2 + ...`` for a branching tree), ``R``
+draft replicas (``B*K``, or ``B*prod(widths)`` for a tree), depth ``D``, vocabulary ``V``:
+
+* ``kv caches``: the target's ``B`` rows and the draft's ``R`` replicas, ``S`` slots each;
+* ``tree tables``: the static tree built on the host at trace time (parents, root paths, the
+  ``bool[N, N]`` ancestor table, its copies as constants of the compiled program);
+* ``tree masks``: everything on device that grows with ``N**2`` per row: the merged tree's
+  attention mask, the sibling merge (``[N, N, D]`` path comparisons), the traversal's
+  ``[N, N]`` tables;
+* ``target forward``: the attention scores ``[B, heads, N, S + N]`` (float32, a few live
+  copies), the layer activations and the new keys / values of every node;
+* ``step laws``: the target's ``[B, N, V]`` logits and processed laws, the draft rollout's
+  per-depth laws ``[R, D, V]``, the verifier's per-row ``[N, V]`` work buffers;
+* ``draft rollout``: the draft forwards over the ``R`` replicas (and the prompt prefill);
+* ``selection``: the level race of ``is`` / ``optimal`` / ``is_bv`` (``[W, W, levels, W/2]``
+  per node for W drafts or walkers), or ``is_bv``'s ``alive="count"`` tables (``[W, N, N]``);
+* ``outputs`` and the model ``weights``.
+
+Each part is an upper bound of what XLA keeps live (elementwise chains counted as materialized);
+tests/test_hostile.py compares the total with the measured peak of real runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_F32 = 4
+_RACE_LEVELS = 16  # the level race's default number of levels (verify/registry.py)
+# The padding of sampler.prepare: prompt width, cache length, batch rows (sampler uses these).
+BUCKETS = _PROMPT_BUCKET, _CACHE_BUCKET, _BATCH_BUCKET = 16, 64, 8
+_PY_OBJECT = 64  # bytes per entry of a Python list / tuple of ints, the ints included
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-max(int(x), 1) // multiple) * multiple
+
+
+def tree_shape(num_drafts: int, num_draft_tokens: int, widths=()) -> tuple[int, int, int]:
+    """``(N nodes, draft replicas per row, max walkers)`` of the decode loop's tree: K chains of
+    n tokens, or the branching tree ``widths`` (exact Python integers, however large)."""
+    if widths:
+        level, nodes, walkers = 1, 1, 1
+        for w in widths:
+            level *= int(w)
+            nodes += level
+            walkers = max(walkers, level)
+        return nodes, level, walkers
+    return 1 + num_drafts * num_draft_tokens, num_drafts, num_drafts
+
+
+def _model(config) -> dict:
+    """The sizes of a model config the estimate needs (any family)."""
+    kvh, head = config.num_key_value_heads, config.head_dim
+    heads = getattr(config, "num_attention_heads", None) or kvh
+    hidden = getattr(config, "hidden_size", None) or heads * head
+    ffn = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+    return dict(
+        layers=config.num_hidden_layers,
+        kv_slot=2 * config.num_hidden_layers * kvh * head,  # elements per cache slot and row
+        heads=heads,
+        width=4 * hidden + 3 * (ffn or 4 * hidden),  # live activations per token, per layer
+        vocab=config.vocab_size,
+    )
+
+
+def _forward(m: dict, rows: int, tokens: int, slots: int, itemsize: int) -> int:
+    """One forward of ``tokens`` queries per row over ``slots`` cached keys: attention scores
+    (float32: scores, masked, softmax), the mask, activations and the new keys / values."""
+    keys = slots + tokens
+    scores = 3 * _F32 * rows * m["heads"] * tokens * keys
+    mask = 2 * rows * tokens * keys
+    activations = _F32 * rows * tokens * m["width"]
+    new_kv = itemsize * rows * tokens * m["kv_slot"]
+    return scores + mask + activations + new_kv
+
+
+def estimate(
+    target_config,
+    draft_config,
+    *,
+    method: str,
+    batch: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    num_draft_tokens: int,
+    num_drafts: int,
+    widths=(),
+    options=None,
+    target_itemsize: int = 4,
+    draft_itemsize: int = 4,
+) -> dict[str, int]:
+    """Bytes per part (see the module docstring) of one sampling call, from its shapes alone.
+
+    ``draft_config`` is None for ``method="ar"``; ``widths`` a branching tree (tree methods);
+    ``options`` the method options (``levels``, ``alive``, ``rule`` change the selection's size).
+    Weights are not included (the caller knows them).
+    """
+    options = dict(options or {})
+    tree_method = method in ("tv", "tv_wr", "is_bv")
+    rows = _round_up(batch, _BATCH_BUCKET) if batch > 1 else 1
+    t = _model(target_config)
+    vocab = t["vocab"]
+    prompt = _round_up(prompt_len, _PROMPT_BUCKET)
+    if draft_config is None or method == "ar":
+        n = k = 1
+        nodes, replicas, walkers, depth = 1, 0, 1, 0
+    else:
+        n, k = num_draft_tokens, num_drafts
+        nodes, replicas, walkers = tree_shape(k, n, widths)
+        depth = len(widths) if widths else n
+    slots = _round_up(prompt + max_new_tokens + n + 2, _CACHE_BUCKET)
+    draft_rows = rows * replicas
+    parts = {
+        "kv caches": rows * slots * t["kv_slot"] * target_itemsize,
+        "outputs": 2 * _F32 * rows * (max_new_tokens + n + 1),
+        "tree tables": 0,
+        "tree masks": 0,
+        "target forward": max(
+            _forward(t, rows, nodes, slots, target_itemsize),
+            _forward(t, rows, prompt, slots, target_itemsize),
+        ),
+        "step laws": 0,
+        "draft rollout": 0,
+        "selection": 0,
+    }
+    laws = 4 * _F32 * rows * nodes * vocab  # target logits, processed laws, usable flags
+    if draft_config is not None and method != "ar":
+        d = _model(draft_config)
+        parts["kv caches"] += draft_rows * slots * d["kv_slot"] * draft_itemsize
+        parts["draft rollout"] = max(
+            _forward(d, draft_rows, 1, slots, draft_itemsize) + 3 * _F32 * draft_rows * vocab,
+            _forward(d, draft_rows, prompt, slots, draft_itemsize),
+        )
+        laws += 3 * _F32 * draft_rows * depth * vocab  # stacked per depth, transposed, gathered
+        # Host: the parents as Python ints, root paths, the [N, N] ancestor tables (the chain
+        # table and the token tree's, and their copies as constants of the compiled program).
+        parts["tree tables"] = nodes * (2 * _PY_OBJECT + _F32 * (depth + 1)) + 4 * nodes**2
+        if tree_method:
+            # Merged attention mask (float32 ancestors, one-hot, reach), the sibling merge's
+            # [N, N, D] path comparison, the traversal's q(x_j) and tried-before tables.
+            parts["tree masks"] = rows * nodes**2 * (10 + depth + 3 + 17)
+            laws += 10 * _F32 * rows * nodes * vocab  # per row: q, p, P, emit, scan copies
+        else:
+            parts["tree masks"] = 3 * rows * nodes**2
+            laws += 3 * _F32 * rows * k * (n + 1) * vocab  # laws along each chain's root path
+        levels = None  # the level race's, where the method runs one
+        if method in ("is", "optimal") and k > 1 and options.get("rule") in (None, "level_race"):
+            levels = options.get("levels", _RACE_LEVELS)
+        elif method == "is_bv" and options.get("alive", "walkers") == "count":
+            size = nodes + 1  # the law of the number of drafts alive, per walker: [W, N+1, N+1]
+            parts["selection"] = 3 * _F32 * rows * walkers * size**2 + _PY_OBJECT * size**2
+        elif method == "is_bv":
+            rule = options.get("rule", "level_race")
+            levels = getattr(rule, "levels", _RACE_LEVELS) if rule != "fixed_order" else None
+        if levels is not None:
+            levels = levels if isinstance(levels, int) else _RACE_LEVELS
+            gauss = -(-walkers // 2)  # [W, W, levels, W/2] products per node, a few rows [W, V]
+            parts["selection"] = (
+                rows * _F32 * (2 * walkers**2 * levels * gauss + 3 * (walkers + levels) * vocab)
+            )
+    parts["step laws"] = laws
+    return parts
+
+
+# What to lower, as the API and the command line name it.
+ARGUMENTS = {
+    "batch": "batch_size (the number of prompts; --batch-size)",
+    "max_new_tokens": "max_new_tokens (--max-new-tokens)",
+    "num_drafts": "num_drafts (--num-drafts)",
+    "num_draft_tokens": "num_draft_tokens (--num-draft-tokens)",
+    "tree": "tree (--tree)",
+}
+
+
+def _smaller(shape: dict) -> dict[str, dict]:
+    """Each argument that can be lowered, halved (a tree: its widest level halved, or its last
+    level dropped when every width is 1)."""
+    out = {}
+    for name in ("batch", "max_new_tokens"):
+        if shape[name] > 1:
+            out[name] = {**shape, name: shape[name] // 2}
+    if shape["widths"]:
+        widths = list(shape["widths"])
+        widest = int(np.argmax(widths))
+        if widths[widest] > 1:
+            widths[widest] //= 2
+        elif len(widths) > 1:
+            widths.pop()
+        if tuple(widths) != tuple(shape["widths"]):
+            out["tree"] = {**shape, "widths": tuple(widths)}
+    elif shape["method"] != "ar":
+        for name in ("num_drafts", "num_draft_tokens"):
+            if shape[name] > 1:
+                out[name] = {**shape, name: shape[name] // 2}
+    return out
+
+
+def _gib(size: int) -> str:
+    gib = size / (1 << 30)
+    return f"{gib:.1f} GiB" if gib < 1e4 else f"{gib:.2e} GiB"
+
+
+def check(
+    target_config,
+    draft_config,
+    *,
+    available: int,
+    weights: int = 0,
+    **shape,
+) -> dict[str, int]:
+    """Raise a one-line ``ValueError`` when :func:`estimate` (plus ``weights`` bytes already
+    resident) exceeds ``available`` bytes; it names the biggest parts and the argument whose
+    halving saves the most. Returns the estimate's parts otherwise."""
+    shape.setdefault("widths", ())
+    shape.setdefault("options", None)
+    parts = estimate(target_config, draft_config, **shape)
+    need = sum(parts.values()) + weights
+    if need <= available:
+        return parts
+    gain = {
+        name: need - weights - sum(estimate(target_config, draft_config, **smaller).values())
+        for name, smaller in _smaller(shape).items()
+    }
+    order = sorted(gain, key=gain.get, reverse=True)
+    # The argument whose halving saves the most, and any other that saves a good part as much.
+    lower = [ARGUMENTS[name] for name in order if gain[name] >= gain[order[0]] / 4][:3]
+    biggest = sorted(parts, key=parts.get, reverse=True)[:2]
+    detail = ", ".join(f"{name} {_gib(parts[name])}" for name in biggest)
+    nodes, replicas, _ = tree_shape(shape["num_drafts"], shape["num_draft_tokens"], shape["widths"])
+    what = f"{shape['batch']} rows"
+    if draft_config is not None and shape["method"] != "ar":
+        what += f", {nodes} tree nodes, {replicas} draft replicas per row"
+    raise ValueError(
+        f"this call needs about {_gib(need)} ({what}; {detail}) but the device has "
+        f"{_gib(available)}: lower {' or '.join(lower) or 'the model size'}"
+    )
+
+
+def weight_bytes(*models) -> int:
+    """Bytes of the models' parameters (None entries skipped)."""
+    import jax
+
+    return sum(
+        int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        for model in models
+        if model is not None
+        for leaf in jax.tree.leaves(model.params)
+    )
