@@ -68,6 +68,14 @@ def test_batch_smaller_than_the_prompts_is_refused(capsys):
         (["--batch-size", str(10**9)], "--batch-size"),
         (["--method", "ar", "--batch-size", str(10**9)], "--batch-size"),
         (["--method", "ar", "--num-drafts", "2"], "--num-drafts"),
+        # Wide trees: their N x N masks used to be left out of the estimate (a 38-line
+        # traceback after 70-90 s, 37 GiB); the tree itself used to be built before the check.
+        (["--method", "tv_wr", "--tree", "100000"], "--tree"),
+        (
+            ["--method", "tv_wr", "--num-drafts", "100000", "--num-draft-tokens", "1"],
+            "--num-drafts",
+        ),
+        (["--method", "tv", "--tree", "1000,1000,1000"], "--tree"),
     ],
 )
 def test_sizes_are_refused_before_anything_is_built(capsys, argv, needle):

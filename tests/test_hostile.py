@@ -4,17 +4,25 @@ it (``top_k`` beyond the vocabulary keeps every token)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 from hf_checkpoints import write_tiny_llama
 
 import asps_jax
-from asps_jax import sampler
+from asps_jax import footprint, sampler, trees
 from asps_jax.verify import registry
 
 VOCAB = 12
 PROMPT = [1, 5, 3]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +90,114 @@ def test_single_draft_error_names_only_methods_sample_accepts(pair):
         assert method in message
 
 
-def test_memory_check_counts_the_caches():
-    class Config:
-        num_hidden_layers, num_key_value_heads, head_dim = 32, 32, 128  # llama-7b
+def test_size_estimate_counts_the_caches_and_the_tree():
+    class Config:  # llama-7b
+        num_hidden_layers, num_key_value_heads, head_dim, vocab_size = 32, 32, 128, 32000
+        num_attention_heads, hidden_size, intermediate_size = 32, 4096, 11008
 
-    # 2 (k, v) * 32 layers * 32 heads * 128 dims * 2 bytes = 512 KiB per slot and row.
-    assert sampler._kv_cache_bytes(Config, 1, 2048, np.float16) == 2048 * 512 * 1024
+    # 2000 prompt tokens + 45 new + 1 + 2 = 2048 slots; 2 (k, v) * 32 layers * 32 heads * 128
+    # dims * 2 bytes = 512 KiB per slot and row.
+    parts = footprint.estimate(
+        Config, None, method="ar", batch=1, prompt_len=2000, max_new_tokens=45,
+        num_draft_tokens=1, num_drafts=1, target_itemsize=2,
+    )  # fmt: skip
+    assert parts["kv caches"] == 2048 * 512 * 1024
+    # Nodes, draft replicas (leaves) and the widest level: 1 + 4 + 8 + 8 + 8, 8, 8.
+    assert footprint.tree_shape(8, 4, (4, 2, 1, 1)) == (29, 8, 8)
+    assert footprint.tree_shape(3, 4) == (13, 3, 3)
+    assert footprint.tree_shape(0, 0, (1000, 1000, 1000)) == (1001001001, 10**9, 10**9)
+
+
+def _never_built(*_):
+    raise AssertionError("the tree was built before the size check")
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        # Used to build the tree (10^9 nodes) before any check: 22 GB, killed by the kernel.
+        (dict(method="tv", tree=(1000, 1000, 1000)), "lower tree (--tree)"),
+        # Passed the old estimate, which left out the N x N masks: 37 GiB allocations 70-90 s on.
+        (dict(method="tv_wr", tree=(100000,)), "lower tree (--tree)"),
+        (dict(method="tv_wr", tree=(20000,)), "lower tree (--tree)"),
+        (dict(method="tv_wr", num_drafts=100000, num_draft_tokens=1), "num_drafts (--num-drafts)"),
+        # The level race of 1000 walkers: [W, W, levels, W / 2] floats per node, 60 GiB.
+        (dict(method="is_bv", tree=(1000,)), "lower tree (--tree)"),
+    ],
+)
+def test_huge_trees_are_refused_before_they_are_built(pair, monkeypatch, kwargs, needle):
+    """``sample`` refuses in well under a second, from the shapes alone, on a 16 GiB device."""
+    monkeypatch.setattr(trees, "branching_token_tree", _never_built)
+    monkeypatch.setattr(trees, "chains_token_tree", _never_built)
+    monkeypatch.setattr(sampler, "_device_memory_bytes", lambda mesh: 16 << 30)
+    target, draft = pair
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="needs about") as info:
+        asps_jax.sample(target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=4, **kwargs)
+    assert time.perf_counter() - start < 1.0
+    message = str(info.value)
+    assert "\n" not in message and needle in message, message
+
+
+# Run in a fresh process: compile a Session, then measure the peak resident memory of its steps
+# alone (the high-water mark reset after compiling, freed memory handed back to the system).
+_MEASURE = """
+import ctypes, gc, json, sys
+import jax
+import asps_jax
+from asps_jax import sampler
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+target = asps_jax.load_model("tinyshakespeare-target")
+draft = asps_jax.load_model("tinyshakespeare-draft")
+out = []
+for shape in json.loads(sys.argv[1]):
+    prompts = [[1] * 5] * shape.pop("batch")
+    session = asps_jax.Session(
+        target, draft, prompts, key=jax.random.key(0), max_new_tokens=4, eos_token_id=-1, **shape
+    )
+    spec = session.spec
+    parts = sampler.check_memory(
+        target, draft, batch=len(prompts), prompt_len=5, max_new_tokens=4,
+        num_draft_tokens=spec.num_draft_tokens, num_drafts=spec.num_drafts,
+        method=spec.method, widths=spec.widths,
+    )
+    session.compile()
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    before = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    for _ in session.steps():
+        pass
+    out.append([status("VmHWM:") - before, sum(parts.values())])
+    del session
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads and resets /proc/self peak memory")
+def test_size_estimate_bounds_the_measured_peak():
+    """The estimate is an upper bound of the peak memory of real steps, within a factor 4: a
+    branching tree drawn without replacement and independent chains, at batch sizes where the
+    buffers, not the compiler's, dominate (the bundled pair, V = 2048)."""
+    shapes = [
+        dict(method="tv", tree=[4, 2], batch=256),
+        dict(method="specinfer", num_drafts=4, num_draft_tokens=4, batch=256),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", _MEASURE, json.dumps(shapes)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    for shape, (peak, estimate) in zip(shapes, json.loads(run.stdout.splitlines()[-1])):
+        assert 100 << 20 < peak <= estimate <= 4 * peak, (shape, peak >> 20, estimate >> 20)
 
 
 def test_top_k_beyond_int32_keeps_every_token(pair):
