@@ -1,4 +1,5 @@
-"""Property-based tests (hypothesis) of every verifier and of ``sample`` on hostile-but-legal input.
+"""Property-based tests (hypothesis) of every verifier (chains, drafts, trees) and of ``sample`` on
+hostile-but-legal input.
 
 Laws come with zeros, point masses and extreme ratios, draft tokens anywhere in the vocabulary
 (also where the draft law is 0, out of contract), and padded chains. Whatever the input: tokens
@@ -20,8 +21,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import asps_jax
+from asps_jax import trees
 from asps_jax.sampler import METHODS
-from asps_jax.verify.api import CHAIN_METHODS, DRAFTS_METHODS
+from asps_jax.verify import verify_tree
+from asps_jax.verify.api import CHAIN_METHODS, DRAFTS_METHODS, TREE_METHODS
 
 V, N, K = 6, 3, 3
 BUDGET = settings(
@@ -170,3 +173,84 @@ def test_sample_properties(pair, method, prompts, temperature, top_k, top_p, see
         target, None if method == "ar" else draft, prompts[:1], **{**kwargs, "key": row_key[None]}
     )
     np.testing.assert_array_equal(np.asarray(alone.tokens)[0], tokens[0])
+
+
+# verify_tree: every tree method on two fixed node tables (so each compiles once); random valid
+# masks carve random trees out of them, and random ids (repeated among siblings, out of range,
+# of draft probability 0) merge, end or keep branches.
+TREE_TABLES = {
+    "branching": trees.branching_token_tree((3, 2)),  # 10 slots, widths 3 then 2
+    "irregular": trees.TokenTree((-1, 0, 0, 0, 1, 1, 2, 4, 4, 6)),
+}
+TREE_OPTIONS = {  # every tree method of the registry, is_bv with each rule and alive mode
+    "tv": ("tv", {}),
+    "tv_wr": ("tv_wr", {}),
+    "is_bv": ("is_bv", {}),
+    "is_bv_fixed_order": ("is_bv", {"rule": "fixed_order"}),
+    "is_bv_count": ("is_bv", {"alive": "count"}),
+}
+
+
+@functools.cache
+def _tree_fn(name):
+    tree = TREE_TABLES[name]
+    uniform = name == "branching"  # alive="count" needs equal widths per depth
+
+    def run(key, tokens, lq, lp, valid):
+        return {
+            label: verify_tree(key, tree, tokens, lq, lp, valid, method=m, **opts)
+            for label, (m, opts) in TREE_OPTIONS.items()
+            if uniform or label != "is_bv_count"
+        }
+
+    return jax.jit(run)
+
+
+def test_tree_options_cover_the_registry():
+    assert {m for m, _ in TREE_OPTIONS.values()} == set(TREE_METHODS)
+
+
+@BUDGET
+@given(
+    data=st.data(),
+    name=st.sampled_from(sorted(TREE_TABLES)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tree_verdict_properties(data, name, seed):
+    """Tokens in [0, V) followed by -1, 1 <= num_tokens <= 1 + the deepest drawn slot, the path
+    a chain of drawn, in-contract slots whose root-path tokens are the emitted prefix, and every
+    emitted token of positive target probability after its prefix (its path node's law)."""
+    tree = TREE_TABLES[name]
+    slots = tree.num_nodes
+    lq = data.draw(laws(slots))
+    lp = data.draw(laws(slots))
+    ids = st.one_of(st.integers(0, 2), st.integers(-2, V + 1))  # repeats, and out of range
+    tokens = data.draw(hnp.arrays(np.int32, (slots,), elements=ids))
+    valid = data.draw(hnp.arrays(np.bool_, (slots,)))
+    key = jax.random.key(seed)
+    out = _tree_fn(name)(key, tokens, lq, lp, valid)
+    # Slots that can be on the path: drawn (valid, in range, draft probability > 0), with every
+    # ancestor drawn too.
+    in_range = (tokens >= 0) & (tokens < V)
+    drawn = valid & in_range & (lq[np.arange(slots), np.clip(tokens, 0, V - 1)] > -np.inf)
+    drawn[0] = True
+    drawn = np.all(drawn[None, :] | ~tree.ancestors, axis=1)
+    deepest = int(tree.depth[drawn].max())
+    for label, verdict in out.items():
+        emitted_all, path = np.asarray(verdict.tokens), np.asarray(verdict.path)
+        num = int(verdict.num_tokens)
+        assert 1 <= num <= deepest + 1, (label, num, deepest)
+        assert (emitted_all[num:] == -1).all() and (path[num:] == -1).all(), label
+        emitted = emitted_all[:num]
+        assert ((emitted >= 0) & (emitted < V)).all(), (label, emitted)
+        assert path[0] == 0
+        for t in range(1, num):
+            slot = path[t]
+            assert drawn[slot] and tree.depth[slot] == t, (label, path)
+            # The slot's root path carries the emitted prefix (merged siblings: equal tokens).
+            root_path = tree.paths[slot, 1 : t + 1]
+            np.testing.assert_array_equal(tokens[root_path], emitted[:t], err_msg=label)
+        for t, token in enumerate(emitted):
+            assert lp[path[t], token] > -np.inf, (label, t, token, path)
+        again = _tree_fn(name)(key, tokens, lq, lp, valid)[label]
+        np.testing.assert_array_equal(np.asarray(again.tokens), emitted_all)

@@ -438,14 +438,13 @@ def _in_contract(node_tokens, draft_logprobs, valid):
     """``(tokens, valid)``: a slot whose id lies outside ``[0, V)``, or whose draft law gives its
     token probability 0, cannot have been drawn; it ends its branch (it and its subtree count as
     not drawn, as ``chain.effective_length`` ends a chain), so it is never emitted. Out-of-range
-    ids become 0. The root (slot 0, not drawn) is always valid. Inside the contract nothing
-    changes."""
+    ids become 0. The root (slot 0, not drawn: the last committed token) is always valid, so the
+    path starts at it. Inside the contract nothing changes."""
     vocab = draft_logprobs.shape[1]
     in_range = (node_tokens >= 0) & (node_tokens < vocab)
     tokens = jnp.where(in_range, node_tokens, 0).astype(jnp.int32)
     lq_x = jnp.take_along_axis(draft_logprobs, tokens[:, None], axis=1)[:, 0]
-    drawn = (in_range & (lq_x > NEG_INF)).at[0].set(True)
-    return tokens, valid & drawn
+    return tokens, (valid & in_range & (lq_x > NEG_INF)).at[0].set(True)
 
 
 def _outcome(
