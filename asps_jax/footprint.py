@@ -22,7 +22,7 @@ draft replicas (``B*K``, or ``B*prod(widths)`` for a tree), depth ``D``, vocabul
 * ``draft rollout``: the draft forwards over the ``R`` replicas (and the prompt prefill);
 * ``selection``: the level race of ``is`` / ``optimal`` / ``is_bv`` (``[W, W, levels, W/2]``
   per node for W drafts or walkers), or ``is_bv``'s ``alive="count"`` tables (``[W, N, N]``);
-* ``outputs`` and the model ``weights``.
+* ``outputs``: the emitted tokens and their log-probabilities. :func:`check` adds the weights.
 
 Each part is an upper bound of what XLA keeps live (elementwise chains counted as materialized);
 tests/test_hostile.py compares the total with the measured peak of real runs.
@@ -63,7 +63,6 @@ def _model(config) -> dict:
     hidden = getattr(config, "hidden_size", None) or heads * head
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
     return dict(
-        layers=config.num_hidden_layers,
         kv_slot=2 * config.num_hidden_layers * kvh * head,  # elements per cache slot and row
         heads=heads,
         width=4 * hidden + 3 * (ffn or 4 * hidden),  # live activations per token, per layer
