@@ -538,6 +538,10 @@ def verify_tree(
         ``rule=`` ``"level_race"`` (default with ``alive="walkers"``), ``"fixed_order"``
         (default and only named rule with ``alive="count"``) or a :class:`SelectionRule`.
 
+    Shapes and dtypes are checked (integer ids, floating laws), and concrete ids must lie in
+    ``[0, V)``, each a one-line ``ValueError``; a traced id outside ``[0, V)``, or one its draft
+    law gives probability 0, ends its branch, so no id outside the vocabulary is ever emitted.
+
     Returns:
       A :class:`TreeVerdict` with ``tokens`` and ``path`` int32[D+1].
     """
