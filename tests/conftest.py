@@ -121,4 +121,3 @@ def isolated_logging():
         lg.filters[:] = filters
         lg.setLevel(level)
         lg.propagate, lg.disabled = propagate, disabled
-
