@@ -77,6 +77,15 @@ def _is_pytest_handler(handler) -> bool:  # pytest's capture handlers come and g
     return type(handler).__module__.startswith("_pytest")
 
 
+def _made_since(known) -> list[logging.Logger]:
+    """The loggers made since ``known`` was taken (a filter set on one then stays otherwise)."""
+    return [
+        lg
+        for lg in list(logging.Logger.manager.loggerDict.values())
+        if isinstance(lg, logging.Logger) and lg not in known
+    ]
+
+
 @pytest.fixture(autouse=True)
 def _process_state_restored():
     config = dict(jax.config.values)
@@ -97,6 +106,8 @@ def _process_state_restored():
             signal.signal(sig, handler)
     for lg, saved in filters.items():
         lg.filters[:] = saved
+    for lg in _made_since(filters):
+        lg.filters[:] = []
 
 
 @pytest.fixture
@@ -116,6 +127,11 @@ def isolated_logging():
         if isinstance(lg, logging.Logger)
     }
     yield
+    for lg in _made_since(saved):  # as logging.getLogger makes them
+        lg.handlers[:] = [h for h in lg.handlers if _is_pytest_handler(h)]
+        lg.filters[:] = []
+        lg.setLevel(logging.NOTSET)
+        lg.propagate, lg.disabled = True, False
     for lg, (handlers, filters, level, propagate, disabled) in saved.items():
         lg.handlers[:] = handlers + [h for h in lg.handlers if _is_pytest_handler(h)]
         lg.filters[:] = filters

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -171,16 +172,25 @@ def test_cli_flag_turns_the_cache_off():
     assert not cli.build_parser().parse_args([]).no_compile_cache
 
 
+def _refuse_files_in(monkeypatch, directory):
+    """``directory`` takes no new file, as a read-only one (root writes to those regardless)."""
+    mkstemp = tempfile.mkstemp
+
+    def refuse(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == directory:
+            raise PermissionError(13, "Permission denied")
+        return mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+
+
 def test_unwritable_cache_directory_is_one_notice(monkeypatch, tmp_path, restore_jax_cache_config):
     """A cache directory that takes no file (read-only) is left off with one notice; JAX used to
     warn at every compile (56 lines for the default command)."""
     monkeypatch.delenv(compile_cache.ENV_OFF, raising=False)
     before = jax.config.values["jax_compilation_cache_dir"]
 
-    def refuse(*args, **kwargs):
-        raise PermissionError(13, "Permission denied")
-
-    monkeypatch.setattr(compile_cache.tempfile, "mkstemp", refuse)
+    _refuse_files_in(monkeypatch, tmp_path / "ro")
     notices = []
     assert compile_cache.enable(tmp_path / "ro", notify=notices.append) is None
     assert len(notices) == 1 and str(tmp_path / "ro") in notices[0]
@@ -211,10 +221,7 @@ def test_cli_with_an_unwritable_cache_prints_one_notice(
     monkeypatch.delenv(compile_cache.ENV_OFF, raising=False)
     monkeypatch.setenv(compile_cache.ENV_DIR, str(tmp_path / "ro"))
 
-    def refuse(*args, **kwargs):
-        raise PermissionError(13, "Permission denied")
-
-    monkeypatch.setattr(compile_cache.tempfile, "mkstemp", refuse)
+    _refuse_files_in(monkeypatch, tmp_path / "ro")
     assert _load_cli().main([*ARGS, "--json"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("sample.py: note: the compilation cache"), err
