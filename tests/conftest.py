@@ -24,8 +24,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A compiled decoding loop takes seconds, and the same one recurs across test files, workers and
 # processes; the cache hands back the executable XLA compiled, so no test is weakened. Tests of
 # the cache itself pass their own directory; ASPS_JAX_NO_CACHE=1 turns it off.
+# A directory given in $ASPS_JAX_TEST_RUN_CACHE is used and kept (several runs can share one).
 _RUN_CACHE_ENV = "ASPS_JAX_TEST_RUN_CACHE"
-if _RUN_CACHE_ENV not in os.environ:
+_RUN_CACHE_MADE_HERE = _RUN_CACHE_ENV not in os.environ
+if _RUN_CACHE_MADE_HERE:
     os.environ[_RUN_CACHE_ENV] = tempfile.mkdtemp(prefix="asps_jax_test_cache_")
 RUN_CACHE_DIR = os.environ[_RUN_CACHE_ENV]
 os.environ["ASPS_JAX_CACHE_DIR"] = RUN_CACHE_DIR
@@ -42,7 +44,7 @@ if compile_cache.enable(RUN_CACHE_DIR) is not None:
 
 
 def pytest_sessionfinish(session):
-    if not hasattr(session.config, "workerinput"):  # the process that made the directory
+    if _RUN_CACHE_MADE_HERE:  # the process that made the directory (xdist's controller)
         shutil.rmtree(RUN_CACHE_DIR, ignore_errors=True)
 
 
