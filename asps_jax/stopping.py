@@ -48,41 +48,39 @@ _PAD = -2  # a stop string's left padding: matches anything
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def validate_stop(stop) -> tuple[bytes, ...]:
-    """The stop strings as UTF-8 bytes (duplicates dropped, order kept); ``ValueError`` naming
-    ``stop`` for anything else than at most ``MAX_STOP_STRINGS`` non-empty strings of at most
-    ``MAX_STOP_BYTES`` UTF-8 bytes. None or an empty list: no stop strings; one string: one."""
+def validate_stop(stop, name: str = "stop") -> tuple[bytes, ...]:
+    """The stop strings as UTF-8 bytes (duplicates dropped, order kept); a one-line
+    ``ValueError`` naming ``name`` for anything else than at most ``MAX_STOP_STRINGS`` non-empty
+    strings of at most ``MAX_STOP_BYTES`` UTF-8 bytes. None or an empty list: no stop strings;
+    one string: that one."""
     if stop is None:
         return ()
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)):
-        raise ValueError(f"stop must be a list of strings, got {type(stop).__name__}")
+        raise ValueError(f"{name} must be a list of strings, got {type(stop).__name__}")
     out: list[bytes] = []
     for i, s in enumerate(stop):
+        where = f"{name}[{i}]" if name == "stop" else f"{name} {s!r}"
         if not isinstance(s, str):
-            raise ValueError(f"stop[{i}] must be a string, got {type(s).__name__}: {s!r}")
+            raise ValueError(f"{where} must be a string, got {type(s).__name__}")
         if not s:
-            raise ValueError(f"stop[{i}] is empty: a stop string needs at least one character")
-        b = _utf8(s, i)
+            raise ValueError(f"{where} is empty: a stop string needs at least one character")
+        try:
+            b = s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where} is not valid Unicode text (a lone surrogate?)") from None
         if len(b) > MAX_STOP_BYTES:
             raise ValueError(
-                f"stop[{i}] is {len(b)} bytes long in UTF-8; at most {MAX_STOP_BYTES} are allowed"
+                f"{where} is {len(b)} bytes long in UTF-8; at most {MAX_STOP_BYTES} are allowed"
             )
         if b not in out:
             out.append(b)
     if len(out) > MAX_STOP_STRINGS:
         raise ValueError(
-            f"stop: {len(out)} distinct stop strings; at most {MAX_STOP_STRINGS} are allowed"
+            f"{name}: {len(out)} distinct stop strings; at most {MAX_STOP_STRINGS} are allowed"
         )
     return tuple(out)
-
-
-def _utf8(s: str, i: int) -> bytes:
-    try:
-        return s.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"stop[{i}] is not valid Unicode text (a lone surrogate?)") from None
 
 
 # --------------------------------------------------------------------------------------------
