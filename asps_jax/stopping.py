@@ -30,7 +30,6 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "StopStrings",
     "advance",
-    "host_stop_length",
     "stop_strings",
     "token_byte_table",
     "token_bytes",
@@ -287,18 +286,3 @@ def advance(stop: StopStrings | None, block_BT, num_B):
         stop, stop.tail, block_BT, num_B
     )
     return num_B, hit_B, dataclasses.replace(stop, tail=tail_BW)
-
-
-# --------------------------------------------------------------------------------------------
-# Host reference (tests, docs): the same rule on a list of tokens
-
-
-def host_stop_length(pieces: list[bytes], tokens, strings: tuple[bytes, ...]) -> int | None:
-    """The number of tokens kept when the text ``pieces[tokens[0]] + pieces[tokens[1]] + ...``
-    is stopped at its first stop-string occurrence (None if none occurs)."""
-    text = b""
-    for i, t in enumerate(tokens):
-        text += pieces[int(t)]
-        if any(s in text for s in strings):
-            return i + 1
-    return None
