@@ -242,35 +242,20 @@ def stop_strings(table, strings: tuple[bytes, ...], batch: int) -> StopStrings |
 # Matching (device)
 
 
-def _advance_row(stop: StopStrings, tail_W, block_T, num):
-    """One row: ``(num, hit, tail)`` after emitting ``block[:num]``."""
+def _row_text(stop: StopStrings, tail_W, block_T, num):
+    """One row's text: its tail, then the bytes of ``block[:num]`` (``-1`` after), int32[W + F]
+    with F = T * Lt; and the end offset of each token's bytes in the new text, int32[T]."""
     vocab, per_token = stop.token_bytes.shape
     width = block_T.shape[0]
-    tail_len = tail_W.shape[0]  # Ls - 1
-    window = tail_len + 1  # Ls
     ids_T = jnp.clip(block_T, 0, vocab - 1)
     lens_T = jnp.where(jnp.arange(width) < num, stop.token_lengths[ids_T], 0)
-    ends_T = jnp.cumsum(lens_T)  # new-text offset after token t
-    total = ends_T[-1]
+    ends_T = jnp.cumsum(lens_T)
     # Byte p of the new text lies in token t(p) = #{t : ends[t] <= p}, at offset p - start.
-    span = width * per_token
-    p_F = jnp.arange(span)
-    t_F = jnp.minimum(jnp.searchsorted(ends_T, p_F, side="right"), width - 1)
+    p_F = jnp.arange(width * per_token)
+    t_F = jnp.minimum(jnp.sum(ends_T[None, :] <= p_F[:, None], axis=1), width - 1)
     j_F = p_F - (ends_T[t_F] - lens_T[t_F])
     byte_F = stop.token_bytes[ids_T[t_F], jnp.clip(j_F, 0, per_token - 1)].astype(jnp.int32)
-    text = jnp.concatenate([tail_W, jnp.where(p_F < total, byte_F, _ABSENT)])
-    # The window ending at new byte p is text[p : p + Ls] (the tail is Ls - 1 bytes long).
-    windows_FL = text[p_F[:, None] + jnp.arange(window)[None, :]]
-    equal_FSL = (windows_FL[:, None, :] == stop.strings[None]) | (stop.strings[None] == _PAD)
-    match_FS = jnp.all(equal_FSL, axis=-1) & (stop.string_lengths[None, :] > 0)
-    match_F = jnp.any(match_FS, axis=-1) & (p_F < total)
-    first = jnp.min(jnp.where(match_F, p_F, span))
-    hit = first < span
-    last = jnp.searchsorted(ends_T, first, side="right")  # the token that completes it
-    num = jnp.where(hit, last + 1, num)
-    kept = jnp.where(hit, ends_T[jnp.minimum(last, width - 1)], total)
-    new_tail = jax.lax.dynamic_slice(text, (kept,), (tail_len,))
-    return num.astype(jnp.int32), hit, new_tail
+    return jnp.concatenate([tail_W, jnp.where(p_F < ends_T[-1], byte_F, _ABSENT)]), ends_T
 
 
 def advance(stop: StopStrings | None, block_BT, num_B):
@@ -282,7 +267,38 @@ def advance(stop: StopStrings | None, block_BT, num_B):
     """
     if stop is None:
         return num_B, jnp.zeros(num_B.shape, bool), None
-    num_B, hit_B, tail_BW = jax.vmap(_advance_row, in_axes=(None, 0, 0, 0))(
-        stop, stop.tail, block_BT, num_B
+    rows = jax.vmap(_row_text, in_axes=(None, 0, 0, 0))
+    text_BX, ends_BT = rows(stop, stop.tail, block_BT, num_B)
+    tail_len = stop.tail.shape[1]  # Ls - 1
+    span = text_BX.shape[1] - tail_len  # F
+
+    # The window ending at new byte p is text[p : p + Ls] (the tail is Ls - 1 bytes long): its
+    # byte i is the slice text[:, i : i + F] at p, compared with byte i of every stop string (a
+    # loop over the Ls window bytes, each step elementwise on [B, F, S]; no gather).
+    def compare(i, match_BFS):
+        want_S = jax.lax.dynamic_index_in_dim(stop.strings, i, axis=1, keepdims=False)
+        have_BF = jax.lax.dynamic_slice_in_dim(text_BX, i, span, axis=1)
+        same_BFS = have_BF[:, :, None] == want_S[None, None, :]
+        return match_BFS & (same_BFS | (want_S == _PAD)[None, None, :])
+
+    used_S = stop.string_lengths > 0
+    start = jnp.broadcast_to(used_S, (text_BX.shape[0], span, used_S.shape[0]))
+    match_BFS = jax.lax.fori_loop(0, tail_len + 1, compare, start, unroll=8)
+    p_F = jnp.arange(span)
+    total_B = ends_BT[:, -1]
+    match_BF = jnp.any(match_BFS, axis=-1) & (p_F[None, :] < total_B[:, None])
+    first_B = jnp.min(jnp.where(match_BF, p_F[None, :], span), axis=1)
+    hit_B = first_B < span
+    # The token that completes it: #{t : ends[t] <= first}; the row keeps the tokens up to it.
+    last_B = jnp.sum(ends_BT <= first_B[:, None], axis=1)
+    width = block_BT.shape[1]
+    num_B = jnp.where(hit_B, last_B + 1, num_B).astype(jnp.int32)
+    kept_B = jnp.where(
+        hit_B,
+        jnp.take_along_axis(ends_BT, jnp.minimum(last_B, width - 1)[:, None], axis=1)[:, 0],
+        total_B,
+    )
+    tail_BW = jax.vmap(lambda text, kept: jax.lax.dynamic_slice(text, (kept,), (tail_len,)))(
+        text_BX, kept_B
     )
     return num_B, hit_B, dataclasses.replace(stop, tail=tail_BW)
