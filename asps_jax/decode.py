@@ -12,7 +12,7 @@ stages, each in its own ``jax.named_scope`` so that a profile reads as the step 
    the merged tree (siblings that drew one token are one node);
 3. ``verify``: ``verify_chain`` / ``verify_drafts`` on the chains, or ``verify_tree`` on the
    node-indexed tree for the sequence-level methods (``"tv"``, ``"tv_wr"``, ``"is_bv"``), then
-   EOS truncation of the emitted block;
+   EOS and stop-string truncation of the emitted block (``stopping.py``);
 4. ``commit``: the accepted path (root, then the accepted nodes) into the target cache, and the
    draft replicas synced to a chain that carries it;
 5. ``metrics``: the per-row counters (``statistics.update``);
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from asps_jax import kv_cache, rollout, scoring, sharding, statistics, trees
+from asps_jax import kv_cache, rollout, scoring, sharding, statistics, stopping, trees
 from asps_jax.models import forward_for
 from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
@@ -126,6 +126,8 @@ class DecodeState:
         logits or no finite one, see ``stats.failed_at``, or an empty padding row).
       row_keys: typed PRNG keys [B], one base key per row.
       stats: the per-row :class:`~asps_jax.statistics.DecodeStats`.
+      stop: the stop strings and each row's last bytes of text
+        (:class:`~asps_jax.stopping.StopStrings`); None without stop strings.
     """
 
     target_cache: kv_cache.KVCache
@@ -137,6 +139,7 @@ class DecodeState:
     done: jax.Array
     row_keys: jax.Array
     stats: DecodeStats
+    stop: stopping.StopStrings | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -202,10 +205,13 @@ class Decoder:
 
     @functools.partial(jax.jit, static_argnames="self")
     def prefill(
-        self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B
+        self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop=None
     ) -> DecodeState:
-        """Build the caches from right-padded prompts; the last prompt token becomes the root."""
-        return _prefill(self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B)
+        """Build the caches from right-padded prompts; the last prompt token becomes the root.
+        ``stop``: the call's :class:`~asps_jax.stopping.StopStrings` (None: none)."""
+        return _prefill(
+            self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop
+        )
 
     @functools.partial(jax.jit, static_argnames="self", donate_argnames="state")
     def step(self, target_params, draft_params, sampling, state) -> DecodeState:
@@ -214,11 +220,18 @@ class Decoder:
 
     @functools.partial(jax.jit, static_argnames="self")
     def generate(
-        self, target_params, draft_params, sampling, prompts_BP, prompt_lengths_B, row_keys_B
+        self,
+        target_params,
+        draft_params,
+        sampling,
+        prompts_BP,
+        prompt_lengths_B,
+        row_keys_B,
+        stop=None,
     ) -> DecodeState:
         """Prefill and run steps in one ``lax.while_loop`` until every row is done."""
         state = _prefill(
-            self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B
+            self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop
         )
 
         def cond(state):
@@ -257,7 +270,9 @@ def _per_layer_cache(params) -> bool:
     return isinstance(params, dict) and isinstance(params.get("layers"), (tuple, list))
 
 
-def _prefill(dec: Decoder, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B):
+def _prefill(
+    dec: Decoder, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop=None
+):
     spec = dec.spec
     batch = prompts_BP.shape[0]
     n = spec.num_draft_tokens if spec.uses_draft else 0
@@ -299,6 +314,7 @@ def _prefill(dec: Decoder, target_params, draft_params, prompts_BP, prompt_lengt
         done=prompt_lengths_B <= 0,  # rows of length 0 pad the batch to its bucket
         row_keys=row_keys_B,
         stats=DecodeStats.zeros(batch, n),
+        stop=stop,
     )
 
 
@@ -384,6 +400,9 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
             state.target_cache, new_kv, nodes_B1, num_B, row_loop=kv_cache.row_loop_for(dec.mesh)
         )
         num_B, hit = _first_eos_length(next_B[:, None], num_B, sampling.eos_ids)
+        # One token: a stop string it completes is kept with it (num stays).
+        num_B, hit_stop, stop = stopping.advance(state.stop, next_B[:, None], num_B)
+        hit = hit | hit_stop
     with jax.named_scope("metrics"):
         stats = statistics.update(
             state.stats,
@@ -391,7 +410,7 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
             emitted_B=num_B,
             failed_at_B=jnp.where(failed_B, state.num_generated, -1),
         )
-    state = dataclasses.replace(state, target_cache=t_cache, stats=stats)
+    state = dataclasses.replace(state, target_cache=t_cache, stats=stats, stop=stop)
     with jax.named_scope("emit"):
         next_lp_BT = jnp.take_along_axis(logprobs_BV, next_B[:, None], axis=1)
         return _emit(dec, state, next_B[:, None], next_lp_BT, num_B, hit | failed_B)
@@ -685,8 +704,12 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         bad_B = jnp.minimum(bad_target_B, bad_draft_B)
         failed_B = active_B & (bad_B < num_B)
         num_B = jnp.where(failed_B, bad_B, num_B)
-        # An EOS inside the emitted block ends the row there (before any failure).
+        # An EOS inside the emitted block ends the row there (before any failure), and so does
+        # the first token that completes a stop string in the row's text (whichever is first);
+        # the tokens after it are neither committed nor emitted.
         num_B, hit_eos = _first_eos_length(verdict.tokens, num_B, sampling.eos_ids)
+        num_B, hit_stop, stop = stopping.advance(state.stop, verdict.tokens, num_B)
+        hit_eos = hit_eos | hit_stop
         failed_B = failed_B & ~hit_eos
     with jax.named_scope("commit"):
         new_state = _commit(dec, state, drafts, new_kv, path_BT, verdict.draft_index, num_B)
@@ -703,7 +726,7 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
             root_optimal_B=_root_optimal_acceptance(dec, drafts, root_lp_BV),
             scored_nodes_B=scored_B,
         )
-    new_state = dataclasses.replace(new_state, stats=stats)
+    new_state = dataclasses.replace(new_state, stats=stats, stop=stop)
     with jax.named_scope("emit"):
         block_lp_BT = _emitted_logprobs(path_lp_BTV, verdict)
         return _emit(dec, new_state, verdict.tokens, block_lp_BT, num_B, hit_eos | failed_B)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import decode, footprint, sharding, statistics, trees
+from asps_jax import decode, footprint, sharding, statistics, stopping, trees
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.processors import SamplingParams, validate_sampling_args
@@ -334,6 +334,7 @@ def prepare(
     top_p=None,
     draft_temperature=None,
     eos_token_id=None,
+    stop=None,
     mesh=None,
     prompt_lengths=None,
     diagnostics=False,
@@ -352,8 +353,18 @@ def prepare(
     ``w_d`` children, without replacement for ``"tv"`` and independently for ``"tv_wr"`` and
     ``"is_bv"``; the draft then runs ``prod(w)`` cache replicas (one per root path) and D is the
     draft length.
+
+    ``stop``: a list of strings (at most 16, each 1 to 64 UTF-8 bytes); a row ends after the
+    first token whose text completes an occurrence of one of them in the row's generated text,
+    that token kept (:mod:`asps_jax.stopping`). Needs the target's tokenizer.
     """
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    stop_bytes = stopping.validate_stop(stop)
+    if stop_bytes and getattr(target, "tokenizer", None) is None:
+        raise ValueError(
+            "stop: stop strings are matched against the tokens' text, and the target model was "
+            "loaded without a tokenizer"
+        )
     widths = _check_tree(tree, method, num_drafts, num_draft_tokens)
     if widths:
         num_drafts, num_draft_tokens = math.prod(widths), len(widths)
@@ -438,7 +449,11 @@ def prepare(
         prompts_BP=jnp.asarray(prompts_bp),
         prompt_lengths_B=jnp.asarray(lengths_b),
         row_keys_B=_row_keys(key, batch, padded),
+        stop=None,
     )
+    if stop_bytes:
+        table = stopping.cached_table(target.tokenizer, target.vocab_size)
+        args["stop"] = stopping.stop_strings(table, stop_bytes, padded)
     # Several processes: each passes the full batch, so row keys follow the global row index.
     sharding.check_same_everywhere(
         mesh,
@@ -449,6 +464,7 @@ def prepare(
         args["row_keys_B"],
         *(getattr(sampling, f) for f in ("temperature", "draft_temperature", "top_k", "top_p")),
         sampling.eos_ids,
+        *(() if args["stop"] is None else (args["stop"].strings,)),
     )
     if mesh is not None:  # jit propagates the input shardings through the whole loop
         args = sharding.shard_inputs(args, mesh, {"target": target, "draft": draft})
@@ -553,7 +569,7 @@ class Session:
         self._params = {k: args[k] for k in ("target_params", "draft_params")}
         self._prefill_args = {
             **self._params,
-            **{k: args[k] for k in ("prompts_BP", "prompt_lengths_B", "row_keys_B")},
+            **{k: args[k] for k in ("prompts_BP", "prompt_lengths_B", "row_keys_B", "stop")},
         }
         self._sampling = args["sampling"]
         self._prefill = functools.partial(decode.prefill, self.decoder)

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from asps_jax.kv_cache import CACHE_AXES, KVCache
 from asps_jax.models import family_for_config
+from asps_jax.stopping import StopStrings
 
 MESH_AXES = ("data", "model")
 
@@ -276,7 +277,8 @@ def place_model_params(model, mesh: Mesh, rules: ShardingRules = ShardingRules()
 
 def state_shardings(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """A ``NamedSharding`` per leaf of a decode state (or of its ``eval_shape``): KV caches by
-    ``CACHE_AXES``, every other array along its leading batch axis.
+    ``CACHE_AXES``, the stop strings' tables replicated, every other array along its leading
+    batch axis.
 
     The state between two compiled steps needs *one* fixed layout: an ahead-of-time compiled step
     only accepts the shardings it was compiled for, and jit alone may pick a different layout for
@@ -295,9 +297,12 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):
                 kv = NamedSharding(mesh, P(*kv.spec[1:]))
                 kv = (kv,) * x.shape[0]
             return KVCache(k=kv, v=kv, lengths=rows(x.lengths))
+        if isinstance(x, StopStrings):  # the tables whole on every device, the tails by row
+            whole = jax.tree.map(lambda _: NamedSharding(mesh, P()), x)
+            return dataclasses.replace(whole, tail=rows(x.tail))
         return rows(x)
 
-    return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, KVCache))
+    return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, KVCache | StopStrings))
 
 
 def constrain(x, axes: tuple, mesh: Mesh | None, rules: ShardingRules = ShardingRules()):
@@ -417,6 +422,9 @@ def shard_inputs(
             out[f"{which}_params"] = place_model_params(model, mesh, rules)
     for name in ("prompts_BP", "prompt_lengths_B", "row_keys_B"):
         out[name] = shard_batch(args[name], mesh, rules)
+    if args.get("stop") is not None:  # the tables whole on every device, the tails by row
+        stop = replicate(args["stop"], mesh)
+        out["stop"] = dataclasses.replace(stop, tail=shard_batch(args["stop"].tail, mesh, rules))
     sampling = args["sampling"]
     out["sampling"] = dataclasses.replace(
         sampling,

@@ -275,6 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="nucleus sampling mass in (0, 1] (default: off)",
     )
     p.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="STR",
+        help="stop a row after the first occurrence of STR in its generated text (kept); "
+        "repeatable, at most 16 strings of 1 to 64 UTF-8 bytes (default: none)",
+    )
+    p.add_argument(
         "--max-new-tokens",
         type=_positive_int,
         default=200,
@@ -526,6 +534,7 @@ def run(args) -> int:
         draft_temperature=args.draft_temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        stop=args.stop,
         mesh=mesh,
         return_logprobs=args.json,
     )
@@ -641,6 +650,13 @@ def _main(argv) -> int:
             f"--batch-size {args.batch_size} is smaller than the {prompts} prompts given; raise "
             "it or drop it (default: one row per prompt)"
         )
+    if args.stop:
+        from asps_jax.stopping import validate_stop
+
+        try:
+            validate_stop(args.stop, name="--stop")
+        except ValueError as err:
+            parser.error(str(err))
     try:
         return run(args)
     except KeyboardInterrupt:  # raised by code that runs with Python's handler (another thread)

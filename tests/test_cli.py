@@ -45,7 +45,7 @@ def test_every_flag_in_one_json_run(capsys):
             "--method", "specinfer", "--num-draft-tokens", "3", "--num-drafts", "2",
             "--temperature", "0.9", "--draft-temperature", "1.2", "--top-k", "50",
             "--top-p", "0.95", "--max-new-tokens", "10", "--batch-size", "3", "--seed", "5",
-            "--dtype", "bf16", "--json",
+            "--dtype", "bf16", "--stop", "e", "--stop", "\n", "--stop", "e", "--json",
         ]
     )  # fmt: skip
     assert code == 0
@@ -59,6 +59,19 @@ def test_every_flag_in_one_json_run(capsys):
     # One finite, non-positive log-probability per emitted token.
     assert [len(lp) for lp in result["logprobs"]] == [len(t) for t in result["tokens"]]
     assert all(math.isfinite(x) and x <= 0.0 for lp in result["logprobs"] for x in lp)
+    # --stop: a row ends at the first token whose text completes "e" or a newline.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "models" / "tinyshakespeare-target"))
+    stopped = 0
+    for tokens, text in zip(result["tokens"], result["texts"]):
+        before = tok.decode(tokens[:-1], skip_special_tokens=True)
+        assert text == tok.decode(tokens, skip_special_tokens=True)
+        assert "e" not in before and "\n" not in before
+        hit = "e" in text or "\n" in text
+        assert hit or len(tokens) == 10
+        stopped += hit
+    assert stopped >= 1
 
 
 def test_greedy_ar_and_asps_print_the_same_text(capsys):
@@ -118,6 +131,9 @@ def test_runs_as_a_subprocess_without_network():
         (["--method", "ar", "--tree", "2,2"], "uses no draft (drop --tree)"),
         (["--prompt", "ROMEO\udcff"], "argument --prompt: expected UTF-8 text, got byte 0xff"),
         (["--prompt", "ok", "--prompt", "\ud800"], "argument --prompt: expected UTF-8 text"),
+        (["--stop", "a", "--stop", ""], "--stop '' is empty"),
+        (["--stop", "x" * 65], "at most 64"),
+        ([arg for i in range(17) for arg in ("--stop", str(i))], "at most 16"),
     ],
 )
 def test_bad_flags_exit_with_one_line(capsys, argv, needle):

@@ -29,6 +29,7 @@ import asps_jax
 from asps_jax import sharding
 from asps_jax.kv_cache import KVCache
 from asps_jax.models import LlamaConfig, llama
+from asps_jax.stopping import StopStrings
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -36,10 +37,11 @@ ROOT = HERE.parent
 CASES = {"asps": 1, "specinfer": 2}  # method -> number of drafts K
 MESHES = ("data=2,model=4", "data=8,model=1")
 PROMPTS = [[1, 5, 3], [4, 7, 9, 1, 0, 11, 6], [2]]
-# The CLI streams through Session (prefill + compiled steps): K = 2 covers the B * K draft cache.
+# The CLI streams through Session (prefill + compiled steps): K = 2 covers the B * K draft cache;
+# a stop string puts the stop tables (replicated) and each row's tail (split by rows) in the state.
 CLI_ARGS = ["--method", "specinfer", "--num-drafts", "2", "--num-draft-tokens", "2"]
 CLI_ARGS += ["--max-new-tokens", "8", "--batch-size", "2", "--seed", "3", "--prompt", "ROMEO:"]
-CLI_ARGS += ["--json"]
+CLI_ARGS += ["--stop", "e", "--json"]
 
 
 def sample_kwargs(method: str) -> dict:
@@ -140,7 +142,9 @@ def test_cli_mesh_flag_gives_the_same_tokens(runs):
     assert report["cli_code"] == 0
     assert report["cli"]["tokens"] == local["cli"]["tokens"]
     assert report["cli"]["texts"] == local["cli"]["texts"]
-    assert all(len(r) == 8 for r in local["cli"]["tokens"])
+    lengths = [len(r) for r in local["cli"]["tokens"]]
+    stopped = ["e" in t for t in local["cli"]["texts"]]
+    assert all(hit or n == 8 for hit, n in zip(stopped, lengths)) and any(stopped), lengths
 
 
 # --- rules ------------------------------------------------------------------------------------
@@ -185,6 +189,7 @@ def test_state_layout_splits_rows_and_kv_heads():
         "draft_cache": KVCache(k=sds(2, 16, 4, 64, 4), v=sds(2, 16, 4, 64, 4), lengths=sds(16)),
         "tokens": sds(8, 9),
         "odd_rows": sds(3),
+        "stop": StopStrings(sds(12, 8), sds(12), sds(4, 8), sds(4), sds(8, 7)),
     }
     shapes = sharding.sharded_shapes(state, mesh)
     specs = jax.tree.map(lambda s: s.sharding.spec, shapes)
@@ -192,6 +197,9 @@ def test_state_layout_splits_rows_and_kv_heads():
     assert specs["draft_cache"].v == P(None, "data", "model", None, None)
     assert specs["draft_cache"].lengths == P("data") and specs["tokens"] == P("data", None)
     assert specs["odd_rows"] == P(None)
+    # The stop strings' tables whole on every device (12 token rows would split), tails by rows.
+    assert specs["stop"].token_bytes == P() and specs["stop"].strings == P()
+    assert specs["stop"].tail == P("data", None)
     assert shapes["tokens"].shape == (8, 9)
 
 
