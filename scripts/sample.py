@@ -659,7 +659,7 @@ def _main(argv) -> int:
             parser.error(str(err))
     try:
         return run(args)
-    except KeyboardInterrupt:  # raised by code that runs with Python's handler (another thread)
+    except KeyboardInterrupt:  # raised as such: main() off the main thread keeps Python's handler
         print("\nsample.py: interrupted; nothing was generated", file=sys.stderr)
         return INTERRUPTED
     except (ValueError, FileNotFoundError, NotImplementedError, FloatingPointError) as err:
