@@ -81,7 +81,17 @@ class Family(Protocol):
 
 
 # The registry: adding a family is one more name here (a module of asps_jax.models).
-FAMILY_MODULES = ("llama", "opt", "gpt2", "gpt_neo")
+FAMILY_MODULES = (
+    "llama",
+    "opt",
+    "gpt2",
+    "gpt_neo",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+)
 _REQUIRED = (
     "MODEL_TYPE ARCHITECTURE CONFIG_CLASS HF_PREFIX HF_TENSORS HF_IGNORED "
     "config_from_hf param_shapes init_params forward"
@@ -111,6 +121,9 @@ def family_for_type(model_type: str | None, where: str = "config"):
 
 
 def family_for_config(config):
+    for family in FAMILIES.values():  # the exact class first: family configs may share a base
+        if type(config) is family.CONFIG_CLASS:
+            return family
     for family in FAMILIES.values():
         if isinstance(config, family.CONFIG_CLASS):
             return family
