@@ -38,15 +38,19 @@ def gemma_fields(d: dict, model_type: str, default_theta: float) -> dict:
     return dict(
         fields,
         hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
-        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)),
+        query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
         final_logit_softcapping=d.get("final_logit_softcapping"),
     )
+
+
+def _int_if_whole(x):
+    return int(x) if x is not None and float(x).is_integer() else x  # transformers wants an int
 
 
 def gemma_hf(config: decoder.DecoderConfig) -> dict:
     return {
         "hidden_activation": config.hidden_act,
-        "query_pre_attn_scalar": config.query_pre_attn_scalar,
+        "query_pre_attn_scalar": _int_if_whole(config.query_pre_attn_scalar),
         "final_logit_softcapping": config.final_logit_softcapping,
         "attn_logit_softcapping": config.attn_logit_softcapping,
         "attention_bias": False,

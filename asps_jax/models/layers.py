@@ -33,7 +33,13 @@ def rms_norm(x_BTE: jax.Array, scale_E: jax.Array, eps: float) -> jax.Array:
     # Like HF: normalise in float32, cast back to the activation dtype, then scale.
     x = x_BTE.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return scale_E[None, None, :] * x.astype(x_BTE.dtype)
+    return _last_axis(scale_E, x.ndim) * x.astype(x_BTE.dtype)
+
+
+def _last_axis(w: jax.Array, ndim: int) -> jax.Array:
+    """A vector shaped to broadcast along the last of ``ndim`` axes (norms over [B, T, E] and,
+    for q/k norms, over [B, T, heads, H])."""
+    return w.reshape((1,) * (ndim - 1) + (-1,))
 
 
 def rms_norm_offset(x_BTE: jax.Array, w_E: jax.Array, eps: float) -> jax.Array:
@@ -41,7 +47,7 @@ def rms_norm_offset(x_BTE: jax.Array, w_E: jax.Array, eps: float) -> jax.Array:
     then cast back to the activation dtype (transformers' ``Gemma2RMSNorm``)."""
     x = x_BTE.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return (x * (1.0 + w_E.astype(jnp.float32))).astype(x_BTE.dtype)
+    return (x * (1.0 + _last_axis(w_E, x.ndim).astype(jnp.float32))).astype(x_BTE.dtype)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
