@@ -75,7 +75,8 @@ def test_padding_rows_pair_and_are_masked(padded_pair):
     big = expected >= 5
     obs = np.append(counts[big], counts[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
-    pvalue = sps_stats.chisquare(obs, exp).pvalue
+    keep = exp > 0
+    pvalue = sps_stats.chisquare(obs[keep], exp[keep]).pvalue
     assert pvalue > 1e-3, pvalue
     assert np.asarray(out.stats["tokens_per_step"])[:ROWS].mean() > 1.05  # drafts accepted
 
