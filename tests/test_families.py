@@ -29,7 +29,15 @@ from test_scoring import hand_tree, prefill, random_validity, root_path, tree_sc
 
 import asps_jax
 from asps_jax.kv_cache import commit, init_cache
-from asps_jax.models import FAMILIES, ModelConfig, base, forward_for, load_model, save_checkpoint
+from asps_jax.models import (
+    FAMILIES,
+    ModelConfig,
+    base,
+    cards,
+    forward_for,
+    load_model,
+    save_checkpoint,
+)
 from asps_jax.sharding import ShardingRules
 
 V = 96  # the vocabulary of hf_checkpoints.FAMILY_CONFIGS
@@ -346,6 +354,71 @@ def test_greedy_sample_is_generate(tmp_path, family, methods):
             eos_token_id=-1,
         )
         assert np.asarray(out.tokens).tolist() == expected, method
+
+
+NEW_CARDS = ["llama-3.1-8b", "llama-3.2-1b", "qwen2.5-7b", "qwen2.5-0.5b", "qwen3-8b",
+             "qwen3-0.6b", "gemma-2-9b", "gemma-2-2b", "gemma-3-1b", "gemma-3-270m",
+             "mistral-7b"]  # fmt: skip
+
+
+@pytest.mark.parametrize("alias", NEW_CARDS)
+def test_card_numbers_are_what_the_loaded_config_writes(alias):
+    """``load_model`` compares a card's architecture with ``config.to_hf()`` of the checkpoint:
+    a card key our config does not write back unchanged would refuse the real checkpoint. Pairs
+    point at each other and pair by the rule (equal rows, or Qwen2.5's padded ones)."""
+    card = json.loads((cards.MODELS_DIR / alias / "card.json").read_text())
+    arch = card["architecture"]
+    config = FAMILIES[arch["model_type"]].config_from_hf(arch)
+    written = config.to_hf()
+    assert {k: written[k] for k in arch} == arch
+    assert card["fetch_command"] == f"hf download {card['repo_id']}"
+    if "pair" in card:
+        other = json.loads((cards.MODELS_DIR / card["pair"]["alias"] / "card.json").read_text())
+        assert other["pair"] == {"role": card["role"], "alias": alias}
+        assert other["architecture"]["model_type"] == arch["model_type"]
+        rows = {arch["vocab_size"], other["architecture"]["vocab_size"]}
+        assert len(rows) == 1 or rows == {152064, 151936}  # Qwen2.5: padded rows, masked
+
+
+# Published config.json forms (transformers 4 keys), trimmed to what the ports read.
+PUBLISHED = {
+    "qwen2": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+              "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+              "num_key_value_heads": 2, "rope_theta": 1000000.0, "sliding_window": 131072,
+              "use_sliding_window": False, "max_window_layers": 21, "tie_word_embeddings": True},
+    "gemma2": {"model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304,
+               "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "hidden_act": "gelu_pytorch_tanh",
+               "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 10000.0},
+    "gemma3_text": {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 3840,
+                    "intermediate_size": 15360, "num_hidden_layers": 48,
+                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                    "query_pre_attn_scalar": 256, "sliding_window": 1024,
+                    "sliding_window_pattern": 6, "rope_theta": 1000000.0,
+                    "rope_local_base_freq": 10000.0,
+                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(PUBLISHED))
+def test_published_config_forms_read_like_transformers(family):
+    """Windows per layer, RoPE bases and scaling as transformers' own config class reads them."""
+    d = PUBLISHED[family]
+    ours = FAMILIES[family].config_from_hf(d)
+    name = {"qwen2": "Qwen2Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
+    theirs = getattr(transformers, name[family])(**d)
+    windows = [
+        theirs.sliding_window if t == "sliding_attention" else None for t in theirs.layer_types
+    ]
+    assert [ours.window(i) for i in range(ours.num_hidden_layers)] == windows
+    rope = getattr(theirs, "rope_parameters", None) or {}
+    for i, layer_type in enumerate(theirs.layer_types):
+        params = rope.get(layer_type, rope)
+        theta, scaling = ours.rope(i)
+        assert theta == params["rope_theta"]
+        assert (scaling.factor if scaling else 1.0) == params.get("factor", 1.0)
 
 
 def test_registry_checks_the_family_contract():
