@@ -226,8 +226,13 @@ def nnx_model(module, **kwargs):
     as ``nnx.to_pure_dict`` gives; ``param_axes`` follows that structure); its other state is held
     fixed, and a call that changes any of the module's state (a cache or counter kept in an
     ``nnx.Variable``) is a :class:`ContractError`."""
-    import flax
-    from flax import nnx
+    try:
+        import flax
+        from flax import nnx
+    except ImportError as e:
+        raise ImportError(
+            f"nnx_model needs Flax ({e}); pip install 'asps_jax[nnx]' (or flax>=0.12)"
+        ) from None
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
