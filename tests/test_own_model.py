@@ -5,6 +5,7 @@ mask: independent of our cache, tree and commit plumbing), and the contract erro
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import jax
@@ -207,3 +208,64 @@ def test_param_axes_must_follow_the_params():
             max_position_embeddings=16,
             param_axes={"x": ("vocab", "embed")},
         )
+
+
+# The docs example on 8 fake CPU devices (a subprocess: the device count is fixed at JAX's start),
+# its parameters placed by a user-given param_axes; greedy tokens equal one device's.
+MESH_WORKER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import jax, numpy as np
+import asps_jax
+from asps_jax import sharding
+from test_own_model import docs_example
+ns = docs_example()
+axes = {{"embed": {{"embedding": ("vocab", "embed")}}, "pos": {{"embedding": (None, "embed")}},
+        "qkv": {{"kernel": ("embed", "heads"), "bias": ("heads",)}},
+        "out": {{"kernel": ("heads", "embed"), "bias": ("embed",)}},
+        "head": {{"kernel": ("embed", "vocab"), "bias": ("vocab",)}}}}
+target = ns["wrap"](ns["TinyLM"](12, 32, 2, 8, rngs=ns["nnx"].Rngs(0)), param_axes=axes)
+draft = ns["wrap"](ns["TinyLM"](12, 16, 2, 8, rngs=ns["nnx"].Rngs(1)), param_axes=axes)
+mesh = asps_jax.make_mesh("data=2,model=4")
+placed = sharding.place_model_params(target, mesh)
+out = asps_jax.sample(target, draft, [[1, 5, 3], [2]], method="asps", key=jax.random.key(0),
+                      max_new_tokens=8, num_draft_tokens=3, temperature=0.0, mesh=mesh)
+print(json.dumps({{"tokens": np.asarray(out.tokens).tolist(),
+                  "head": str(placed["head"]["kernel"].sharding.spec),
+                  "devices": len(jax.devices())}}))
+"""
+
+
+def test_own_model_on_a_mesh_by_param_axes(example):
+    import json
+    import os
+    import subprocess
+
+    from subprocess_env import xla_flags
+
+    tests = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
+    env["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=8")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(tests).parent), env.get("PYTHONPATH", "")])
+    worker = subprocess.Popen(
+        [sys.executable, "-c", MESH_WORKER.format(tests=tests)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    local = asps_jax.sample(  # the example's compiled loop, at temperature 0
+        example["target"],
+        example["draft"],
+        [[1, 5, 3], [2]],
+        method="asps",
+        key=jax.random.key(0),
+        max_new_tokens=8,
+        num_draft_tokens=3,
+        temperature=0.0,
+    )
+    stdout, stderr = worker.communicate(timeout=600)
+    assert worker.returncode == 0, stderr[-3000:]
+    got = json.loads(stdout.strip().splitlines()[-1])
+    assert got["devices"] == 8 and "model" in got["head"]
+    assert got["tokens"] == np.asarray(local.tokens).tolist()
