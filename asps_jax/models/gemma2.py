@@ -21,8 +21,9 @@ MODEL_TYPE = "gemma2"
 ARCHITECTURE = "Gemma2ForCausalLM"
 
 
-def gemma_fields(d: dict, model_type: str, default_theta: float) -> dict:
-    """What Gemma 2 and Gemma 3 read alike: the activation, the scaling and the capping."""
+def gemma_fields(d: dict, model_type: str, default_theta: float, final_cap: float | None) -> dict:
+    """What Gemma 2 and Gemma 3 read alike: the activation, the scaling and the capping
+    (``final_cap``: transformers' default ``final_logit_softcapping`` of the family)."""
     for flag in ("attention_bias", "use_bidirectional_attention"):
         if d.get(flag):
             raise ValueError(f"config: {flag}=true is not supported by this port")
@@ -39,7 +40,7 @@ def gemma_fields(d: dict, model_type: str, default_theta: float) -> dict:
         fields,
         hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
         query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
-        final_logit_softcapping=d.get("final_logit_softcapping"),
+        final_logit_softcapping=d.get("final_logit_softcapping", final_cap),
     )
 
 
@@ -65,7 +66,7 @@ class Gemma2Config(decoder.DecoderConfig):
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> Gemma2Config:
-        fields = gemma_fields(d, MODEL_TYPE, 10000.0)
+        fields = gemma_fields(d, MODEL_TYPE, 10000.0, 30.0)
         window = d.get("sliding_window", 4096)
         types = decoder.window_layers(
             d, fields["num_hidden_layers"], window, lambda i: (i + 1) % 2 != 0

@@ -43,7 +43,7 @@ class Gemma3TextConfig(decoder.DecoderConfig):
             local_theta = local.get("rope_theta", 10000.0)
         else:
             local_theta = d.get("rope_local_base_freq", 10000.0)
-        fields = gemma_fields(d, MODEL_TYPE, 1_000_000.0)
+        fields = gemma_fields(d, MODEL_TYPE, 1_000_000.0, None)
         window = d.get("sliding_window", 4096)
         pattern = int(d.get("sliding_window_pattern", 6))
         types = decoder.window_layers(

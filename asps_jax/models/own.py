@@ -52,7 +52,9 @@ class OwnConfig:
     parameter layout by its tree structure and ``(shape, axes)`` leaves.
     """
 
-    apply: Callable  # forward(params, tokens, positions, mask, cache) -> (logits, new_kv)
+    # forward(params, tokens, positions, mask, cache) -> (logits, new_kv). Not in the repr: a
+    # function's address differs between processes, which compare the decoder's repr.
+    apply: Callable = dataclasses.field(repr=False)
     vocab_size: int
     num_hidden_layers: int
     num_key_value_heads: int
