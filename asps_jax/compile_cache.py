@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 ENV_DIR = "ASPS_JAX_CACHE_DIR"
@@ -33,21 +34,40 @@ def disabled_by_env() -> bool:
     return os.environ.get(ENV_OFF, "").strip().lower() not in ("", "0", "false", "no")
 
 
-def enable(path: str | os.PathLike | None = None) -> Path | None:
+def _unusable(directory: Path) -> str | None:
+    """Why ``directory`` cannot hold the cache (it cannot be created, or written), or None."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # Every compile writes an entry (and takes a lock file) here: a directory that takes no
+        # file would have JAX warn at each one instead.
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return f"{err.strerror or err}"
+    return None
+
+
+def enable(path: str | os.PathLike | None = None, notify=None) -> Path | None:
     """Turn on JAX's persistent compilation cache; returns its directory, or None when it is off.
 
-    Off when ``$ASPS_JAX_NO_CACHE`` is set, or when the directory cannot be created (a read-only
-    home, say: the run then compiles as usual rather than failing). Every program is cached,
-    however small or quick to compile, because a CLI run is a handful of programs that all recur.
-    Call it before anything is compiled: jax decides once per process, at the first compilation,
-    whether the persistent cache is in use.
+    Off when ``$ASPS_JAX_NO_CACHE`` is set, or when the directory cannot be created or written (a
+    read-only home, say: the run then compiles as usual rather than failing or warning at every
+    compile); ``notify``, if given, is then called once with a one-line message saying so.
+    Every program is cached, however small or quick to compile, because a CLI run is a handful of
+    programs that all recur. Call it before anything is compiled: jax decides once per process,
+    at the first compilation, whether the persistent cache is in use.
     """
     if disabled_by_env():
         return None
     directory = Path(path).expanduser() if path is not None else default_dir()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError:
+    problem = _unusable(directory)
+    if problem is not None:
+        if notify is not None:
+            notify(
+                f"the compilation cache directory {directory} cannot be used ({problem}); "
+                f"compiling without it (set {ENV_DIR} to move it, {ENV_OFF}=1 to turn it off)"
+            )
         return None
     import jax
 

@@ -30,8 +30,8 @@ Randomness: one key per row; step keys are ``fold_in(row_key, tokens generated s
 by purpose (draft chain k, verification). A row's tokens thus depend only on its key, its prompt and
 the sampling parameters, never on the rest of the batch.
 
-Shape letters (README glossary): B batch, T query tokens, S cache length, N tree nodes, D tree depth
-(= n, the draft length), K drafts, V vocabulary.
+Shape letters (docs/design.md, Shapes): B batch, T query tokens, S cache length, N tree nodes,
+D tree depth (= n, the draft length), K drafts, V vocabulary.
 """
 
 from __future__ import annotations

@@ -503,22 +503,25 @@ def sample(
 
 
 @contextlib.contextmanager
-def _sigint_deferred():
-    """Hold SIGINT (Ctrl-C) back for the duration of the block, then raise KeyboardInterrupt if
-    one came. Outside the main thread, or when SIGINT is not Python's default handler, a no-op."""
+def _sigint_recorded() -> Iterator[threading.Event]:
+    """Record SIGINT (Ctrl-C) during the block in the yielded event instead of raising
+    KeyboardInterrupt wherever it lands: one that lands while a finaliser or weakref callback runs
+    (a JAX buffer's, say) is printed as "Exception ignored" and lost. The caller acts on the event
+    at its next boundary. Installed only on the main thread while SIGINT has Python's default
+    handler (a program with its own handler keeps it, and acts on it itself); the previous handler
+    is restored on leaving (``signal.signal`` runs a pending handler first, so nothing slips
+    between)."""
+    received = threading.Event()
     if threading.current_thread() is not threading.main_thread() or (
         signal.getsignal(signal.SIGINT) is not signal.default_int_handler
     ):
-        yield
+        yield received
         return
-    received = []
-    previous = signal.signal(signal.SIGINT, lambda *_: received.append(True))
+    previous = signal.signal(signal.SIGINT, lambda *_: received.set())
     try:
-        yield
+        yield received
     finally:
         signal.signal(signal.SIGINT, previous)
-    if received:
-        raise KeyboardInterrupt
 
 
 class Session:
@@ -570,22 +573,35 @@ class Session:
         return time.perf_counter() - start
 
     def steps(self) -> Iterator[list[list[int]]]:
-        state = self._place(self._prefill(**self._prefill_args))
+        """Yield each row's new tokens after every compiled step, until every row is done.
+
+        Ctrl-C while a step runs (or prefill) is held until the step's state is kept, then raised
+        as KeyboardInterrupt from ``next()`` instead of yielding: ``result()`` has every step that
+        finished, that one included. Between ``next()`` calls SIGINT is the caller's.
+        """
+        with _sigint_recorded() as interrupt:
+            state = self._place(self._prefill(**self._prefill_args))
+        if interrupt.is_set():
+            raise KeyboardInterrupt
         seen = np.zeros(self.batch_size, np.int64)
         while True:
-            # The step donates the old state: a Ctrl-C between that and keeping the new one would
-            # leave result() nothing but deleted buffers, so it waits until the new one is kept.
-            with _sigint_deferred():
+            # The step donates the old state: the new one is kept before anything else can happen.
+            with _sigint_recorded() as interrupt:
                 state = self._place(
                     self._step(**self._params, sampling=self._sampling, state=state)
                 )
                 self._state = state
-            view = sharding.to_local((state.num_generated, state.tokens, state.done), self._mesh)
-            generated = np.asarray(view[0])[: self.batch_size]
-            tokens = np.asarray(view[1])
+                view = sharding.to_local(
+                    (state.num_generated, state.tokens, state.done), self._mesh
+                )
+                generated = np.asarray(view[0])[: self.batch_size]
+                tokens = np.asarray(view[1])
+                done = bool(np.all(np.asarray(view[2])))
+            if interrupt.is_set():
+                raise KeyboardInterrupt
             yield [tokens[b, seen[b] : generated[b]].tolist() for b in range(self.batch_size)]
             seen = generated
-            if bool(np.all(np.asarray(view[2]))):
+            if done:
                 return
 
     def result(self) -> SampleOutput:

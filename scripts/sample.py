@@ -16,20 +16,58 @@ detects the rest on a TPU pod slice, Slurm or Open MPI) or ``--coordinator HOST:
 ``data=<all devices>``) and only process 0 prints.
 
 Exit status: 0 done; 1 a model produced NaN / inf logits (the text generated before is printed);
-2 a bad argument or environment; 130 interrupted (Ctrl-C: the text so far and its statistics are
-printed).
+2 a bad argument or environment; 130 interrupted (Ctrl-C, honoured from start-up to the end at
+the next boundary: the text so far and its statistics are printed).
 """
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
-import logging
-import math
-import os
-import sys
-import time
+import signal  # first: a Ctrl-C from here on is recorded (see _record_sigint)
+
+
+class _CtrlC:
+    """Whether SIGINT (Ctrl-C) came during :func:`main`.
+
+    The handler only records it; the command acts on it at its next boundary (between start-up
+    stages, before and after compiling, between decode steps): printing the text so far and its
+    statistics, exit status 130. Python's own handler raises KeyboardInterrupt wherever the signal
+    lands instead, and one that lands while a finaliser or weakref callback runs (JAX runs many) is
+    printed as "Exception ignored" and lost.
+    """
+
+    requested = False
+
+
+def _record_sigint(signum, frame) -> None:
+    _CtrlC.requested = True
+
+
+def _take_sigint():
+    """Install :func:`_record_sigint`; returns the handler it replaced, or None where it did not
+    (SIGINT ignored, as for a background job, or a handler not set from Python, or not the main
+    thread)."""
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is None or previous is signal.SIG_IGN:
+            return None
+        signal.signal(signal.SIGINT, _record_sigint)
+    except ValueError:  # signal handlers are set from the main thread only
+        return None
+    return previous
+
+
+if __name__ == "__main__":  # as early as possible: the imports below take a while
+    _take_sigint()
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
 
 DEFAULT_TARGET = "tinyshakespeare-target"
 DEFAULT_DRAFT = "tinyshakespeare-draft"
@@ -61,6 +99,48 @@ _top_p = _checked(float, lambda v: 0.0 < v <= 1.0, "a top-p in (0, 1]")
 _seed = _checked(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
 _non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 INTERRUPTED = 130
+
+
+def _text(text: str) -> str:
+    """``--prompt``: text that is valid Unicode (a byte that is not UTF-8 reaches ``argv`` as a
+    lone surrogate, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = text[err.start]
+        what = f"byte 0x{ord(bad) - 0xDC00:02x}" if "\udc80" <= bad <= "\udcff" else repr(bad)
+        raise argparse.ArgumentTypeError(
+            f"expected UTF-8 text, got {what} at character {err.start}"
+        ) from None
+    return text
+
+
+class _Interrupted(Exception):
+    """Ctrl-C came before anything was generated; ``stage`` says what was under way."""
+
+    def __init__(self, stage: str):
+        super().__init__(stage)
+        self.stage = stage
+
+
+def _stop_if_interrupted(stage: str) -> None:
+    """A boundary: act on a Ctrl-C recorded since the last one."""
+    if _CtrlC.requested:
+        raise _Interrupted(stage)
+
+
+@contextlib.contextmanager
+def _sigint_recorded():
+    """:func:`_record_sigint` for the block (the flag cleared unless it is already the handler,
+    as when run as a script), the previous handler restored after."""
+    previous = _take_sigint()
+    if previous is not _record_sigint:
+        _CtrlC.requested = False
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _widths(text: str) -> tuple[int, ...]:
@@ -131,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prompt",
         action="append",
+        type=_text,
         default=None,
         metavar="TEXT",
         help="prompt text; repeat the flag for several prompts (default: a line of "
@@ -370,6 +451,18 @@ def _claim_stdout():
     return os.fdopen(original, "w", buffering=1)
 
 
+def _strict_json(value):
+    """``value`` with every non-finite float replaced by None: strict JSON has no NaN or Infinity
+    (a figure undefined by the run, such as a standard error over one step, is ``null``)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(v) for v in value]
+    return value
+
+
 def run(args) -> int:
     import jax
     import numpy as np
@@ -380,6 +473,7 @@ def run(args) -> int:
     from asps_jax.sharding import init_distributed, make_mesh
     from asps_jax.textstream import TextStream
 
+    _stop_if_interrupted("starting")
     distributed = args.distributed or any(
         v is not None for v in (args.coordinator, args.num_processes, args.process_id)
     )
@@ -390,16 +484,19 @@ def run(args) -> int:
         if args.mesh is None:
             args.mesh = f"data={jax.device_count()}"
     if not args.no_compile_cache:
-        compile_cache.enable()
+        compile_cache.enable(notify=lambda m: print(f"sample.py: note: {m}", file=sys.stderr))
 
     # Built before loading the models: a mesh that does not fit the devices fails fast.
     mesh = None if args.mesh is None else make_mesh(args.mesh)
     # Several processes compute the same rows: process 0 prints them.
     primary = jax.process_index() == 0
+    _stop_if_interrupted("starting")
     start = time.perf_counter()
     dtype = DTYPES[args.dtype]
     target = asps_jax.load_model(args.target, dtype=dtype)
+    _stop_if_interrupted("loading the models")
     draft = asps_jax.load_model(args.draft, dtype=dtype) if args.method != "ar" else None
+    _stop_if_interrupted("loading the models")
     tokenizer = target.tokenizer
     if tokenizer is None:
         raise FileNotFoundError(f"{args.target}: no tokenizer files next to the checkpoint")
@@ -430,6 +527,7 @@ def run(args) -> int:
         mesh=mesh,
         return_logprobs=args.json,
     )
+    _stop_if_interrupted("preparing the batch")
     out_stream = stdout if primary else io.StringIO()
     if not args.json and primary:
         print(
@@ -441,8 +539,8 @@ def run(args) -> int:
     try:
         compile_s = session.compile()
     except KeyboardInterrupt:
-        print("\nsample.py: interrupted while compiling; nothing was generated", file=sys.stderr)
-        return INTERRUPTED
+        raise _Interrupted("compiling") from None
+    _stop_if_interrupted("compiling")
     if not args.json:
         print(texts[0], end="", file=out_stream, flush=True)
     start = time.perf_counter()
@@ -451,12 +549,14 @@ def run(args) -> int:
     try:
         for new in session.steps():
             step += 1
-            if args.json:
-                continue
-            print(text_stream.push(new[0]), end="", file=out_stream, flush=True)
-            if step % 25 == 0 and args.batch_size > 1 and primary:
-                print(f"\n[step {step}]", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
+            if not args.json:
+                print(text_stream.push(new[0]), end="", file=out_stream, flush=True)
+                if step % 25 == 0 and args.batch_size > 1 and primary:
+                    print(f"\n[step {step}]", file=sys.stderr, flush=True)
+            if _CtrlC.requested:  # the boundary between two steps
+                interrupted = True
+                break
+    except KeyboardInterrupt:  # raised by steps() itself when SIGINT is Python's default
         interrupted = True
     run_s = time.perf_counter() - start
     if step == 0:  # interrupted before the first step finished
@@ -479,14 +579,14 @@ def run(args) -> int:
         logprobs = np.asarray(out.logprobs)
         summary["logprobs"] = [logprobs[b, : lengths[b]].tolist() for b in range(lengths.size)]
         summary["texts"] = [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
-        print(json.dumps(summary), file=out_stream)
+        print(json.dumps(_strict_json(summary), allow_nan=False), file=out_stream)
     else:
         print(text_stream.flush(), file=out_stream)
         _print_summary(summary, out_stream)
     if failure is not None:
         print(f"sample.py: error: {_nonfinite_message(failure)}", file=sys.stderr)
         return 1
-    if interrupted:
+    if interrupted or _CtrlC.requested:
         print(
             f"sample.py: interrupted after {summary['new_tokens']} new tokens (statistics above)",
             file=sys.stderr,
@@ -496,10 +596,34 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
+    """Run the command; returns the exit status. Ctrl-C is recorded from the first instruction to
+    the last and acted on at the next boundary (exit status 130)."""
+    with _sigint_recorded():
+        try:
+            return _main(argv)
+        except _Interrupted as stop:
+            print(
+                f"\nsample.py: interrupted while {stop.stage}; nothing was generated",
+                file=sys.stderr,
+            )
+            return INTERRUPTED
+
+
+def _main(argv) -> int:
     silence_notices()
+    _stop_if_interrupted("starting")
+    from asps_jax.verify.api import TREE_METHODS
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    _stop_if_interrupted("starting")
     if args.tree is not None:
+        if args.method not in TREE_METHODS:  # before --tree sets --num-drafts, which ar refuses
+            does = "uses no draft" if args.method == "ar" else "verifies draft chains"
+            parser.error(
+                f"--tree drafts a branching tree, which the tree methods "
+                f"({', '.join(TREE_METHODS)}) verify; --method {args.method} {does} (drop --tree)"
+            )
         implied = {"num_drafts": math.prod(args.tree), "num_draft_tokens": len(args.tree)}
         for name, value in implied.items():
             given = getattr(args, name)
@@ -517,7 +641,7 @@ def main(argv=None) -> int:
         )
     try:
         return run(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # raised by code that runs with Python's handler (another thread)
         print("\nsample.py: interrupted; nothing was generated", file=sys.stderr)
         return INTERRUPTED
     except (ValueError, FileNotFoundError, NotImplementedError, FloatingPointError) as err:

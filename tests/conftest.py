@@ -1,9 +1,19 @@
 """Test-wide JAX settings: loud rank promotion, CPU only (tests never need an accelerator), one
-on-disk compilation cache per test run, and a bounded number of compiled programs held at once."""
+on-disk compilation cache per test run, and a bounded number of compiled programs held at once.
+
+Each test leaves the process as it found it (``_process_state_restored``): JAX's configuration, the
+environment, the SIGINT / SIGTERM handlers and the filters on every logger are restored after it,
+so that no test passes or fails by what ran before it in the same worker (``scripts/sample.py``'s
+``main``, run in-process by the CLI tests, turns the compilation cache on for every program and
+filters two loggers). ``isolated_logging`` restores the loggers' handlers, levels and propagation
+as well, for tests that change those.
+"""
 
 import gc
+import logging
 import os
 import shutil
+import signal
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -14,8 +24,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A compiled decoding loop takes seconds, and the same one recurs across test files, workers and
 # processes; the cache hands back the executable XLA compiled, so no test is weakened. Tests of
 # the cache itself pass their own directory; ASPS_JAX_NO_CACHE=1 turns it off.
+# A directory given in $ASPS_JAX_TEST_RUN_CACHE is used and kept (several runs can share one).
 _RUN_CACHE_ENV = "ASPS_JAX_TEST_RUN_CACHE"
-if _RUN_CACHE_ENV not in os.environ:
+_RUN_CACHE_MADE_HERE = _RUN_CACHE_ENV not in os.environ
+if _RUN_CACHE_MADE_HERE:
     os.environ[_RUN_CACHE_ENV] = tempfile.mkdtemp(prefix="asps_jax_test_cache_")
 RUN_CACHE_DIR = os.environ[_RUN_CACHE_ENV]
 os.environ["ASPS_JAX_CACHE_DIR"] = RUN_CACHE_DIR
@@ -32,7 +44,7 @@ if compile_cache.enable(RUN_CACHE_DIR) is not None:
 
 
 def pytest_sessionfinish(session):
-    if not hasattr(session.config, "workerinput"):  # the process that made the directory
+    if _RUN_CACHE_MADE_HERE:  # the process that made the directory (xdist's controller)
         shutil.rmtree(RUN_CACHE_DIR, ignore_errors=True)
 
 
@@ -57,3 +69,73 @@ def _bounded_compiled_programs():
     if _num_mappings() > MAX_MAPPINGS:
         jax.clear_caches()
         gc.collect()
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)  # pytest's own, set per test phase
+
+
+def _is_pytest_handler(handler) -> bool:  # pytest's capture handlers come and go per phase
+    return type(handler).__module__.startswith("_pytest")
+
+
+def _made_since(known) -> list[logging.Logger]:
+    """The loggers made since ``known`` was taken (a filter set on one then stays otherwise)."""
+    return [
+        lg
+        for lg in list(logging.Logger.manager.loggerDict.values())
+        if isinstance(lg, logging.Logger) and lg not in known
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    config = dict(jax.config.values)
+    environ = dict(os.environ)
+    handlers = {s: signal.getsignal(s) for s in _SIGNALS}
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    filters = {lg: list(lg.filters) for lg in loggers if isinstance(lg, logging.Logger)}
+    yield
+    for name, value in config.items():
+        if jax.config.values.get(name) != value:
+            jax.config.update(name, value)
+    if dict(os.environ) != environ:
+        for name in set(os.environ) - set(environ) - set(_PER_TEST_ENV):
+            del os.environ[name]
+        os.environ.update({k: v for k, v in environ.items() if k not in _PER_TEST_ENV})
+    for sig, handler in handlers.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+    for lg, saved in filters.items():
+        lg.filters[:] = saved
+    for lg in _made_since(filters):
+        lg.filters[:] = []
+
+
+@pytest.fixture
+def isolated_logging():
+    """Every logger's handlers (pytest's own excepted), filters, level, propagation and disabled
+    flag restored after the test."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    saved = {
+        lg: (
+            [h for h in lg.handlers if not _is_pytest_handler(h)],
+            list(lg.filters),
+            lg.level,
+            lg.propagate,
+            lg.disabled,
+        )
+        for lg in loggers
+        if isinstance(lg, logging.Logger)
+    }
+    yield
+    for lg in _made_since(saved):  # as logging.getLogger makes them
+        lg.handlers[:] = [h for h in lg.handlers if _is_pytest_handler(h)]
+        lg.filters[:] = []
+        lg.setLevel(logging.NOTSET)
+        lg.propagate, lg.disabled = True, False
+    for lg, (handlers, filters, level, propagate, disabled) in saved.items():
+        lg.handlers[:] = handlers + [h for h in lg.handlers if _is_pytest_handler(h)]
+        lg.filters[:] = filters
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled

@@ -72,6 +72,23 @@ def test_greedy_ar_and_asps_print_the_same_text(capsys):
     assert asps["target_calls"] <= ar["target_calls"]
 
 
+def _strict_json(text: str):
+    """json.loads refusing NaN / Infinity, which strict JSON parsers reject."""
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_is_strict_after_one_step(capsys):
+    """One step: the standard error of tokens per step is undefined, null (it was Infinity)."""
+    assert cli.main(["--max-new-tokens", "1", "--num-draft-tokens", "3", "--json"]) == 0
+    result = _strict_json(capsys.readouterr().out)
+    assert result["target_calls"] == 1 and result["new_tokens"] == 1
+    assert result["tokens_per_step"] == 1.0 and result["tokens_per_step_stderr"] is None
+
+
 def test_runs_as_a_subprocess_without_network():
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
@@ -97,14 +114,20 @@ def test_runs_as_a_subprocess_without_network():
         (["--tree", "2,x"], "every width >= 1"),
         (["--tree", "2,0"], "every width >= 1"),
         (["--method", "tv", "--tree", "2,2", "--num-drafts", "3"], "drop --num-drafts 3"),
+        (["--method", "asps", "--tree", "2,2"], "verifies draft chains (drop --tree)"),
+        (["--method", "ar", "--tree", "2,2"], "uses no draft (drop --tree)"),
+        (["--prompt", "ROMEO\udcff"], "argument --prompt: expected UTF-8 text, got byte 0xff"),
+        (["--prompt", "ok", "--prompt", "\ud800"], "argument --prompt: expected UTF-8 text"),
     ],
 )
 def test_bad_flags_exit_with_one_line(capsys, argv, needle):
     with pytest.raises(SystemExit) as info:
         cli.main(argv)
-    assert info.value.code != 0
+    assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+    if "--tree" in argv and "--num-drafts" not in argv:
+        assert "--num-drafts" not in err  # the flag the user typed is the one blamed
 
 
 @pytest.mark.parametrize(
@@ -113,7 +136,6 @@ def test_bad_flags_exit_with_one_line(capsys, argv, needle):
         (["--target", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
         (["--target", "no-such-alias"], "no-such-alias"),
         (["--method", "asps", "--num-drafts", "2"], "single draft chain"),
-        (["--method", "asps", "--tree", "2,2"], "verifies chains"),
         (["--prompt", "x " * 3000], "context"),
     ],
 )

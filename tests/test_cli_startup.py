@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -84,23 +85,43 @@ def test_second_process_reuses_the_compilation_cache(two_runs):
     assert first.stdout.split("--- statistics ---")[0] == second.stdout.split("---")[0]
 
 
-def test_notice_filters_drop_only_those_notices(caplog, monkeypatch):
-    # transformers turns propagation off on its logger once imported; caplog listens at the root.
-    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.usefixtures("isolated_logging")
+def test_notice_filters_drop_only_those_notices():
+    # The two loggers alone, each with this test's handler only: what other tests, transformers
+    # (its own handler, no propagation) or pytest attached to them or above them plays no part.
     cli = _load_cli()
+    records = _Records()
+    for name in cli._NOTICES:
+        logger = logging.getLogger(name)
+        logger.handlers[:], logger.filters[:] = [records], []
+        logger.propagate, logger.disabled = False, False
+        logger.setLevel(logging.INFO)
     cli.silence_notices()
     cli.silence_notices()  # idempotent: one filter per logger
     filters = logging.getLogger("transformers").filters
     assert sum(type(f).__name__ == "_DropNotices" for f in filters) == 1
-    with caplog.at_level(logging.INFO):
-        logging.getLogger("transformers").warning("PyTorch was not found. Models won't be ...")
-        logging.getLogger("jax._src.xla_bridge").warning("An NVIDIA GPU may be present ...")
-        logging.getLogger("transformers").error("a real problem")
-        logging.getLogger("jax._src.xla_bridge").warning("CUDA backend failed to initialize: x")
-    assert [r.getMessage() for r in caplog.records] == [
-        "a real problem",
-        "CUDA backend failed to initialize: x",
-    ]
+    logging.getLogger("transformers").warning("PyTorch was not found. Models won't be ...")
+    logging.getLogger("jax._src.xla_bridge").warning("An NVIDIA GPU may be present ...")
+    logging.getLogger("transformers").error("a real problem")
+    logging.getLogger("jax._src.xla_bridge").warning("CUDA backend failed to initialize: x")
+    assert records.messages == ["a real problem", "CUDA backend failed to initialize: x"]
+
+
+def test_logging_state_does_not_leak_between_tests():
+    """After the test above (and cli.main in other files), its loggers are as they were."""
+    for name in ("transformers", "jax._src.xla_bridge"):
+        logger = logging.getLogger(name)
+        assert not any(type(f).__name__ == "_DropNotices" for f in logger.filters), name
+        assert not any(isinstance(h, _Records) for h in logger.handlers), name
 
 
 @pytest.fixture
@@ -149,3 +170,58 @@ def test_cli_flag_turns_the_cache_off():
     cli = _load_cli()
     assert cli.build_parser().parse_args(["--no-compile-cache"]).no_compile_cache
     assert not cli.build_parser().parse_args([]).no_compile_cache
+
+
+def _refuse_files_in(monkeypatch, directory):
+    """``directory`` takes no new file, as a read-only one (root writes to those regardless)."""
+    mkstemp = tempfile.mkstemp
+
+    def refuse(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == directory:
+            raise PermissionError(13, "Permission denied")
+        return mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+
+
+def test_unwritable_cache_directory_is_one_notice(monkeypatch, tmp_path, restore_jax_cache_config):
+    """A cache directory that takes no file (read-only) is left off with one notice; JAX used to
+    warn at every compile (56 lines for the default command)."""
+    monkeypatch.delenv(compile_cache.ENV_OFF, raising=False)
+    before = jax.config.values["jax_compilation_cache_dir"]
+
+    _refuse_files_in(monkeypatch, tmp_path / "ro")
+    notices = []
+    assert compile_cache.enable(tmp_path / "ro", notify=notices.append) is None
+    assert len(notices) == 1 and str(tmp_path / "ro") in notices[0]
+    assert "Permission denied" in notices[0] and compile_cache.ENV_DIR in notices[0]
+    assert jax.config.values["jax_compilation_cache_dir"] == before
+    assert compile_cache.enable(tmp_path / "ro") is None  # no notify: silent
+
+
+def test_read_only_cache_directory_is_one_notice(monkeypatch, tmp_path, restore_jax_cache_config):
+    """The same with a directory made read-only for real (where permissions bind: not as root)."""
+    monkeypatch.delenv(compile_cache.ENV_OFF, raising=False)
+    directory = tmp_path / "ro"
+    directory.mkdir()
+    directory.chmod(0o555)
+    try:
+        if os.access(directory, os.W_OK):
+            pytest.skip("permissions do not bind for this user (root)")
+        notices = []
+        assert compile_cache.enable(directory, notify=notices.append) is None
+        assert len(notices) == 1 and str(directory) in notices[0]
+    finally:
+        directory.chmod(0o755)
+
+
+def test_cli_with_an_unwritable_cache_prints_one_notice(
+    capsys, monkeypatch, tmp_path, restore_jax_cache_config
+):
+    monkeypatch.delenv(compile_cache.ENV_OFF, raising=False)
+    monkeypatch.setenv(compile_cache.ENV_DIR, str(tmp_path / "ro"))
+
+    _refuse_files_in(monkeypatch, tmp_path / "ro")
+    assert _load_cli().main([*ARGS, "--json"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sample.py: note: the compilation cache"), err

@@ -1,9 +1,11 @@
-"""The repository stands on its own: every ``docs/<file>.md §X`` pointer in the tree resolves to a
-heading of that file, local Markdown links resolve, and nothing points or reads outside the
-repository."""
+"""The documentation is true to the code and stands on its own: every ``docs/<file>.md §X``
+pointer in the tree resolves to a heading of that file, local Markdown links resolve, nothing
+points or reads outside the repository, docs/design.md's module map lists exactly the package's
+modules, and docs/api.md lists exactly the public names (``__all__``)."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 from pathlib import Path
@@ -79,7 +81,7 @@ def test_docs_exist_with_the_section_numbers_the_code_cites():
 def test_every_section_pointer_resolves():
     refs = _references()
     assert len(refs) > 40  # the scan sees the docstrings' pointers
-    sections = {doc: _sections(doc) for doc in ("algorithms", "api", "design")}
+    sections = {page.stem: _sections(page.stem) for page in DOCS.glob("*.md")}
     missing = sorted({(f, d, s) for f, d, s in refs if s not in sections[d]})
     assert missing == [], f"unresolved pointers (file, doc, section): {missing}"
 
@@ -134,6 +136,67 @@ def test_the_corpus_ships_in_the_repository():
     assert corpus.is_file() and corpus.stat().st_size > 1_000_000
 
 
-@pytest.mark.parametrize("doc", ["algorithms", "api", "design"])
+@pytest.mark.parametrize("doc", ["algorithms", "api", "design", "benchmarks"])
 def test_readme_links_the_docs(doc):
     assert f"docs/{doc}.md" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_readme_stays_a_front_page():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 300
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    assert ci.startswith("python -m pytest") and f'pip install -e ".[test]" && {ci}' in readme
+
+
+def _section(page: str, heading: str) -> str:
+    """The text of ``docs/<page>`` under ``## <heading>``, up to the next level-2 heading."""
+    text = (DOCS / page).read_text(encoding="utf-8")
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, f"docs/{page} has no '## {heading}' section"
+    return match.group(1)
+
+
+def test_design_module_map_lists_every_module_of_the_package():
+    """The map is the fenced block under '## Module map'; each line starts with a module's path."""
+    block = re.search(r"^```\n(.*?)^```", _section("design.md", "Module map"), re.M | re.S)
+    assert block, "docs/design.md: the module map is a fenced block"
+    listed = re.findall(r"^(asps_jax/\S+\.py)\s", block.group(1), re.M)
+    assert len(listed) == len(set(listed)), "a module is listed twice"
+    package = {p.relative_to(ROOT).as_posix() for p in (ROOT / "asps_jax").rglob("*.py")}
+    assert set(listed) == package, (
+        f"docs/design.md's module map: missing {sorted(package - set(listed))}, "
+        f"not in the package {sorted(set(listed) - package)}"
+    )
+
+
+# The public namespaces docs/api.md documents, each under '### `<module>`' in '## Public names'.
+PUBLIC_MODULES = ("asps_jax", "asps_jax.verify", "asps_jax.models")
+
+
+def _documented_names() -> dict[str, list[str]]:
+    """``{module: names}`` from docs/api.md: the list items ``- `name` — ...`` under each
+    ``### `module``` heading of '## Public names'."""
+    parts = re.split(r"^### `([\w.]+)`\s*$", _section("api.md", "Public names"), flags=re.M)
+    return {
+        module: re.findall(r"^- `(\w+)`", body, re.M)
+        for module, body in zip(parts[1::2], parts[2::2], strict=True)
+    }
+
+
+def test_api_documents_exactly_the_public_names():
+    documented = _documented_names()
+    assert sorted(documented) == sorted(PUBLIC_MODULES)
+    for module in PUBLIC_MODULES:
+        names = documented[module]
+        assert len(names) == len(set(names)), f"docs/api.md lists a name twice under {module}"
+        public = set(importlib.import_module(module).__all__)
+        assert set(names) == public, (
+            f"{module}: in __all__ but not in docs/api.md {sorted(public - set(names))}; "
+            f"in docs/api.md but not in __all__ {sorted(set(names) - public)}"
+        )
+
+
+def test_public_names_exist():
+    for module in PUBLIC_MODULES:
+        mod = importlib.import_module(module)
+        assert [n for n in mod.__all__ if not hasattr(mod, n)] == [], module

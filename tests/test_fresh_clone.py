@@ -51,6 +51,7 @@ def test_help_runs_from_a_fresh_clone(clone, script):
 
 
 def test_the_clone_carries_its_docs_and_corpus(clone):
-    for name in ("docs/algorithms.md", "docs/api.md", "docs/design.md", "data/tinyshakespeare.txt"):
+    docs = ("docs/algorithms.md", "docs/api.md", "docs/design.md", "docs/benchmarks.md")
+    for name in (*docs, "data/tinyshakespeare.txt"):
         assert (clone / name).is_file(), name
     assert (clone / "data/tinyshakespeare.txt").stat().st_size > 1_000_000

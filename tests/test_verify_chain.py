@@ -6,6 +6,7 @@ of the library, exact enumeration over every draft) and from literals; docs/algo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -16,12 +17,12 @@ import pytest
 import tabular as tab
 
 import asps_jax
-from asps_jax import metrics
+from asps_jax import statistics
 from asps_jax.verify import chain
 
 OUTCOME = {"sps": chain.sps_outcome_logweights, "asps": chain.asps_outcome_logweights}
 METHODS = asps_jax.verify.CHAIN_METHODS
-EXPECTED_LENGTH = {"sps": metrics.expected_length_sps, "asps": metrics.expected_length_asps}
+EXPECTED_LENGTH = {"sps": statistics.expected_length_sps, "asps": statistics.expected_length_asps}
 
 
 @functools.cache
@@ -79,7 +80,7 @@ def test_exact_enumeration(vocab, n):
             emitted = tab.emitted_law(stop, full, weight, drafts, p_rows[:, n], n)
             got = tab.continue_with_target(emitted, target)
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-10, err_msg=where)
-            # E[L] by enumeration of the reference law vs the closed forms of asps_jax.metrics.
+            # E[L] by enumeration of the reference law vs the closed forms of asps_jax.statistics.
             length_law = [ref_stop[:, t].sum(-1) for t in range(n)] + [ref_full]
             enum_atn = sum((t + 1) * np.dot(weight, w) for t, w in enumerate(length_law))
             atn[method] = EXPECTED_LENGTH[method](target, draft)
@@ -229,7 +230,7 @@ def test_statistical_law_and_length(method, name):
     exact = float(np.dot(law, string_len))
     if mode == "full":
         assert exact == pytest.approx(EXPECTED_LENGTH[method](target, draft), abs=1e-12)
-    mean, se = metrics.mean_and_stderr(num)
+    mean, se, _ = statistics.mean_stderr(np.asarray(num))
     assert abs(float(mean) - exact) < 4 * float(se), (float(mean), exact, float(se))
 
 
@@ -409,27 +410,28 @@ def test_bad_draft_length_under_jit_raises():
         fn(np.zeros(2, np.int32))
 
 
-# --- metrics ---
+# --- statistics on verdicts ---
 
 
-def test_mean_and_stderr_literal():
-    mean, se = metrics.mean_and_stderr(np.array([1, 2, 3, 4]))
-    assert float(mean) == pytest.approx(2.5)
+def test_tokens_per_step_literal():
+    mean, se, count = statistics.mean_stderr(np.array([1, 2, 3, 4]))
+    assert (float(mean), int(count)) == (2.5, 4)
     assert float(se) == pytest.approx(np.sqrt(5.0 / 3.0 / 4.0), rel=1e-6)
     keys = jax.random.split(jax.random.key(0), 8)
     verdicts = jax.jit(jax.vmap(lambda k: asps_jax.verify_chain(k, *GOOD)))(keys)
-    np.testing.assert_array_equal(metrics.emitted_lengths(verdicts), np.full(8, 4))  # q == p
-    assert float(metrics.tokens_per_step(verdicts)[0]) == 4.0
-    with pytest.raises(ValueError, match="lengths"):
-        metrics.mean_and_stderr(np.zeros(0))
+    np.testing.assert_array_equal(verdicts.num_tokens, np.full(8, 4))  # q == p
+    mean, se = statistics.tokens_per_step(verdicts)
+    assert (float(mean), float(se)) == (4.0, 0.0)
+    with pytest.raises(ValueError, match="no step"):
+        statistics.tokens_per_step(dataclasses.replace(verdicts, num_tokens=np.zeros(0)))
 
 
 def test_expected_length_bad_input():
     target, draft = _model(4, 2, "dense", "close", seed=0)
     with pytest.raises(ValueError, match="target_laws"):
-        metrics.expected_length_sps(target[:1], draft)
+        statistics.expected_length_sps(target[:1], draft)
     with pytest.raises(ValueError, match=r"draft_laws\[1\]"):
-        metrics.expected_length_asps(target, [draft[0], draft[0]])
+        statistics.expected_length_asps(target, [draft[0], draft[0]])
     with pytest.raises(ValueError, match="vocabulary"):
-        metrics.expected_length_sps([np.full((5,), 0.2), np.full((5, 5), 0.2)], draft)
-    assert metrics.expected_length_sps(target, draft[:0]) == 1.0
+        statistics.expected_length_sps([np.full((5,), 0.2), np.full((5, 5), 0.2)], draft)
+    assert statistics.expected_length_sps(target, draft[:0]) == 1.0

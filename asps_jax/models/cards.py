@@ -23,9 +23,8 @@ import re
 import socket
 from pathlib import Path
 
-import asps_jax
-
-MODELS_DIR = Path(asps_jax.__file__).resolve().parents[1] / "models"
+# <repo>/asps_jax/models/cards.py -> <repo>/models: found from this file, not by importing asps_jax.
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 CARD_FILE = "card.json"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHTS = (

@@ -21,8 +21,8 @@ lowest level wins, ties are shared uniformly, and the selected token's law has a
 non-negative terms, for identical or distinct draft laws. ``"is"`` fits the per-token clock rates by
 15 fixed-point steps on 16 levels; ``"optimal"`` then frees the level laws and climbs the exact
 efficiency ``sum_y min(p, q_I)`` by 200 gradient steps, which brings it within about 0.001 of the
-optimum ``optimal_acceptance`` on the bundled pair's real laws (README). The pairwise tournaments
-(``rule="truncated_lp"``, ``"fixed_order"``, ``"sir"``) remain as ``"is"`` options.
+optimum ``optimal_acceptance`` on the bundled pair's real laws (docs/benchmarks.md). The pairwise
+tournaments (``rule="truncated_lp"``, ``"fixed_order"``, ``"sir"``) remain as ``"is"`` options.
 """
 
 from __future__ import annotations
