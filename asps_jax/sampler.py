@@ -26,6 +26,7 @@ import numpy as np
 from asps_jax import decode, footprint, sharding, statistics, stopping, trees
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
+from asps_jax.models.vocab import align_vocabularies
 from asps_jax.processors import SamplingParams, validate_sampling_args
 from asps_jax.verify.api import CHAIN_METHODS, TREE_METHODS
 from asps_jax.verify.registry import REGISTRY
@@ -372,6 +373,8 @@ def prepare(
         "num_draft_tokens", 8 if num_draft_tokens is None else num_draft_tokens, 1
     )
     num_drafts = _check_int("num_drafts", 1 if num_drafts is None else num_drafts, 1)
+    if method != "ar":  # padded embeddings of one tokenizer: both laws on the shared ids
+        target, draft = align_vocabularies(target, draft)
     _check_method(method, draft, target, num_drafts, num_draft_tokens, options)
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
     if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32

@@ -1,4 +1,5 @@
-"""Tiny random transformers models (Llama, OPT, GPT-2, GPT-Neo) and checkpoints for the tests.
+"""Tiny random transformers models (Llama, OPT, GPT-2, GPT-Neo, Qwen2, Qwen3, Mistral, Gemma 2,
+Gemma 3) and checkpoints for the tests.
 
 transformers is the independent reference: tests load what ``save_pretrained`` writes with our
 loader and compare against the PyTorch model. Every model is built under ``torch.manual_seed(seed)``
@@ -6,6 +7,8 @@ and perturbed in a fixed order afterwards, so a given set of arguments always wr
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import transformers
@@ -100,6 +103,47 @@ FAMILY_CONFIGS = {
     ),
 }  # fmt: skip
 
+# The RoPE-decoder families: every special feature on by default. Windows of 4 (shorter than the
+# tests' sequences); head_dim decoupled from hidden / heads (16 vs 8); Gemma's query scalar unlike
+# head_dim, and soft-caps (2 on the scores, 3 on the logits) below the uncapped values (up to
+# ~4 with std-0.2 weights), so capping changes every logit; Gemma 3's global layers with a linear
+# RoPE scaling and a base unlike the local layers'.
+_ROPE_DECODER = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "initializer_range": 0.2,
+}
+FAMILY_CONFIGS.update({
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_ROPE_DECODER)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_ROPE_DECODER, head_dim=16)),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(_ROPE_DECODER, head_dim=16, sliding_window=4),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(_ROPE_DECODER, head_dim=8, query_pre_attn_scalar=12, sliding_window=4,
+             attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(_ROPE_DECODER, head_dim=16, query_pre_attn_scalar=10, sliding_window=4,
+             layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
+             rope_parameters={
+                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+             }),
+    ),
+})  # fmt: skip
+
 
 def tiny_family(
     family: str,
@@ -109,20 +153,21 @@ def tiny_family(
     noise_from: torch.nn.Module | None = None,
     **config,
 ) -> torch.nn.Module:
-    """A random float32 OPT / GPT-2 / GPT-Neo causal LM in eval mode with eager attention.
+    """A random float32 causal LM of a family of :data:`FAMILY_CONFIGS`, in eval mode with eager
+    attention.
 
     Args:
-      family: ``"opt"``, ``"gpt2"`` or ``"gpt_neo"``.
+      family: a key of :data:`FAMILY_CONFIGS` (``"opt"``, ``"gemma2"``, ...).
       seed: ``torch.manual_seed`` before the weights are drawn.
-      noise: add ``noise * N(0, 1)`` to every bias and layer-norm parameter (they start at 0 and
-        1, so without it their loading is not checked).
+      noise: add ``noise * N(0, 1)`` to every bias and norm parameter (they start at 0 or 1,
+        so without it their loading is not checked).
       noise_from: a model of the same shapes; copy its weights plus Gaussian noise of 0.35 times
         each tensor's std, giving a draft correlated with that target.
       **config: fields of the family's transformers config over :data:`FAMILY_CONFIGS`.
     """
     config_name, model_name, defaults = FAMILY_CONFIGS[family]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, config_name)(**{**defaults, **config})
+    cfg = getattr(transformers, config_name)(**copy.deepcopy({**defaults, **config}))
     cfg._attn_implementation = "eager"
     model = getattr(transformers, model_name)(cfg).float().eval()
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""OPT, GPT-2 and GPT-Neo ports against transformers' PyTorch models (tiny random checkpoints).
+"""OPT, GPT-2, GPT-Neo, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 ports against transformers'
+PyTorch models (tiny random checkpoints).
 
 Every expected value comes from transformers: full-sequence logits, sequential decoding of a
 tree's root paths, the exact law of the first two sampled tokens, and greedy ``generate``.
@@ -28,7 +29,15 @@ from test_scoring import hand_tree, prefill, random_validity, root_path, tree_sc
 
 import asps_jax
 from asps_jax.kv_cache import commit, init_cache
-from asps_jax.models import FAMILIES, ModelConfig, base, forward_for, load_model, save_checkpoint
+from asps_jax.models import (
+    FAMILIES,
+    ModelConfig,
+    base,
+    cards,
+    forward_for,
+    load_model,
+    save_checkpoint,
+)
 from asps_jax.sharding import ShardingRules
 
 V = 96  # the vocabulary of hf_checkpoints.FAMILY_CONFIGS
@@ -46,7 +55,20 @@ CASES = {
     ),
     # Layers global then local with a window of 4: every test sequence is longer than that.
     "gpt_neo": ("gpt_neo", {}),
-}
+    # The RoPE decoders (hf_checkpoints.FAMILY_CONFIGS: windows of 4, soft-caps that bind, ...).
+    "qwen2": ("qwen2", {}),
+    # Qwen2.5-0.5B's tied head, and a window on the layers from max_window_layers (1) on.
+    "qwen2_tied_window": (
+        "qwen2",
+        {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 4,
+         "max_window_layers": 1},
+    ),
+    "qwen3": ("qwen3", {}),
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
+    "mistral": ("mistral", {}),
+    "gemma2": ("gemma2", {}),  # layer 0 local (window 4), layer 1 global
+    "gemma3_text": ("gemma3_text", {}),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +98,10 @@ def test_full_sequence_matches_transformers(saved, case):
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     logits, kv = jax.jit(m.forward)(m.params, jnp.asarray(tokens), positions, causal(B, T), None)
     np.testing.assert_allclose(np.asarray(logits), hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
-    assert kv.k.shape == (2, B, T, 4, 8)
+    c = hf.config
+    kvh = getattr(c, "num_key_value_heads", None) or 4
+    head_dim = getattr(c, "head_dim", None) or 8
+    assert kv.k.shape == (2, B, T, kvh, head_dim)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -104,9 +129,13 @@ def test_prefill_then_decode_matches_full_forward(saved, case):
     np.testing.assert_allclose(np.concatenate(got, axis=1), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["opt_post_ln_proj", "gpt2", "gpt_neo"])
+# One case per RoPE-decoder family (the window cases where the family has one).
+TREE_CASES = ["qwen2_tied_window", "qwen3", "mistral", "gemma2", "gemma3_text"]
+
+
+@pytest.mark.parametrize("case", ["opt_post_ln_proj", "gpt2", "gpt_neo", *TREE_CASES])
 def test_tree_scoring_equals_sequential_decoding(saved, case):
-    """Positions are prefix length + depth; GPT-Neo's local window (4) meets the tree mask."""
+    """Positions are prefix length + depth; local windows (4) meet the tree mask."""
     hf, m = saved[case]
     rng = np.random.default_rng(3)
     tree = hand_tree()
@@ -127,15 +156,32 @@ def test_tree_scoring_equals_sequential_decoding(saved, case):
                 np.testing.assert_allclose(logits[b, i], hf_logits(hf, [seq])[0, -1], atol=1e-4)
 
 
-def test_local_window_matters(saved):
-    """The parity above can fail: without the window, every position past it is far off."""
-    hf, m = saved["gpt_neo"]
+FEATURES = [
+    # (case, config change that removes one feature, first position it changes): the parity
+    # above can fail, the feature is exercised: without it the logits from there on are far off.
+    ("gpt_neo", {"window_size": 64}, 4),
+    ("mistral", {"sliding_window": 64}, 4),
+    ("qwen2_tied_window", {"sliding_window": 64}, 4),
+    ("gemma2", {"sliding_window": 64}, 4),
+    ("gemma2", {"attn_logit_softcapping": None}, 1),  # position 0: one key, softmax 1
+    ("gemma2", {"final_logit_softcapping": None}, 0),
+    ("gemma2", {"query_pre_attn_scalar": None}, 1),  # position 0 sees one key: scale-free
+    ("gemma3_text", {"sliding_window": 64}, 4),
+    ("gemma3_text", {"local_rope_theta": None}, 1),  # RoPE is the identity at position 0
+    ("gemma3_text", {"rope_scaling": None}, 1),
+    ("gemma3_text", {"final_logit_softcapping": None}, 0),
+]
+
+
+@pytest.mark.parametrize("case, change, start", FEATURES)
+def test_feature_matters(saved, case, change, start):
+    hf, m = saved[case]
     tokens = np.random.default_rng(4).integers(0, V, (1, 12)).astype(np.int32)
     pos = jnp.arange(12, dtype=jnp.int32)[None]
-    wide = dataclasses.replace(m.config, window_size=64)
-    logits, _ = jax.jit(forward_for(wide))(m.params, jnp.asarray(tokens), pos, causal(1, 12), None)
+    other = dataclasses.replace(m.config, **change)
+    logits, _ = jax.jit(forward_for(other))(m.params, jnp.asarray(tokens), pos, causal(1, 12), None)
     diff = np.abs(np.asarray(logits) - hf_logits(hf, tokens))[0].max(-1)
-    assert diff[:4].max() < 1e-4 and diff[4:].min() > 0.1
+    assert diff[:start].max(initial=0) < 1e-4 and diff[start:].min() > 0.02, diff
 
 
 def test_float16_checkpoint_stays_float16(tmp_path):
@@ -159,6 +205,11 @@ def test_float16_checkpoint_stays_float16(tmp_path):
         ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 24}),
         ("gpt2", {}),
         ("gpt_neo", {"attention_types": [[["local", "global"], 1]], "window_size": 3}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
+        ("qwen3", {}),
+        ("mistral", {}),
+        ("gemma2", {}),
+        ("gemma3_text", {}),
     ],
 )
 def test_save_checkpoint_loads_in_transformers(tmp_path, family, overrides):
@@ -209,6 +260,10 @@ PAIRS = {
     "opt": ("opt", "opt", 1),
     "gpt2": ("gpt2", "gpt2", 0),
     "gpt_neo_gpt2": ("gpt_neo", "gpt2", 1),  # the ASpS paper's cross-family pair, in miniature
+    # The two RoPE decoders with the most of their own (soft-caps, windows, q/k norms, two RoPE
+    # bases); Qwen2, Qwen3 and Mistral sample through the same decoder (greedy test below).
+    "gemma2": ("gemma2", "gemma2", 0),
+    "gemma3_text": ("gemma3_text", "gemma3_text", 1),
 }
 GREEDY_PROMPTS = [PROMPT, [4, 7, 9, 1, 0, 11, 6], [2]]
 # Smaller than the parity models (the loop runs ROWS rows); VOCAB (12) tokens for the law.
@@ -217,6 +272,13 @@ SMALL = {
     "gpt2": {"n_embd": 16, "n_inner": 32, "n_head": 2, "initializer_range": 0.4},
     "gpt_neo": {"hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
                 "initializer_range": 0.4},
+    # Windows of 4 (hf_checkpoints.FAMILY_CONFIGS): prompts of up to 7 tokens + 6 new pass them.
+    **{family: {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "initializer_range": 0.4}
+       for family in ("qwen3", "mistral", "gemma2", "gemma3_text")},
+    "qwen2": {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "initializer_range": 0.4, "tie_word_embeddings": True,
+              "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
 }  # fmt: skip
 
 
@@ -266,7 +328,105 @@ def test_sample_follows_the_target_law_and_greedy_is_generate(tmp_path, pair):
     assert tps.mean() > 1.05  # drafts are accepted: the pair really speculates
 
 
+@pytest.mark.parametrize(
+    "family, methods",
+    [
+        ("qwen2", ("ar", "sps")),
+        ("qwen3", ("ar", "sps")),
+        ("mistral", ("ar", "sps")),
+        # Their speculative greedy rows run beside the law rows (PAIRS above): one compile less.
+        ("gemma2", ("ar",)),
+        ("gemma3_text", ("ar",)),
+    ],
+)
+def test_greedy_sample_is_generate(tmp_path, family, methods):
+    """Temperature 0 through ``sample``, the target alone ("ar") and speculating ("sps" with a
+    correlated draft of the same family): both are transformers' greedy ``generate``."""
+    hf_t, target, draft = _write_pair(tmp_path, family, family)
+    expected = [_hf_greedy(hf_t, prompt, MAX_NEW) for prompt in GREEDY_PROMPTS]
+    for method in methods:
+        out = asps_jax.sample(
+            target,
+            draft,
+            GREEDY_PROMPTS,
+            method=method,
+            key=jax.random.key(0),
+            max_new_tokens=MAX_NEW,
+            num_draft_tokens=2,
+            temperature=0.0,
+            eos_token_id=-1,
+        )
+        assert np.asarray(out.tokens).tolist() == expected, method
+
+
+NEW_CARDS = ["llama-3.1-8b", "llama-3.2-1b", "qwen2.5-7b", "qwen2.5-0.5b", "qwen3-8b",
+             "qwen3-0.6b", "gemma-2-9b", "gemma-2-2b", "gemma-3-1b", "gemma-3-270m",
+             "mistral-7b"]  # fmt: skip
+
+
+@pytest.mark.parametrize("alias", NEW_CARDS)
+def test_card_numbers_are_what_the_loaded_config_writes(alias):
+    """``load_model`` compares a card's architecture with ``config.to_hf()`` of the checkpoint:
+    a card key our config does not write back unchanged would refuse the real checkpoint. Pairs
+    point at each other and pair by the rule (equal rows, or Qwen2.5's padded ones)."""
+    card = json.loads((cards.MODELS_DIR / alias / "card.json").read_text())
+    arch = card["architecture"]
+    config = FAMILIES[arch["model_type"]].config_from_hf(arch)
+    written = config.to_hf()
+    assert {k: written[k] for k in arch} == arch
+    assert card["fetch_command"] == f"hf download {card['repo_id']}"
+    if "pair" in card:
+        other = json.loads((cards.MODELS_DIR / card["pair"]["alias"] / "card.json").read_text())
+        assert other["pair"] == {"role": card["role"], "alias": alias}
+        assert other["architecture"]["model_type"] == arch["model_type"]
+        rows = {arch["vocab_size"], other["architecture"]["vocab_size"]}
+        assert len(rows) == 1 or rows == {152064, 151936}  # Qwen2.5: padded rows, masked
+
+
+# Published config.json forms (transformers 4 keys), trimmed to what the ports read.
+PUBLISHED = {
+    "qwen2": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+              "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+              "num_key_value_heads": 2, "rope_theta": 1000000.0, "sliding_window": 131072,
+              "use_sliding_window": False, "max_window_layers": 21, "tie_word_embeddings": True},
+    "gemma2": {"model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304,
+               "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "hidden_act": "gelu_pytorch_tanh",
+               "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 10000.0},
+    "gemma3_text": {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 3840,
+                    "intermediate_size": 15360, "num_hidden_layers": 48,
+                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                    "query_pre_attn_scalar": 256, "sliding_window": 1024,
+                    "sliding_window_pattern": 6, "rope_theta": 1000000.0,
+                    "rope_local_base_freq": 10000.0,
+                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(PUBLISHED))
+def test_published_config_forms_read_like_transformers(family):
+    """Windows per layer, RoPE bases and scaling as transformers' own config class reads them."""
+    d = PUBLISHED[family]
+    ours = FAMILIES[family].config_from_hf(d)
+    name = {"qwen2": "Qwen2Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
+    theirs = getattr(transformers, name[family])(**d)
+    windows = [
+        theirs.sliding_window if t == "sliding_attention" else None for t in theirs.layer_types
+    ]
+    assert [ours.window(i) for i in range(ours.num_hidden_layers)] == windows
+    rope = getattr(theirs, "rope_parameters", None) or {}
+    for i, layer_type in enumerate(theirs.layer_types):
+        params = rope.get(layer_type, rope)
+        theta, scaling = ours.rope(i)
+        assert theta == params["rope_theta"]
+        assert (scaling.factor if scaling else 1.0) == params.get("factor", 1.0)
+
+
 def test_registry_checks_the_family_contract():
-    assert list(FAMILIES) == ["llama", "opt", "gpt2", "gpt_neo"]
+    assert list(FAMILIES) == [
+        "llama", "opt", "gpt2", "gpt_neo", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"
+    ]  # fmt: skip
     with pytest.raises(TypeError, match=r"model family 'layers' lacks \['MODEL_TYPE'"):
         base._register(["layers"])  # a module of asps_jax.models that is not a family

@@ -81,7 +81,17 @@ class Family(Protocol):
 
 
 # The registry: adding a family is one more name here (a module of asps_jax.models).
-FAMILY_MODULES = ("llama", "opt", "gpt2", "gpt_neo")
+FAMILY_MODULES = (
+    "llama",
+    "opt",
+    "gpt2",
+    "gpt_neo",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+)
 _REQUIRED = (
     "MODEL_TYPE ARCHITECTURE CONFIG_CLASS HF_PREFIX HF_TENSORS HF_IGNORED "
     "config_from_hf param_shapes init_params forward"
@@ -111,6 +121,15 @@ def family_for_type(model_type: str | None, where: str = "config"):
 
 
 def family_for_config(config):
+    """The family module of ``config``; a config class outside the registry (a view such as
+    ``vocab.SharedVocab``, a user's own model, ``own.OwnConfig``) names its family object in a
+    ``FAMILY`` class attribute."""
+    family = getattr(type(config), "FAMILY", None)
+    if family is not None:
+        return family
+    for family in FAMILIES.values():  # the exact class first: family configs may share a base
+        if type(config) is family.CONFIG_CLASS:
+            return family
     for family in FAMILIES.values():
         if isinstance(config, family.CONFIG_CLASS):
             return family
@@ -179,13 +198,15 @@ class IncompatibleModelsError(ValueError):
 
 
 def check_compatible(target: Model, draft: Model) -> None:
-    """Raise unless the draft proposes tokens in the target's vocabulary with the same meaning."""
-    tv, dv = target.config.vocab_size, draft.config.vocab_size
-    if tv != dv:
-        raise IncompatibleModelsError(
-            f"target {target.name!r} has vocab_size {tv} but draft {draft.name!r} has {dv}; "
-            "speculative sampling needs one shared vocabulary"
-        )
+    """Raise unless the draft proposes tokens in the target's vocabulary with the same meaning.
+
+    Equal tokenizers with different embedding row counts (Qwen2.5-7B's 152064 against
+    Qwen2.5-0.5B's 151936) pair: ``sample`` masks the padding rows out of both laws
+    (``vocab.py``, where the rule is stated).
+    """
+    from asps_jax.models import vocab
+
+    vocab.shared_size(target, draft)  # raises unless the sizes agree or differ only by padding
     tt, dt = target.tokenizer, draft.tokenizer
     if tt is None or dt is None:
         return  # nothing more to compare; equal sizes is all we can check

@@ -33,7 +33,26 @@ def rms_norm(x_BTE: jax.Array, scale_E: jax.Array, eps: float) -> jax.Array:
     # Like HF: normalise in float32, cast back to the activation dtype, then scale.
     x = x_BTE.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return scale_E[None, None, :] * x.astype(x_BTE.dtype)
+    return _last_axis(scale_E, x.ndim) * x.astype(x_BTE.dtype)
+
+
+def _last_axis(w: jax.Array, ndim: int) -> jax.Array:
+    """A vector shaped to broadcast along the last of ``ndim`` axes (norms over [B, T, E] and,
+    for q/k norms, over [B, T, heads, H])."""
+    return w.reshape((1,) * (ndim - 1) + (-1,))
+
+
+def rms_norm_offset(x_BTE: jax.Array, w_E: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMS norm: scale by ``1 + w`` (weights stored as offsets from 1), all in float32,
+    then cast back to the activation dtype (transformers' ``Gemma2RMSNorm``)."""
+    x = x_BTE.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (x * (1.0 + _last_axis(w_E, x.ndim).astype(jnp.float32))).astype(x_BTE.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(x / cap)`` (Gemma 2's logit soft-capping); ``x`` itself when ``cap`` is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 def layer_norm(x_BTE: jax.Array, scale_E: jax.Array, bias_E: jax.Array, eps: float) -> jax.Array:
@@ -84,12 +103,15 @@ def window_mask(mask_BTS: jax.Array, positions_BT: jax.Array, window: int) -> ja
     return mask_BTS & near_BTS
 
 
-def attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v, mask_BTS, scale: float) -> jax.Array:
+def attention(
+    q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v, mask_BTS, scale: float, softcap: float | None = None
+) -> jax.Array:
     """Grouped-query attention of T new queries over the cache (``cache_k/v [B, KVH, S, H]``, may
     be None) and the T new keys (``[B, T, KVH, H]``).
 
     Returns ``[B, T, NH, H]`` in the dtype of ``q``. Scores and softmax in float32; masked entries
-    get ``finfo.min`` (not -inf) so a fully masked row stays finite.
+    get ``finfo.min`` (not -inf) so a fully masked row stays finite. ``softcap``: scaled scores
+    pass through :func:`soft_cap` before masking (Gemma 2).
 
     A new token whose key or value is not finite (a NaN embedding, an overflow) makes NaN exactly
     the queries that see it: its key and value become 0 and its visible scores NaN, so the queries
@@ -117,7 +139,8 @@ def attention(q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v, mask_BTS, scale: float) 
         ],
         axis=-1,
     )  # [B, KVH, G, T, S+T]
-    scores = jnp.where(mask_BTS[:, None, None], scores * scale, jnp.finfo(jnp.float32).min)
+    scores = soft_cap(scores * scale, softcap)
+    scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     bad_BS = jnp.concatenate([jnp.zeros((B, scores.shape[-1] - T), bool), bad_BT], axis=1)
     scores = jnp.where(mask_BTS[:, None, None] & bad_BS[:, None, None, None], jnp.nan, scores)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)

@@ -1,0 +1,47 @@
+"""pyproject.toml declares what the code imports, and nothing that it does not: every runtime
+dependency and every optional group (except the test tools) is imported somewhere in asps_jax/
+or scripts/, and every third-party module they import is declared."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parents[1]
+# Statements only (a docstring line "from the ..." is not an import).
+IMPORT = re.compile(
+    r"^\s*(?:from\s+(\w+)[\w.]*\s+import\s|import\s+(\w+)[\w.]*\s*(?:$|,|as\s))", re.M
+)
+
+
+def _name(requirement: str) -> str:
+    """``"flax>=0.12"`` -> ``"flax"`` (the import name: dashes become underscores)."""
+    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].replace("-", "_").lower()
+
+
+def _imported() -> set[str]:
+    files = [*(ROOT / "asps_jax").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]
+    found = (m for f in files for m in IMPORT.findall(f.read_text(encoding="utf-8")))
+    return {(a or b).lower() for a, b in found}
+
+
+def test_declared_dependencies_are_imported_and_imports_declared():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    imported = _imported()
+    extras = project["optional-dependencies"]
+    used = {_name(r) for r in project["dependencies"]}
+    for group, requirements in extras.items():
+        if group != "test":  # test tools (pytest, ruff, ...) are imported by tests/ only
+            used |= {_name(r) for r in requirements}
+    assert "chex" not in used and "safetensors" not in used
+    unused = sorted(used - imported)
+    assert not unused, f"declared but never imported by asps_jax/ or scripts/: {unused}"
+    declared = used | {_name(r) for r in extras["test"]}
+    third_party = imported - set(sys.stdlib_module_names) - {"asps_jax", "bench_model"}
+    undeclared = sorted(third_party - declared)
+    assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
