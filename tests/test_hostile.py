@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -127,15 +126,14 @@ def _never_built(*_):
     ],
 )
 def test_huge_trees_are_refused_before_they_are_built(pair, monkeypatch, kwargs, needle):
-    """``sample`` refuses in well under a second, from the shapes alone, on a 16 GiB device."""
+    """``sample`` refuses from the shapes alone (the tree builders are never called), on a 16 GiB
+    device; no wall-clock bound, which would depend on the machine's load."""
     monkeypatch.setattr(trees, "branching_token_tree", _never_built)
     monkeypatch.setattr(trees, "chains_token_tree", _never_built)
     monkeypatch.setattr(sampler, "_device_memory_bytes", lambda mesh: 16 << 30)
     target, draft = pair
-    start = time.perf_counter()
     with pytest.raises(ValueError, match="needs about") as info:
         asps_jax.sample(target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=4, **kwargs)
-    assert time.perf_counter() - start < 1.0
     message = str(info.value)
     assert "\n" not in message and needle in message, message
 
