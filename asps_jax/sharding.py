@@ -418,12 +418,15 @@ def shard_inputs(
     for name in ("prompts_BP", "prompt_lengths_B", "row_keys_B"):
         out[name] = shard_batch(args[name], mesh, rules)
     sampling = args["sampling"]
+    # Every per-row field along data (derived from the dataclass, so a new field is never left
+    # unsharded); the EOS ids are one list for all rows.
     out["sampling"] = dataclasses.replace(
         sampling,
-        temperature=shard_batch(sampling.temperature, mesh, rules),
-        draft_temperature=shard_batch(sampling.draft_temperature, mesh, rules),
-        top_k=shard_batch(sampling.top_k, mesh, rules),
-        top_p=shard_batch(sampling.top_p, mesh, rules),
+        **{
+            name: shard_batch(getattr(sampling, name), mesh, rules)
+            for name in sampling.array_fields()
+            if name != "eos_ids"
+        },
         eos_ids=replicate(sampling.eos_ids, mesh),
     )
     return out
