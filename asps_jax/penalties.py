@@ -148,7 +148,7 @@ def apply_controls(sampling, history: History, logits_BXV, path_BXD, depth_X) ->
     def penalties(logits_BXV):
         def row(logits, bias, rep, presence, frequency, counts, seen, path, depth):
             logits = logits + bias
-            out = _penalize(logits, counts, seen, rep, presence, frequency)
+            out = _penalize(logits, counts[None], seen[None], rep, presence, frequency)
             if depth_cap == 0:
                 return out
             on_XD = jnp.arange(depth_cap)[None, :] < depth[:, None]
