@@ -5,7 +5,7 @@ A node's path is the row's committed text (prompt + generated tokens, the last o
 root) followed by the node's draft tokens below the root. Every law the decoding loop uses is
 processed from its node's path: the draft law a node's children are drawn from, the target law at
 the node, and the bonus law at a leaf; so each verifier, exact for arbitrary laws per node, keeps
-exactness for the processed target process (docs/algorithms.md, per-node processing).
+exactness for the processed target process (docs/api.md §3, the sampling controls).
 
 The order is transformers' ``generate`` order: logit bias, repetition penalty, presence /
 frequency penalties, no-repeat n-grams; temperature, top-k, top-p and min-p follow in
