@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from asps_jax import kv_cache, penalties, rollout, scoring, sharding, statistics, trees
+from asps_jax import constraints, kv_cache, penalties, rollout, scoring, sharding, statistics, trees
 from asps_jax.models import forward_for
 from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
@@ -403,6 +403,8 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
             state.target_cache, new_kv, nodes_B1, num_B, row_loop=kv_cache.row_loop_for(dec.mesh)
         )
         num_B, hit = _first_eos_length(next_B[:, None], num_B, sampling.eos_ids)
+        num_B, ended_B = constraints.dead_slots(sampling, state.history, next_B[:, None], num_B)
+        hit = hit | ended_B
     with jax.named_scope("metrics"):
         stats = statistics.update(
             state.stats,
@@ -719,7 +721,10 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         num_B = jnp.where(failed_B, bad_B, num_B)
         # An EOS inside the emitted block ends the row there (before any failure).
         num_B, hit_eos = _first_eos_length(verdict.tokens, num_B, sampling.eos_ids)
-        failed_B = failed_B & ~hit_eos
+        # A slot drawn at a node whose constraint state allows nothing is dropped: the row's
+        # constrained text ended before it.
+        num_B, ended_B = constraints.dead_slots(sampling, state.history, verdict.tokens, num_B)
+        failed_B = failed_B & ~hit_eos & ~ended_B
     with jax.named_scope("commit"):
         new_state = _commit(dec, state, drafts, new_kv, path_BT, verdict.draft_index, num_B)
     with jax.named_scope("metrics"):
@@ -739,7 +744,8 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     new_state = _record_top_logprobs(dec, new_state, path_lp_BTV, num_B)
     with jax.named_scope("emit"):
         block_lp_BT = _emitted_logprobs(path_lp_BTV, verdict)
-        return _emit(dec, new_state, verdict.tokens, block_lp_BT, num_B, hit_eos | failed_B)
+        done_B = hit_eos | failed_B | ended_B
+        return _emit(dec, new_state, verdict.tokens, block_lp_BT, num_B, done_B)
 
 
 def _record_top_logprobs(dec: Decoder, state: DecodeState, laws_BTV, num_B) -> DecodeState:
@@ -772,5 +778,7 @@ def _step(dec: Decoder, target_params, draft_params, sampling, state):
     block_BT = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (width,)))(
         new_state.tokens, state.num_generated
     )
-    history = state.history.append(block_BT, new_state.num_generated - state.num_generated)
+    num_B = new_state.num_generated - state.num_generated
+    history = state.history.append(block_BT, num_B)
+    history = constraints.commit(sampling, history, block_BT, num_B)
     return dataclasses.replace(new_state, history=history)

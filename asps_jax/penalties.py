@@ -32,6 +32,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from asps_jax import constraints
 from asps_jax.logspace import NEG_INF
 
 
@@ -45,12 +46,15 @@ class History:
       seen: bool[B, V], the token occurs in the prompt or among the generated tokens.
       tokens: int32[B, H], the prompt then the generated tokens (the root last), -1 after.
       length: int32[B], the number of tokens in ``tokens``.
+      dfa: int32[B], each row's constraint state after its generated tokens (-1: none generated
+        yet, the row's start state; see :mod:`asps_jax.constraints`).
     """
 
     counts: jax.Array
     seen: jax.Array
     tokens: jax.Array
     length: jax.Array
+    dfa: jax.Array
 
     @classmethod
     def init(cls, prompts_BP, prompt_lengths_B, vocab: int, extra: int) -> History:
@@ -69,6 +73,7 @@ class History:
             seen=seen,
             tokens=jnp.concatenate([tokens_BP, jnp.full((batch, extra), -1, jnp.int32)], 1),
             length=prompt_lengths_B.astype(jnp.int32),
+            dfa=jnp.full((batch,), -1, jnp.int32),
         )
 
     def append(self, block_BT, num_B) -> History:
@@ -89,6 +94,7 @@ class History:
             seen=self.seen.at[rows, idx_BT].set(True, mode="drop"),
             tokens=jax.vmap(write)(self.tokens, block_BT, self.length, num_B),
             length=self.length + num_B,
+            dfa=self.dfa,
         )
 
     def repeat(self, k: int) -> History:
@@ -197,12 +203,27 @@ def apply_controls(sampling, history: History, logits_BXV, path_BXD, depth_X) ->
 
 
 def process(sampling, history: History, logits_BXV, path_BXD, depth_X, *, draft=False):
-    """Processed log-probabilities ``[B, X, V]`` of X nodes per row (controls, then
-    ``sampling.process``: temperature, top-k, top-p, min-p), and whether each law has mass,
-    bool[B, X] (bans can remove every token)."""
-    logits = apply_controls(sampling, history, logits_BXV, path_BXD, depth_X)
+    """Processed log-probabilities ``[B, X, V]`` of X nodes per row (the constraint's mask, the
+    controls, then ``sampling.process``: temperature, top-k, top-p, min-p), and whether each law
+    is usable, bool[B, X] (bans can remove every token).
+
+    A node whose constraint state allows nothing (:mod:`asps_jax.constraints`: the text ends
+    there) is usable: its draft law is empty (no child is drawn from it) and its target law a
+    point mass on token 0, whose slot ``constraints.dead_slots`` drops.
+    """
+    depth_BX = jnp.broadcast_to(jnp.asarray(depth_X, jnp.int32), logits_BXV.shape[:2])
+    logits, dead_BX = constraints.mask(
+        sampling, history, logits_BXV, jnp.asarray(path_BXD, jnp.int32), depth_BX
+    )
+    logits = apply_controls(sampling, history, logits, path_BXD, depth_X)
     logprobs = sampling.process(logits, draft=draft)
-    return logprobs, jnp.any(logprobs > NEG_INF, axis=-1)
+    mass = jnp.any(logprobs > NEG_INF, axis=-1)
+    if dead_BX is None:
+        return logprobs, mass
+    if not draft:
+        point = jnp.where(jnp.arange(logprobs.shape[-1]) == 0, 0.0, NEG_INF)
+        logprobs = jnp.where(dead_BX[..., None], point, logprobs)
+    return logprobs, mass | dead_BX
 
 
 def chain_paths(tokens_BKD):

@@ -156,6 +156,12 @@ class SamplingParams:
         when no row has a bias.
       ngram_window: static int, :func:`ngram_window` of the rows' n-gram sizes (0: none; the
         n-gram code is then not compiled at all).
+      dfa_next: int32[S, V], the stacked constraint DFAs (-1 = forbidden; state 0 the sink, 1
+        the free state of unconstrained rows), or int32[1, 1] when no row is constrained.
+      dfa_final: bool[S], the accepting states.
+      dfa_start: int32[B], each row's start state.
+      constrained: static bool, some row has a constraint (else none of its code is compiled).
+    See :mod:`asps_jax.constraints`.
     The controls (bias, penalties, n-grams) depend on each node's path: they are applied by
     :mod:`asps_jax.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
     """
@@ -171,7 +177,14 @@ class SamplingParams:
     frequency_penalty: jax.Array
     no_repeat_ngram_size: jax.Array
     logit_bias: jax.Array
+    dfa_next: jax.Array
+    dfa_final: jax.Array
+    dfa_start: jax.Array
     ngram_window: int = dataclasses.field(default=0, metadata=dict(static=True))
+    constrained: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    SHARED_FIELDS = ("eos_ids", "dfa_next", "dfa_final")
+    """The array fields that are not per row (replicated, never repeated per draft)."""
 
     @classmethod
     def make(
@@ -189,7 +202,11 @@ class SamplingParams:
         frequency_penalty=None,
         no_repeat_ngram_size=None,
         logit_bias=None,
+        constraint=None,
     ):
+        """``constraint``: None, or ``(next int32[S, V], final bool[S], start int32[B])`` from
+        :func:`asps_jax.constraints.stack`."""
+
         def rows(value, dtype, default):
             value = default if value is None else value
             return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
@@ -214,7 +231,11 @@ class SamplingParams:
             frequency_penalty=rows(frequency_penalty, jnp.float32, 0.0),
             no_repeat_ngram_size=ngram,
             logit_bias=bias,
+            dfa_next=jnp.full((1, 1), -1, jnp.int32) if constraint is None else constraint[0],
+            dfa_final=jnp.zeros((1,), bool) if constraint is None else constraint[1],
+            dfa_start=rows(None if constraint is None else constraint[2], jnp.int32, 0),
             ngram_window=ngram_window(np.asarray(ngram).reshape(-1).tolist()),
+            constrained=constraint is not None,
         )
 
     @classmethod
@@ -242,5 +263,5 @@ class SamplingParams:
     def repeat(self, k: int) -> SamplingParams:
         """The parameters of rows ``b * k + j`` (K draft replicas per row)."""
         rep = functools.partial(jnp.repeat, repeats=k, axis=0)
-        per_row = [name for name in self.array_fields() if name != "eos_ids"]
+        per_row = [name for name in self.array_fields() if name not in self.SHARED_FIELDS]
         return dataclasses.replace(self, **{name: rep(getattr(self, name)) for name in per_row})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import operator
 import os
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import decode, sharding, statistics, trees
+from asps_jax import constraints, decode, sharding, statistics, trees
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.processors import SamplingParams, validate_sampling_args
@@ -164,6 +165,55 @@ def _per_row(name: str, value, batch: int, padded: int):
             f"{name} must be a scalar or have one value per prompt ({batch}), got {arr.shape}"
         )
     return np.concatenate([arr, np.repeat(arr[:1], padded - batch)])
+
+
+def _constraint_rows(target, regex, json_schema, batch: int, padded: int):
+    """The stacked constraint tables of the rows (:func:`asps_jax.constraints.stack`), or None
+    when no row is constrained."""
+
+    def per_row(name, value):
+        if value is None:
+            return [None] * batch
+        if isinstance(value, (list, tuple)):
+            if len(value) != batch:
+                raise ValueError(
+                    f"{name}: give one pattern for all prompts or one per prompt ({batch}), got "
+                    f"{len(value)}"
+                )
+            return list(value)
+        return [value] * batch
+
+    regexes, schemas = per_row("regex", regex), per_row("json_schema", json_schema)
+    if all(r is None for r in regexes) and all(j is None for j in schemas):
+        return None
+    if any(r is not None and j is not None for r, j in zip(regexes, schemas)):
+        raise ValueError("regex and json_schema: give at most one constraint per prompt")
+    what = "regex" if any(r is not None for r in regexes) else "json_schema"
+    if target.tokenizer is None:
+        raise ValueError(
+            f"{what}: the target model {target.name!r} has no tokenizer, which a constraint "
+            "needs (its token strings)"
+        )
+    tokens = constraints.token_bytes(target.tokenizer, target.vocab_size)
+    compiled: dict = {}
+    dfas = []
+    for r, j in zip(regexes, schemas):
+        if r is None and j is None:
+            dfas.append(None)
+            continue
+        pattern, name = (r, "regex") if r is not None else (None, "json_schema")
+        if pattern is None:
+            cache_key = ("schema", json.dumps(j, sort_keys=True) if not isinstance(j, str) else j)
+            if cache_key not in compiled:
+                compiled[cache_key] = constraints.compile_regex(
+                    constraints.schema_regex(j), tokens, what="json_schema"
+                )
+            dfas.append(compiled[cache_key])
+        else:
+            if ("regex", pattern) not in compiled:
+                compiled[("regex", pattern)] = constraints.compile_regex(pattern, tokens, what=name)
+            dfas.append(compiled[("regex", pattern)])
+    return constraints.stack(dfas + [None] * (padded - batch), target.vocab_size)
 
 
 def _validate_sampling(temperature, top_k, top_p, draft_temperature) -> None:
@@ -427,6 +477,8 @@ def prepare(
     no_repeat_ngram_size=None,
     logit_bias=None,
     top_logprobs=0,
+    regex=None,
+    json_schema=None,
     **options,
 ):
     """Validate the arguments of :func:`sample`; returns ``(batch, args)``.
@@ -438,6 +490,8 @@ def prepare(
     ``frequency_penalty`` and ``no_repeat_ngram_size`` may also be given per prompt, and
     ``logit_bias`` as one ``{token id: bias}`` dict per prompt (docs/api.md: the controls and their
     order). ``top_logprobs=k`` records the k most likely tokens of each emitted token's law.
+    ``regex`` / ``json_schema`` constrain the generated text (one for all rows, or one per
+    prompt, None = unconstrained; :mod:`asps_jax.constraints`).
     ``diagnostics=True`` also measures the root ``optimal_acceptance`` of multi-draft steps (see
     :class:`asps_jax.decode.Decoder`).
 
@@ -517,6 +571,7 @@ def prepare(
         frequency_penalty=frequency_penalty,
         no_repeat_ngram_size=no_repeat_ngram_size,
     )
+    constraint = _constraint_rows(target, regex, json_schema, batch, padded)
     sampling = SamplingParams.make(
         padded,
         _per_row("temperature", temperature, batch, padded),
@@ -525,6 +580,7 @@ def prepare(
         _per_row("draft_temperature", draft_temperature, batch, padded),
         eos_ids=_eos_ids(target, eos_token_id),
         logit_bias=_logit_bias_rows(logit_bias, batch, padded, target.vocab_size),
+        constraint=constraint,
         **{name: _per_row(name, value, batch, padded) for name, value in controls.items()},
     )
     cache_len = _round_up(

@@ -425,8 +425,8 @@ def shard_inputs(
         **{
             name: shard_batch(getattr(sampling, name), mesh, rules)
             for name in sampling.array_fields()
-            if name != "eos_ids"
+            if name not in sampling.SHARED_FIELDS
         },
-        eos_ids=replicate(sampling.eos_ids, mesh),
+        **{name: replicate(getattr(sampling, name), mesh) for name in sampling.SHARED_FIELDS},
     )
     return out
