@@ -369,7 +369,8 @@ def allowed(sampling, states) -> jax.Array:
     eos = sampling.eos_ids
     is_eos_V = jnp.zeros(vocab, bool).at[jnp.where(eos >= 0, eos, vocab)].set(True, mode="drop")
     steps = sampling.dfa_next[states] >= 0
-    return (steps & ~is_eos_V) | (sampling.dfa_final[states][..., None] & is_eos_V)
+    is_eos = is_eos_V.reshape((1,) * (steps.ndim - 1) + (vocab,))
+    return (steps & ~is_eos) | (sampling.dfa_final[states][..., None] & is_eos)
 
 
 def mask(sampling, history, logits_BXV, path_BXD, depth_BX):

@@ -221,7 +221,7 @@ def process(sampling, history: History, logits_BXV, path_BXD, depth_X, *, draft=
     if dead_BX is None:
         return logprobs, mass
     if not draft:
-        point = jnp.where(jnp.arange(logprobs.shape[-1]) == 0, 0.0, NEG_INF)
+        point = jnp.where(jnp.arange(logprobs.shape[-1]) == 0, 0.0, NEG_INF)[None, None, :]
         logprobs = jnp.where(dead_BX[..., None], point, logprobs)
     return logprobs, mass | dead_BX
 

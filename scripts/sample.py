@@ -327,6 +327,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="this process's id in [0, N) in a multi-process run; implies --distributed",
     )
     p.add_argument(
+        "--regex",
+        default=None,
+        metavar="PATTERN",
+        help="constrain the generated text to match PATTERN in full (every method, exact: the "
+        "law of constrained sampling from the target; needs the target's tokenizer)",
+    )
+    p.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="constrain the generated text to JSON valid under the schema in FILE (supported "
+        "keywords: docs/api.md)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (text, tokens, the target's log-probability of each token, "
@@ -508,6 +522,8 @@ def run(args) -> int:
         no_repeat_ngram_size=args.no_repeat_ngram_size,
         logit_bias=dict(args.logit_bias) if args.logit_bias else None,
         top_logprobs=args.top_logprobs or 0,
+        regex=args.regex,
+        json_schema=_read_schema(args.json_schema),
         mesh=mesh,
         return_logprobs=args.json,
     )
@@ -590,6 +606,17 @@ def run(args) -> int:
     return 0
 
 
+def _read_schema(path):
+    """The text of the --json-schema file (None without the flag)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as err:
+        raise ValueError(f"--json-schema: cannot read {path} ({err.strerror})") from None
+
+
 def main(argv=None) -> int:
     silence_notices()
     parser = build_parser()
@@ -604,6 +631,8 @@ def main(argv=None) -> int:
             setattr(args, name, value)
     args.num_draft_tokens = 8 if args.num_draft_tokens is None else args.num_draft_tokens
     args.num_drafts = 1 if args.num_drafts is None else args.num_drafts
+    if args.regex is not None and args.json_schema is not None:
+        parser.error("--regex and --json-schema: give at most one constraint")
     if args.top_logprobs and not args.json:
         parser.error("--top-logprobs needs --json (the log-probabilities are in its output)")
     prompts = len(args.prompt or [DEFAULT_PROMPT])
