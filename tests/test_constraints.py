@@ -8,12 +8,12 @@ the masked tabular laws, transformers forwards masked and renormalised, Python's
 
 from __future__ import annotations
 
-import json
+import functools
+import itertools
 import re
 
 import jax
 import jax.numpy as jnp
-import jsonschema
 import numpy as np
 import pytest
 import tabular as tab
@@ -62,7 +62,7 @@ def _reference_masked(laws):
     """NumPy float64: each law masked to the tokens its prefix's state allows, renormalised
     (a prefix outside the constraint is never reached: its law is left as it is)."""
     out = []
-    for i, law in enumerate(laws):
+    for law in laws:
         law = law.copy()
         for prefix in np.ndindex(*law.shape[:-1]):
             state = _state(prefix)
@@ -74,34 +74,45 @@ def _reference_masked(laws):
     return out
 
 
+@functools.partial(jax.jit, static_argnames="draft")
+def _process(sampling, history, logits, path, depth, draft):
+    return penalties.process(sampling, history, logits, path, depth, draft=draft)
+
+
 def _library_masked(laws, draft):
     """The library's processing (asps_jax.penalties.process: the constraint's mask, then the
-    controls and temperature 1) of every prefix's law, with each prefix as a tree node's path:
-    returns float64 laws masked by the library's allowed sets, and the float32 processed laws."""
-    sampling = _hand_tables()
-    exact, processed = [], []
-    for i, law in enumerate(laws):
-        rows = V4**i
-        strings = tab.all_strings(V4, i)
-        path = np.zeros((rows, 1, N + 1), np.int32)
-        path[:, 0, :i] = strings
-        reps = sampling.repeat(rows)
-        history = penalties.History.init(jnp.zeros((rows, 1), jnp.int32), jnp.ones(rows), V4, 1)
-        with np.errstate(divide="ignore"):
-            logits = jnp.asarray(np.log(law.reshape(rows, 1, V4)), jnp.float32)
-        lp, ok = penalties.process(
-            reps, history, logits, jnp.asarray(path), jnp.full((rows, 1), i), draft=draft
-        )
-        assert bool(jnp.all(ok))  # a dead node's law is usable (it ends the row)
-        lp = np.asarray(lp[:, 0], np.float64)
-        flat = law.reshape(rows, V4)
-        live = _reachable(law.shape).reshape(rows)
-        masked = np.where(lp > -np.inf, flat, 0.0)
-        masked[~live] = flat[~live]
-        exact.append((masked / masked.sum(-1, keepdims=True)).reshape(law.shape))
-        probs = np.exp(lp)
-        probs[~live] = flat[~live]
-        processed.append(probs.reshape(law.shape))
+    controls and temperature 1) of every prefix's law, each prefix a tree node's path, in one
+    call: returns float64 laws masked by the library's allowed sets, and the float32 laws."""
+    strings = [tab.all_strings(V4, i) for i in range(len(laws))]
+    rows = sum(len(x) for x in strings)
+    path = np.zeros((rows, 1, N + 1), np.int32)
+    depth = np.concatenate([np.full(len(x), i) for i, x in enumerate(strings)])
+    flat = np.concatenate([law.reshape(-1, V4) for law in laws])
+    at = 0
+    for i, x in enumerate(strings):
+        path[at : at + len(x), 0, :i] = x
+        at += len(x)
+    history = penalties.History.init(jnp.zeros((rows, 1), jnp.int32), jnp.ones(rows), V4, 1)
+    with np.errstate(divide="ignore"):
+        logits = jnp.asarray(np.log(flat)[:, None], jnp.float32)
+    sampling = _hand_tables().repeat(rows)
+    lp, ok = _process(
+        sampling, history, logits, jnp.asarray(path), jnp.asarray(depth[:, None]), draft
+    )
+    assert bool(jnp.all(ok))  # a dead node's law is usable (it ends the row)
+    lp = np.asarray(lp[:, 0], np.float64)
+    live = np.concatenate([_reachable(law.shape).reshape(-1) for law in laws])
+    masked = np.where(lp > -np.inf, flat, 0.0)
+    masked[~live] = flat[~live]
+    masked /= masked.sum(-1, keepdims=True)
+    probs = np.exp(lp)
+    probs[~live] = flat[~live]
+    exact, processed, at = [], [], 0
+    for law in laws:
+        size = law.size // V4
+        exact.append(masked[at : at + size].reshape(law.shape))
+        processed.append(probs[at : at + size].reshape(law.shape))
+        at += size
     return exact, processed
 
 
@@ -168,11 +179,6 @@ def test_exact_enumeration_every_method(masked_models):
             draws = list(ref.chain_draws(target, drafts, N))
             _, err = enumerate_method(tree, method, draws, target)
             assert err <= 1e-10, method
-            if method == "tv":  # a branching tree drawn without replacement
-                tree = trees.branching_token_tree((2, 2))
-                draws = list(ref.tree_draws(target, drafts[0], list(tree.parents), False, True))
-                _, err = enumerate_method(tree, method, draws, target)
-                assert err <= 1e-10, method
         covered.add(method)
     assert covered == set(REGISTRY)
 
@@ -187,3 +193,195 @@ def test_enumeration_detects_a_law_left_unmasked(masked_models):
     emitted = tab.emitted_law(stop, full, weight, d, p_rows[:, N], N)
     got = tab.continue_with_target(emitted, ref_target)
     assert np.max(np.abs(got - _constrained_ar_law(ref_target))) > 1e-3
+
+
+# --- End to end on a tiny Llama (transformers) with a character tokenizer ----------------------
+
+CHARS = "abcdefghijk"  # ids 1..11; id 0 is "</s>", the EOS
+R1 = r"[a-e]+[f-k]?"  # EOS after every token; [f-k] ends the text
+R2 = r"a[b-k]|b[a-c]|[c-k]"  # the second token's set depends on the first (no EOS after a, b)
+R3 = r"[a-e][f-k]*"  # never ends: always a continuation
+# The prefixes of each language, written out by hand: a token is allowed iff the text stays a
+# prefix; EOS iff the text is a full match (re.fullmatch).
+PREFIX = {R1: r"([a-e]+[f-k]?)?", R2: r"|a|b|a[b-k]|b[a-c]|[c-k]", R3: r"([a-e][f-k]*)?"}
+
+
+def _char_tokenizer():
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {"</s>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def char_models(tmp_path_factory):
+    import dataclasses
+
+    hf_target, target, draft = write_pair(tmp_path_factory.mktemp("ckpt"))
+    tokenizer = _char_tokenizer()
+    assert VOCAB == len(tokenizer) == 12
+    with_tok = [dataclasses.replace(m, tokenizer=tokenizer) for m in (target, draft)]
+    return hf_target, *with_tok, target
+
+
+def _text(tokens):
+    return "".join(CHARS[t - 1] for t in tokens if t > 0)
+
+
+def _reference_law(logits, text, pattern, rep=1.0, temperature=1.0, prompt=()):
+    """transformers' processors on the logits masked to the tokens ``pattern`` allows after
+    ``text``: the constrained target law (float64)."""
+    allowed = np.array(
+        [bool(re.fullmatch(pattern, text))]
+        + [bool(re.fullmatch(PREFIX[pattern], text + c)) for c in CHARS]
+    )
+    scores = torch.as_tensor(np.where(allowed, logits, -np.inf), dtype=torch.float32)[None]
+    ids = torch.tensor([list(prompt) + [CHARS.index(c) + 1 for c in text]])
+    if rep != 1.0:
+        scores = transformers.RepetitionPenaltyLogitsProcessor(rep)(ids, scores)
+    return torch.softmax(scores[0].double() / temperature, -1).numpy()
+
+
+def _two_token_law(hf_target, pattern, **kw):
+    with torch.no_grad():
+        first = hf_target(torch.tensor([PROMPT])).logits[0, -1].numpy()
+        second = hf_target(torch.tensor([PROMPT + [x] for x in range(VOCAB)])).logits[:, -1]
+    p1 = _reference_law(first, "", pattern, prompt=PROMPT, **kw)
+    p2 = np.zeros((VOCAB, VOCAB))
+    for x in np.flatnonzero(p1):
+        p2[x] = _reference_law(second[x].numpy(), CHARS[x - 1], pattern, prompt=PROMPT, **kw)
+    return p1[:, None] * p2
+
+
+# Per-row settings of one call: two patterns (per-row constraints), and one composed with a
+# repetition penalty and a temperature.
+E2E = [(R1, {}), (R2, {}), (R1, dict(rep=1.6, temperature=0.8))]
+E2E_ROWS = 2500
+
+
+@pytest.mark.parametrize(
+    "method, shape", [("asps", dict(num_draft_tokens=2)), ("tv", dict(tree=(2, 2)))]
+)
+def test_first_two_tokens_follow_the_constrained_target_law(char_models, method, shape):
+    """End to end through asps_jax.sample: the first two tokens (EOS included: R1 allows it
+    after one token, R2 forces it after two) against the masked, renormalised target computed
+    with transformers; two regexes in one batch; and every finished row matches its regex."""
+    hf_target, target, draft, _ = char_models
+    settings = [s for s in E2E for _ in range(E2E_ROWS)]
+    out = asps_jax.sample(
+        target, draft, [PROMPT] * len(settings), key=jax.random.key(7), max_new_tokens=3,
+        method=method, eos_token_id=0, regex=[r for r, _ in settings],
+        repetition_penalty=[kw.get("rep", 1.0) for _, kw in settings],
+        temperature=[kw.get("temperature", 1.0) for _, kw in settings], **shape,
+    )  # fmt: skip
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    for i, (pattern, kw) in enumerate(E2E):
+        rows = slice(i * E2E_ROWS, (i + 1) * E2E_ROWS)
+        counts = np.zeros((VOCAB, VOCAB))
+        np.add.at(counts, (tokens[rows, 0], tokens[rows, 1]), 1)
+        pvalue = _chi_square_pvalue(counts, _two_token_law(hf_target, pattern, **kw))
+        assert pvalue > 1e-3, f"{method} setting {i}: chi-square p-value {pvalue:.2e}"
+        for row, length in zip(tokens[rows], lengths[rows]):
+            text = _text(row[:length])
+            if row[length - 1] == 0:  # ended by EOS: a full match
+                assert re.fullmatch(pattern, text), (pattern, text)
+            else:
+                assert re.fullmatch(PREFIX[pattern], text), (pattern, text)
+    assert np.any(tokens[:E2E_ROWS, 1] == 0)  # EOS in an accepting state happens
+    r2 = tokens[E2E_ROWS : 2 * E2E_ROWS]
+    assert np.all(r2[np.isin(r2[:, 0], [1, 2]), 2] == 0)  # and is forced after R2's match
+    assert np.all(r2[~np.isin(r2[:, 0], [1, 2]), 1] == 0)
+
+
+def test_the_test_patterns_compile_to_their_regex_language(char_models):
+    """The references above read the patterns with Python's ``re``: outlines-core's index must
+    accept exactly those strings (checked on every string of up to 4 characters)."""
+    tokens = constraints.token_bytes(char_models[1].tokenizer, VOCAB)
+    for pattern in (R1, R2, R3):
+        dfa = constraints.compile_regex(pattern, tokens)
+        for length in range(5):
+            for s in itertools.product(CHARS, repeat=length):
+                state = dfa.start
+                for c in s:
+                    state = dfa.next[state, CHARS.index(c) + 1] if state >= 0 else -1
+                accepted = state >= 0 and bool(dfa.final[state])
+                assert accepted == bool(re.fullmatch(pattern, "".join(s))), (pattern, s)
+
+
+def test_without_eos_a_row_ends_where_its_constraint_allows_nothing(char_models):
+    """EOS disabled: R2's accepting states have no continuation, so the row ends there (no
+    failure); R3's rows never end early."""
+    _, target, _, _ = char_models
+    out = asps_jax.sample(
+        target, None, [PROMPT] * 64, key=jax.random.key(1), max_new_tokens=5, method="ar",
+        eos_token_id=-1, regex=[R2] * 32 + [R3] * 32,
+    )  # fmt: skip
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    for b in range(64):
+        text = _text(tokens[b, : lengths[b]])
+        assert 0 not in tokens[b, : lengths[b]]
+        if b < 32:
+            assert lengths[b] in (1, 2) and re.fullmatch(R2, text), text
+        else:
+            assert lengths[b] == 5 and re.fullmatch(R3, text), text
+
+
+def test_second_compile_reads_the_disk_cache(char_models, tmp_path, monkeypatch):
+    _, target, _, _ = char_models
+    monkeypatch.setenv("ASPS_JAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ASPS_JAX_NO_CACHE", raising=False)
+    monkeypatch.setattr(constraints, "_MEMORY", {})
+    tokens = constraints.token_bytes(target.tokenizer, target.vocab_size)
+    before = dict(constraints.STATS)
+    first = constraints.compile_regex("[a-c]+k", tokens)
+    files = list((tmp_path / "constraints").glob("*.npz"))
+    assert len(files) == 1 and files[0].stem == first.key
+    assert constraints.STATS["compiled"] == before.get("compiled", 0) + 1
+    monkeypatch.setattr(constraints, "_MEMORY", {})
+    second = constraints.compile_regex("[a-c]+k", tokens)
+    assert constraints.STATS["compiled"] == before.get("compiled", 0) + 1
+    assert constraints.STATS["disk"] == before.get("disk", 0) + 1
+    np.testing.assert_array_equal(first.next, second.next)
+    np.testing.assert_array_equal(first.final, second.final)
+    # Another vocabulary is another entry.
+    constraints.compile_regex("[a-c]+k", tokens[:-1] + [b"z"])
+    assert len(list((tmp_path / "constraints").glob("*.npz"))) == 2
+
+
+BAD = [
+    (dict(regex="(a"), "regex '(a' does not compile"),
+    (dict(regex=3), "regex must be a string"),
+    (dict(json_schema={"type": "integer", "minimum": 0, "maximum": 120}),
+     "keyword 'minimum' at /minimum is not enforced"),
+    (dict(json_schema={"type": "object", "properties": {"n": {"type": "number",
+     "multipleOf": 2}}}), "keyword 'multipleOf' at /properties/n/multipleOf"),
+    (dict(json_schema={"oneOf": [{"type": "string"}]}), "keyword 'oneOf'"),
+    (dict(json_schema="{not json"), "json_schema: not valid JSON"),
+    (dict(json_schema={"type": "date"}), "type 'date' at /type is not supported"),
+    (dict(regex=["a", "b", "c"]), "one per prompt (1)"),
+    (dict(regex="a", json_schema={"type": "string"}), "at most one constraint per prompt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kwargs, match", BAD)
+def test_bad_constraints_are_one_line_errors(char_models, kwargs, match):
+    _, target, draft, _ = char_models
+    with pytest.raises(ValueError) as info:
+        asps_jax.sample(target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=2, **kwargs)
+    assert match in str(info.value) and "\n" not in str(info.value)
+
+
+def test_no_tokenizer_and_size_bound_are_one_line_errors(char_models, monkeypatch):
+    _, target, draft, bare = char_models
+    with pytest.raises(ValueError, match="has no tokenizer") as info:
+        asps_jax.sample(bare, None, [PROMPT], key=jax.random.key(0), max_new_tokens=2,
+                        method="ar", regex="a")  # fmt: skip
+    assert "\n" not in str(info.value)
+    monkeypatch.setattr(constraints, "MAX_TABLE_ENTRIES", 40)
+    monkeypatch.setattr(constraints, "_MEMORY", {})
+    with pytest.raises(ValueError, match="past the bound of 40") as info:
+        asps_jax.sample(target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=2,
+                        regex="[a-k]{6}")  # fmt: skip
+    assert "\n" not in str(info.value)
