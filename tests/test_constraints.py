@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import re
 
 import jax
 import jax.numpy as jnp
+import jsonschema
 import numpy as np
 import pytest
 import tabular as tab
@@ -385,3 +387,56 @@ def test_no_tokenizer_and_size_bound_are_one_line_errors(char_models, monkeypatc
         asps_jax.sample(target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=2,
                         regex="[a-k]{6}")  # fmt: skip
     assert "\n" not in str(info.value)
+
+
+# --- The bundled pair (byte-level BPE: multi-character tokens) --------------------------------
+
+BUNDLED_REGEX = r"(Romeo|Juliet) loves (Romeo|Juliet)\."
+BUNDLED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["a", "bc"]},
+    },
+    "required": ["name", "ok", "kind"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "models"
+    roles = ("target", "draft")
+    return tuple(asps_jax.load_model(str(root / f"tinyshakespeare-{r}")) for r in roles)
+
+
+@pytest.mark.parametrize(
+    "method, shape", [("asps", dict(num_draft_tokens=4)), ("tv", dict(tree=(2, 2)))]
+)
+def test_bundled_pair_rows_match_their_regex_or_schema(bundled, method, shape):
+    """Per-row constraints on the bundled pair: every regex row is a full match of its regex
+    (built of multi-character tokens), every schema row parses as JSON and validates against
+    the schema (jsonschema); every row ends with the EOS, which only an accepting state allows."""
+    target, draft = bundled
+    tok = target.tokenizer
+    prompt = tok.encode("ROMEO:")
+    out = asps_jax.sample(
+        target, draft, [prompt] * 6, key=jax.random.key(3), max_new_tokens=96, method=method,
+        regex=[BUNDLED_REGEX] * 3 + [None] * 3, json_schema=[None] * 3 + [BUNDLED_SCHEMA] * 3,
+        **shape,
+    )  # fmt: skip
+    eos = tok.eos_token_id
+    multi_char = 0
+    for b in range(6):
+        ids = np.asarray(out.tokens[b, : out.lengths[b]]).tolist()
+        assert ids[-1] == eos and eos not in ids[:-1], (b, ids)
+        text = tok.decode(ids[:-1])
+        multi_char += sum(len(tok.decode([t])) > 1 for t in ids[:-1])
+        if b < 3:
+            assert re.fullmatch(BUNDLED_REGEX, text), text
+        else:
+            jsonschema.validate(json.loads(text), BUNDLED_SCHEMA)
+    assert multi_char > 0
