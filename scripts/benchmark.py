@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         "repetition / presence / frequency penalties, no-repeat n-grams, min-p, logit bias) "
         "and report the time per step with / without",
     )
+    p.add_argument(
+        "--json-schema",
+        action="store_true",
+        help="also run every config of ours constrained by a JSON schema (BENCH_SCHEMA) and "
+        "report tokens/step and tokens/s with / without",
+    )
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     return p
 
@@ -306,6 +312,20 @@ CONTROLS = dict(
 )
 
 
+# --json-schema: a record with long free-text strings, so that most of a run is constrained
+# decoding rather than the short fixed parts. Rows end where the schema allows nothing more.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "speaker": {"type": "string", "maxLength": 24},
+        "line": {"type": "string", "maxLength": 160},
+        "aside": {"type": "boolean"},
+    },
+    "required": ["speaker", "line", "aside"],
+    "additionalProperties": False,
+}
+
+
 def run_ours(target, draft, prompts, method, n, k, args, tree=(), controls=None) -> dict:
     sizes = dict(tree=tree) if tree else dict(num_draft_tokens=n, num_drafts=k)
     sizes.update(controls or {})
@@ -353,7 +373,8 @@ def run_ours(target, draft, prompts, method, n, k, args, tree=(), controls=None)
         n=n if method != "ar" else 0,
         K=k,
         tree=list(tree),
-        controls=bool(controls),
+        controls=bool(controls) and "json_schema" not in controls,
+        json_schema="json_schema" in (controls or {}),
         ms_per_step=1e3 * wall / max(int(np.max(stats["target_calls"])), 1),
         scored_nodes_per_step=float(
             np.sum(stats["scored_nodes_per_step"] * stats["target_calls"])
@@ -549,6 +570,25 @@ def controls_markdown(rows: list[dict], controlled: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def schema_markdown(rows: list[dict], constrained: list[dict]) -> str:
+    """Tokens per step and tokens/s without and with the JSON-schema constraint."""
+    lines = [
+        f"JSON-schema constraint (BENCH_SCHEMA: {json.dumps(BENCH_SCHEMA)}):",
+        "",
+        "| method | n | K | tok/step | tok/step, schema | ms/step | ms/step, schema | tok/s | "
+        "tok/s, schema |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a, b in zip(rows, constrained):
+        lines.append(
+            f"| {a['method']}{' tree=' + str(a['tree']) if a['tree'] else ''} | {a['n']} | "
+            f"{a['K']} | {a['tokens_per_step']:.2f} | {b['tokens_per_step']:.2f} | "
+            f"{a['ms_per_step']:.2f} | {b['ms_per_step']:.2f} | {a['tokens_per_s']:.0f} | "
+            f"{b['tokens_per_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -590,13 +630,16 @@ def main(argv=None) -> int:
         delay=2.0,  # short runs show no bar
         disable=args.quiet or not sys.stdout.isatty(),
     )
-    rows, controlled = [], []
+    rows, controlled, constrained = [], [], []
     for method, n, k, tree in runs:
         label = f"{method} n={n} K={k}" + (f" tree={tree}" if tree else "")
         progress.set_postfix_str(label)
         rows.append(run_ours(target, draft, prompts, method, n, k, args, tree))
         if args.controls:
             controlled.append(run_ours(target, draft, prompts, method, n, k, args, tree, CONTROLS))
+        if args.json_schema:
+            schema = dict(json_schema=BENCH_SCHEMA)
+            constrained.append(run_ours(target, draft, prompts, method, n, k, args, tree, schema))
         progress.update()
         if not args.quiet:
             progress.write(f"# {label}: {rows[-1]['tokens_per_s']:.0f} tok/s", file=sys.stderr)
@@ -627,6 +670,8 @@ def main(argv=None) -> int:
     print(header + "\n\n" + markdown(rows, hf, gains))
     if controlled:
         print("\n" + controls_markdown(rows, controlled))
+    if constrained:
+        print("\n" + schema_markdown(rows, constrained))
     if args.json:
         meta = dict(vars(args), header=header, jax=jax.__version__, prompts=prompts)
         with open(args.json, "w") as f:
@@ -635,6 +680,7 @@ def main(argv=None) -> int:
                     "config": meta,
                     "ours": rows,
                     "ours_with_controls": controlled,
+                    "ours_with_json_schema": constrained,
                     "transformers": hf,
                     "asps_gain": gains,
                 },
