@@ -440,3 +440,31 @@ def test_bundled_pair_rows_match_their_regex_or_schema(bundled, method, shape):
         else:
             jsonschema.validate(json.loads(text), BUNDLED_SCHEMA)
     assert multi_char > 0
+
+
+def _cli():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sample.py"
+    spec = importlib.util.spec_from_file_location("sample_cli_constraints", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--regex", "(a"], "regex '(a' does not compile"),
+        (["--json-schema", "SCHEMA"], "keyword 'maximum' at /maximum is not enforced"),
+        (["--json-schema", "/nonexistent/schema.json"], "--json-schema: cannot read"),
+    ],
+)
+def test_cli_constraint_errors_exit_2_with_one_line(capsys, tmp_path, argv, needle):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "integer", "maximum": 120}))
+    argv = [str(schema) if a == "SCHEMA" else a for a in argv]
+    assert _cli().main(argv + ["--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
