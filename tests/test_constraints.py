@@ -312,13 +312,15 @@ def test_the_test_patterns_compile_to_their_regex_language(char_models):
                 assert accepted == bool(re.fullmatch(pattern, "".join(s))), (pattern, s)
 
 
-def test_without_eos_a_row_ends_where_its_constraint_allows_nothing(char_models):
+@pytest.mark.parametrize("method", ["ar", "specinfer"])
+def test_without_eos_a_row_ends_where_its_constraint_allows_nothing(char_models, method):
     """EOS disabled: R2's accepting states have no continuation, so the row ends there (no
-    failure); R3's rows never end early."""
-    _, target, _, _ = char_models
+    failure, also when the node is inside a drafted tree); R3's rows never end early."""
+    _, target, draft, _ = char_models
     out = asps_jax.sample(
-        target, None, [PROMPT] * 64, key=jax.random.key(1), max_new_tokens=5, method="ar",
-        eos_token_id=-1, regex=[R2] * 32 + [R3] * 32,
+        target, draft if method != "ar" else None, [PROMPT] * 64, key=jax.random.key(1),
+        max_new_tokens=5, method=method, eos_token_id=-1, regex=[R2] * 32 + [R3] * 32,
+        **(dict(num_drafts=2, num_draft_tokens=3) if method != "ar" else {}),
     )  # fmt: skip
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     for b in range(64):
