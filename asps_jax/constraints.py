@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import os
 from pathlib import Path
@@ -166,6 +167,14 @@ def cache_dir() -> Path | None:
     return compile_cache.default_dir() / "constraints"
 
 
+def _outlines_version() -> str:
+    """Part of the cache key: another outlines-core may compile a pattern differently."""
+    try:
+        return importlib.metadata.version("outlines-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
 def compile_regex(pattern: str, tokens: list[bytes | None], *, what: str = "regex") -> TokenDFA:
     """The token DFA of ``pattern`` over the vocabulary ``tokens`` (:func:`token_bytes`):
     from memory, else the disk cache, else outlines-core (then written to the disk cache)."""
@@ -173,7 +182,7 @@ def compile_regex(pattern: str, tokens: list[bytes | None], *, what: str = "rege
         raise ValueError(f"{what} must be a string, got {type(pattern).__name__}")
     vocab = len(tokens)
     key = hashlib.sha256(
-        f"{_FORMAT}\0{pattern}\0{vocab}\0{_vocabulary_hash(tokens)}".encode()
+        f"{_FORMAT}\0{_outlines_version()}\0{pattern}\0{vocab}\0{_vocabulary_hash(tokens)}".encode()
     ).hexdigest()
     if key in _MEMORY:
         STATS["memory"] += 1

@@ -657,7 +657,8 @@ def _finish(
         raise NonFiniteLogitsError(
             f"rows {rows} stopped at new-token positions {failed_at[rows].tolist()}: the target or "
             "draft law there had NaN or +inf logits or none finite (check the checkpoint and "
-            "dtype), or logit_bias / no_repeat_ngram_size banned every token; the exception's "
+            "dtype), or logit_bias / no_repeat_ngram_size banned every token (that the regex / "
+            "json_schema constraint allowed); the exception's "
             ".output keeps the tokens generated before",
             out,
             rows=rows,
