@@ -470,3 +470,24 @@ def test_cli_constraint_errors_exit_2_with_one_line(capsys, tmp_path, argv, need
     assert _cli().main(argv + ["--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_stream_takes_the_constraint(char_models):
+    """asps_jax.stream (a Session underneath): the streamed tokens are the result's, and every
+    row is a full match of its regex ending in EOS."""
+    _, target, _, _ = char_models
+    gen = asps_jax.stream(
+        target, None, [PROMPT] * 4, key=jax.random.key(2), max_new_tokens=4, method="ar",
+        eos_token_id=0, regex=R2,
+    )  # fmt: skip
+    streamed = [[] for _ in range(4)]
+    try:
+        while True:
+            for b, new in enumerate(next(gen)):
+                streamed[b] += new
+    except StopIteration as stop:
+        out = stop.value
+    for b in range(4):
+        ids = np.asarray(out.tokens[b, : out.lengths[b]]).tolist()
+        assert ids == streamed[b] and ids[-1] == 0
+        assert re.fullmatch(R2, _text(ids)), ids
