@@ -45,7 +45,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from asps_jax import kv_cache, rollout, scoring, sharding, statistics, stopping, trees
+from asps_jax import (
+    constraints,
+    kv_cache,
+    penalties,
+    rollout,
+    scoring,
+    sharding,
+    statistics,
+    stopping,
+    trees,
+)
 from asps_jax.models import forward_for
 from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
@@ -126,6 +136,11 @@ class DecodeState:
         logits or no finite one, see ``stats.failed_at``, or an empty padding row).
       row_keys: typed PRNG keys [B], one base key per row.
       stats: the per-row :class:`~asps_jax.statistics.DecodeStats`.
+      history: each row's committed text and token counts, for the path-dependent controls
+        (:class:`~asps_jax.penalties.History`).
+      top_logprobs: ``(ids int32[B, max_new_tokens + D + 1, k], logprobs float32[...,k])``, the
+        k most likely tokens of the processed target law of each emitted token
+        (``Decoder.top_logprobs`` = k; k = 0 records nothing).
       stop: the stop strings and each row's last bytes of text
         (:class:`~asps_jax.stopping.StopStrings`); None without stop strings.
     """
@@ -139,6 +154,8 @@ class DecodeState:
     done: jax.Array
     row_keys: jax.Array
     stats: DecodeStats
+    history: penalties.History
+    top_logprobs: tuple[jax.Array, jax.Array]
     stop: stopping.StopStrings | None = None
 
 
@@ -190,6 +207,8 @@ class Decoder:
       merge_tree: tree methods score only the merged tree's nodes (a slot that repeats an earlier
         sibling's token is masked out of the target forward, as the verifier never reads it);
         False scores every slot (the same tokens; kept to compare the two).
+      top_logprobs: k, the most likely tokens of each emitted token's law recorded in
+        ``DecodeState.top_logprobs`` (0: none).
     """
 
     target_config: Any
@@ -199,6 +218,7 @@ class Decoder:
     mesh: Mesh | None = None
     diagnostics: bool = False
     merge_tree: bool = True
+    top_logprobs: int = 0
 
     # ----------------------------------------------------------------------------------------
     # Entry points (jitted; ``self`` is static)
@@ -304,6 +324,8 @@ def _prefill(
             jnp.repeat(committed_B, k),
         )
     root_B = jnp.take_along_axis(prompts_BP, committed_B[:, None], axis=1)[:, 0]
+    out_width = spec.max_new_tokens + n + 1
+    top_shape = (batch, out_width, dec.top_logprobs)
     return DecodeState(
         target_cache=t_cache,
         draft_cache=d_cache,
@@ -314,6 +336,10 @@ def _prefill(
         done=prompt_lengths_B <= 0,  # rows of length 0 pad the batch to its bucket
         row_keys=row_keys_B,
         stats=DecodeStats.zeros(batch, n),
+        history=penalties.History.init(
+            prompts_BP, prompt_lengths_B, dec.target_config.vocab_size, out_width
+        ),
+        top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
         stop=stop,
     )
 
@@ -387,12 +413,15 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
             forward, target_params, state.target_cache, state.root[:, None], valid_BT
         )
         logits_BTV = sharding.constrain(logits_BTV, ("batch", None, "vocab"), dec.mesh)
-        logprobs_BV = sampling.process(logits_BTV[:, 0])
+        logprobs_BTV, has_mass_BT = penalties.process(
+            sampling, state.history, logits_BTV, jnp.zeros((batch, 1, 0), jnp.int32), [0]
+        )
+        logprobs_BV = logprobs_BTV[:, 0]
     with jax.named_scope("verify"):
         next_B = jax.vmap(sample_token)(_step_keys(state, _PURPOSE_AR), logprobs_BV)
         active_B = ~state.done
         # A row whose law is unusable emits nothing and stops there.
-        failed_B = active_B & ~logits_ok(logits_BTV[:, 0])
+        failed_B = active_B & ~(logits_ok(logits_BTV[:, 0]) & has_mass_BT[:, 0])
         num_B = (active_B & ~failed_B).astype(jnp.int32)
     with jax.named_scope("commit"):
         nodes_B1 = jnp.zeros((batch, 1), jnp.int32)
@@ -400,9 +429,10 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
             state.target_cache, new_kv, nodes_B1, num_B, row_loop=kv_cache.row_loop_for(dec.mesh)
         )
         num_B, hit = _first_eos_length(next_B[:, None], num_B, sampling.eos_ids)
+        num_B, ended_B = constraints.dead_slots(sampling, state.history, next_B[:, None], num_B)
         # One token: a stop string it completes is kept with it (num stays).
         num_B, hit_stop, stop = stopping.advance(state.stop, next_B[:, None], num_B)
-        hit = hit | hit_stop
+        hit = hit | ended_B | hit_stop
     with jax.named_scope("metrics"):
         stats = statistics.update(
             state.stats,
@@ -411,6 +441,7 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
             failed_at_B=jnp.where(failed_B, state.num_generated, -1),
         )
     state = dataclasses.replace(state, target_cache=t_cache, stats=stats, stop=stop)
+    state = _record_top_logprobs(dec, state, logprobs_BTV, num_B)
     with jax.named_scope("emit"):
         next_lp_BT = jnp.take_along_axis(logprobs_BV, next_B[:, None], axis=1)
         return _emit(dec, state, next_B[:, None], next_lp_BT, num_B, hit | failed_B)
@@ -457,6 +488,7 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
         sampling=sampling.repeat(k),
         mesh=dec.mesh,
         plan=spec.plan,
+        history=state.history.repeat(k),
     )
     vocab = draft_lp.shape[-1]
     tokens_BKD = drafts.reshape(batch, k, n)
@@ -540,11 +572,22 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
         tree_mask,
     )
     logits_BNV = sharding.constrain(logits_BNV, ("batch", None, "vocab"), dec.mesh)
-    if dec.spec.verifies_tree:
-        return sampling.process(logits_BNV), logits_ok(logits_BNV), new_kv, scored_B
-    paths_KD = trees.path_nodes(tree, jnp.arange(dec.spec.num_drafts))  # [K, D + 1]
+    if dec.spec.verifies_tree:  # node i's path: its ancestors' tokens below the root
+        path_BND = node_tokens_BN[:, np.maximum(tree.paths[:, 1:], 0)]
+        lp_BNV, mass_BN = penalties.process(
+            sampling, state.history, logits_BNV, path_BND, tree.depth
+        )
+        return lp_BNV, logits_ok(logits_BNV) & mass_BN, new_kv, scored_B
+    k, d = dec.spec.num_drafts, dec.spec.num_draft_tokens
+    paths_KD = trees.path_nodes(tree, jnp.arange(k))  # [K, D + 1]
     path_logits_BKDV = logits_BNV[:, paths_KD]
-    return sampling.process(path_logits_BKDV), logits_ok(path_logits_BKDV), new_kv, scored_B
+    path_BXD, depth_X = penalties.chain_paths(drafts.tokens_BKD)
+    batch, vocab = logits_BNV.shape[0], logits_BNV.shape[-1]
+    lp_BXV, mass_BX = penalties.process(
+        sampling, state.history, path_logits_BKDV.reshape(batch, -1, vocab), path_BXD, depth_X
+    )
+    ok_BKD = logits_ok(path_logits_BKDV) & mass_BX.reshape(batch, k, d + 1)
+    return lp_BXV.reshape(path_logits_BKDV.shape), ok_BKD, new_kv, scored_B
 
 
 def _verify(dec: Decoder, state, drafts: Drafts, target_lp) -> tuple[Verdict, jax.Array]:
@@ -708,9 +751,12 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         # the first token that completes a stop string in the row's text (whichever is first);
         # the tokens after it are neither committed nor emitted.
         num_B, hit_eos = _first_eos_length(verdict.tokens, num_B, sampling.eos_ids)
+        # A slot drawn at a node whose constraint state allows nothing is dropped: the row's
+        # constrained text ended before it.
+        num_B, ended_B = constraints.dead_slots(sampling, state.history, verdict.tokens, num_B)
         num_B, hit_stop, stop = stopping.advance(state.stop, verdict.tokens, num_B)
         hit_eos = hit_eos | hit_stop
-        failed_B = failed_B & ~hit_eos
+        failed_B = failed_B & ~hit_eos & ~ended_B
     with jax.named_scope("commit"):
         new_state = _commit(dec, state, drafts, new_kv, path_BT, verdict.draft_index, num_B)
     with jax.named_scope("metrics"):
@@ -727,12 +773,44 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
             scored_nodes_B=scored_B,
         )
     new_state = dataclasses.replace(new_state, stats=stats, stop=stop)
+    new_state = _record_top_logprobs(dec, new_state, path_lp_BTV, num_B)
     with jax.named_scope("emit"):
         block_lp_BT = _emitted_logprobs(path_lp_BTV, verdict)
-        return _emit(dec, new_state, verdict.tokens, block_lp_BT, num_B, hit_eos | failed_B)
+        done_B = hit_eos | failed_B | ended_B
+        return _emit(dec, new_state, verdict.tokens, block_lp_BT, num_B, done_B)
+
+
+def _record_top_logprobs(dec: Decoder, state: DecodeState, laws_BTV, num_B) -> DecodeState:
+    """Write the ``dec.top_logprobs`` most likely tokens of the block's laws (slot j: the law of
+    emitted token j) at each row's output position; slots past a row's length are never read."""
+    if dec.top_logprobs == 0:
+        return state
+    top_lp_BTK, top_ids_BTK = jax.lax.top_k(laws_BTV, dec.top_logprobs)
+    num_B = jnp.where(state.done, 0, num_B)
+    width = laws_BTV.shape[1]
+
+    def write(row_out, row_new, start, count):
+        window = jax.lax.dynamic_slice_in_dim(row_out, start, width)
+        window = jnp.where((jnp.arange(width) < count)[:, None], row_new, window)
+        return jax.lax.dynamic_update_slice_in_dim(row_out, window, start, axis=0)
+
+    ids, lps = state.top_logprobs
+    ids = jax.vmap(write)(ids, top_ids_BTK.astype(jnp.int32), state.num_generated, num_B)
+    lps = jax.vmap(write)(lps, top_lp_BTK, state.num_generated, num_B)
+    return dataclasses.replace(state, top_logprobs=(ids, lps))
 
 
 def _step(dec: Decoder, target_params, draft_params, sampling, state):
     if dec.spec.uses_draft:
-        return _spec_step(dec, target_params, draft_params, sampling, state)
-    return _ar_step(dec, target_params, sampling, state)
+        new_state = _spec_step(dec, target_params, draft_params, sampling, state)
+    else:
+        new_state = _ar_step(dec, target_params, sampling, state)
+    # The controls' history takes the tokens the step emitted (whatever ended the block).
+    width = dec.spec.num_draft_tokens + 1 if dec.spec.uses_draft else 1
+    block_BT = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (width,)))(
+        new_state.tokens, state.num_generated
+    )
+    num_B = new_state.num_generated - state.num_generated
+    history = state.history.append(block_BT, num_B)
+    history = constraints.commit(sampling, history, block_BT, num_B)
+    return dataclasses.replace(new_state, history=history)

@@ -2,9 +2,11 @@
 
 Draft sampling, target verification and the bonus token all go through :func:`process_logits`, so
 the law a draft token was sampled from is exactly the law verification compares against. The order
-is transformers' (``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLogitsWarper``):
-temperature, then top-k (ties at the k-th value are kept), then top-p (the smallest set of most
-likely tokens whose mass reaches ``top_p``, keeping at least one token).
+is transformers' (``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLogitsWarper`` ->
+``MinPLogitsWarper``): temperature, then top-k (ties at the k-th value are kept), then top-p (the
+smallest set of most likely tokens whose mass reaches ``top_p``, keeping at least one token), then
+min-p (tokens less likely than ``min_p`` times the most likely one go). The path-dependent controls
+(logit bias, penalties, n-grams) come before all of these, in :mod:`asps_jax.penalties`.
 
 ``temperature``, ``top_k`` and ``top_p`` may be Python numbers or traced scalars: changing them does
 not recompile. ``temperature == 0`` gives a point mass on the (first) argmax; ``top_k <= 0`` or
@@ -19,12 +21,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from asps_jax.draws import draw_categorical
 from asps_jax.logspace import NEG_INF, log_normalize
 
 
-def validate_sampling_args(temperature=None, top_k=None, top_p=None) -> None:
+def validate_sampling_args(temperature=None, top_k=None, top_p=None, min_p=None) -> None:
     """Raise ``ValueError`` for sampling parameters outside their domain (host-side check)."""
     if temperature is not None:
         t = float(temperature)
@@ -39,6 +42,8 @@ def validate_sampling_args(temperature=None, top_k=None, top_p=None) -> None:
         p = float(top_p)
         if not (0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if min_p is not None and not (0.0 <= float(min_p) <= 1.0):
+        raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {min_p!r}")
 
 
 def process_logits(
@@ -46,6 +51,7 @@ def process_logits(
     temperature: float | jax.Array = 1.0,
     top_k: int | jax.Array | None = None,
     top_p: float | jax.Array | None = None,
+    min_p: float | jax.Array | None = None,
 ) -> jax.Array:
     """Map logits ``[..., V]`` to float32 log-probabilities ``[..., V]`` (``-inf`` = excluded).
 
@@ -93,6 +99,13 @@ def process_logits(
 
     logprobs = log_normalize(scaled)
 
+    # --- Step 4: min-p (transformers' MinPLogitsWarper): drop every token whose probability is
+    # below min_p times the most likely one's; the most likely token always stays.
+    if min_p is not None:
+        mp = jnp.asarray(min_p, jnp.float32)
+        cut = jnp.max(logprobs, axis=-1, keepdims=True) + jnp.log(jnp.where(mp > 0, mp, 1.0))
+        logprobs = log_normalize(jnp.where((logprobs < cut) & (mp > 0), NEG_INF, logprobs))
+
     # --- Greedy: point mass on the first argmax of the raw logits ---
     # (a row with no finite logit has no argmax: it stays all -inf, as at temperature > 0).
     argmax = jnp.argmax(logits, axis=-1)
@@ -116,6 +129,13 @@ def sample_token(key: jax.Array, logprobs_V: jax.Array) -> jax.Array:
     return draw_categorical(key, logprobs_V)
 
 
+def ngram_window(sizes) -> int:
+    """The static bound of the n-gram comparison for the largest ``no_repeat_ngram_size``: 0 when
+    no row uses n-grams, else a power of two >= 4, so that most changes of n do not recompile."""
+    largest = int(max(sizes, default=0))
+    return 0 if largest <= 0 else max(4, 1 << (largest - 1).bit_length())
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -128,6 +148,22 @@ class SamplingParams:
       top_k: int32[B], 0 disables.
       top_p: float32[B], 1 disables.
       eos_ids: int32[num_eos]; a row stops at its first token in this set; -1 entries unused.
+      min_p: float32[B], 0 disables.
+      repetition_penalty: float32[B], 1 disables.
+      presence_penalty, frequency_penalty: float32[B], 0 disables.
+      no_repeat_ngram_size: int32[B], 0 disables.
+      logit_bias: float32[B, V] added to the logits first (-inf bans), or float32[B, 1] zeros
+        when no row has a bias.
+      ngram_window: static int, :func:`ngram_window` of the rows' n-gram sizes (0: none; the
+        n-gram code is then not compiled at all).
+      dfa_next: int32[S, V], the stacked constraint DFAs (-1 = forbidden; state 0 the sink, 1
+        the free state of unconstrained rows), or int32[1, 1] when no row is constrained.
+      dfa_final: bool[S], the accepting states.
+      dfa_start: int32[B], each row's start state.
+      constrained: static bool, some row has a constraint (else none of its code is compiled).
+    See :mod:`asps_jax.constraints`.
+    The controls (bias, penalties, n-grams) depend on each node's path: they are applied by
+    :mod:`asps_jax.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
     """
 
     temperature: jax.Array
@@ -135,47 +171,97 @@ class SamplingParams:
     top_k: jax.Array
     top_p: jax.Array
     eos_ids: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    no_repeat_ngram_size: jax.Array
+    logit_bias: jax.Array
+    dfa_next: jax.Array
+    dfa_final: jax.Array
+    dfa_start: jax.Array
+    ngram_window: int = dataclasses.field(default=0, metadata=dict(static=True))
+    constrained: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    SHARED_FIELDS = ("eos_ids", "dfa_next", "dfa_final")
+    """The array fields that are not per row (replicated, never repeated per draft)."""
 
     @classmethod
     def make(
-        cls, batch, temperature=1.0, top_k=None, top_p=None, draft_temperature=None, eos_ids=()
+        cls,
+        batch,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        draft_temperature=None,
+        eos_ids=(),
+        *,
+        min_p=None,
+        repetition_penalty=None,
+        presence_penalty=None,
+        frequency_penalty=None,
+        no_repeat_ngram_size=None,
+        logit_bias=None,
+        constraint=None,
     ):
-        def rows(value, dtype):
+        """``constraint``: None, or ``(next int32[S, V], final bool[S], start int32[B])`` from
+        :func:`asps_jax.constraints.stack`."""
+
+        def rows(value, dtype, default):
+            value = default if value is None else value
             return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
 
-        t = rows(temperature, jnp.float32)
+        t = rows(temperature, jnp.float32, 1.0)
+        ngram = rows(no_repeat_ngram_size, jnp.int32, 0)
+        bias = jnp.zeros((batch, 1), jnp.float32)
+        if logit_bias is not None:
+            bias = jnp.asarray(logit_bias, jnp.float32)
+            bias = jnp.broadcast_to(bias, (batch, bias.shape[-1]))
         return cls(
             temperature=t,
             draft_temperature=t
             if draft_temperature is None
-            else rows(draft_temperature, jnp.float32),
-            top_k=rows(0 if top_k is None else top_k, jnp.int32),
-            top_p=rows(1.0 if top_p is None else top_p, jnp.float32),
+            else rows(draft_temperature, jnp.float32, 1.0),
+            top_k=rows(top_k, jnp.int32, 0),
+            top_p=rows(top_p, jnp.float32, 1.0),
             eos_ids=jnp.asarray(list(eos_ids) or [-1], jnp.int32),
+            min_p=rows(min_p, jnp.float32, 0.0),
+            repetition_penalty=rows(repetition_penalty, jnp.float32, 1.0),
+            presence_penalty=rows(presence_penalty, jnp.float32, 0.0),
+            frequency_penalty=rows(frequency_penalty, jnp.float32, 0.0),
+            no_repeat_ngram_size=ngram,
+            logit_bias=bias,
+            dfa_next=jnp.full((1, 1), -1, jnp.int32) if constraint is None else constraint[0],
+            dfa_final=jnp.zeros((1,), bool) if constraint is None else constraint[1],
+            dfa_start=rows(None if constraint is None else constraint[2], jnp.int32, 0),
+            ngram_window=ngram_window(np.asarray(ngram).reshape(-1).tolist()),
+            constrained=constraint is not None,
         )
 
+    @classmethod
+    def array_fields(cls) -> tuple[str, ...]:
+        """The names of the array fields (the static ``ngram_window`` left out)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("static"))
+
     def process(self, logits_BV: jax.Array, *, draft: bool = False) -> jax.Array:
-        """Row-wise :func:`process_logits` of ``logits[B, ..., V]`` with each row's parameters."""
+        """Row-wise :func:`process_logits` of ``logits[B, ..., V]`` with each row's parameters
+        (temperature, top-k, top-p, min-p; the path-dependent controls come first, see
+        :func:`asps_jax.penalties.process`)."""
         temperature = self.draft_temperature if draft else self.temperature
 
         def filtered(logits):
-            return jax.vmap(process_logits)(logits, temperature, self.top_k, self.top_p)
+            return jax.vmap(process_logits)(logits, temperature, self.top_k, self.top_p, self.min_p)
 
         def temperature_only(logits):  # no V-sized sort: the common case, and much cheaper
             return jax.vmap(process_logits)(logits, temperature)
 
         # A batch-level predicate, so this is a real branch (a per-row cond under vmap would
         # run both sides).
-        any_filter = jnp.any(self.top_k > 0) | jnp.any(self.top_p < 1.0)
+        any_filter = jnp.any(self.top_k > 0) | jnp.any(self.top_p < 1.0) | jnp.any(self.min_p > 0.0)
         return jax.lax.cond(any_filter, filtered, temperature_only, logits_BV)
 
     def repeat(self, k: int) -> SamplingParams:
         """The parameters of rows ``b * k + j`` (K draft replicas per row)."""
         rep = functools.partial(jnp.repeat, repeats=k, axis=0)
-        return dataclasses.replace(
-            self,
-            temperature=rep(self.temperature),
-            draft_temperature=rep(self.draft_temperature),
-            top_k=rep(self.top_k),
-            top_p=rep(self.top_p),
-        )
+        per_row = [name for name in self.array_fields() if name not in self.SHARED_FIELDS]
+        return dataclasses.replace(self, **{name: rep(getattr(self, name)) for name in per_row})

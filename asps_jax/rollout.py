@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from asps_jax import kv_cache, scoring, sharding
+from asps_jax import kv_cache, penalties, scoring, sharding
 from asps_jax.draws import draw_without_replacement
 from asps_jax.processors import logits_ok, sample_token
 
@@ -33,6 +33,7 @@ def rollout(
     sampling,
     mesh=None,
     plan=None,
+    history,
 ):
     """Roll out ``draft_len`` tokens for every cache row ``R = B * K``.
 
@@ -49,11 +50,14 @@ def rollout(
         the rows of one batch row (``R = B * L``) draw a branching tree, every node its children
         from one law with one key (``plan.replace``: independently, else without replacement);
         each row then carries the law its node's children were drawn from.
+      history: the rows' :class:`~asps_jax.penalties.History` (batch R): the law at depth i is
+        processed from the committed text followed by the row's first i draft tokens (its own
+        path).
 
     Returns:
       ``(cache, tokens int32[R, n], logprobs float32[R, n, V], laws_ok bool[R, n])``;
       ``laws_ok[r, i]`` is False when the law of depth i had a NaN or ``+inf`` logit or no finite
-      one (see :func:`asps_jax.processors.logits_ok`).
+      one (see :func:`asps_jax.processors.logits_ok`), or the controls banned every token.
     """
     rows = root_R.shape[0]
     ones_R = jnp.ones((rows,), jnp.int32)
@@ -79,12 +83,15 @@ def rollout(
         next_R = jax.vmap(without_replacement)(keys_R, logprobs_RV, sibling_R)
         return next_R, logprobs_RV, ok_R
 
-    def feed(cache, token_R, depth):
+    def feed(cache, token_R, depth, path_RD):
         logits_R1V, new_kv = scoring.score_chain(forward, params, cache, token_R[:, None], valid_R1)
         logits_R1V = sharding.constrain(logits_R1V, ("batch", None, "vocab"), mesh)
         cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R, row_loop=row_loop)
-        logprobs_RV = sampling.process(logits_R1V[:, 0], draft=True)
-        ok_R = logits_ok(logits_R1V[:, 0])
+        lp_R1V, mass_R1 = penalties.process(
+            sampling, history, logits_R1V, path_RD[:, None], depth[None], draft=True
+        )
+        logprobs_RV = lp_R1V[:, 0]
+        ok_R = logits_ok(logits_R1V[:, 0]) & mass_R1[:, 0]
         depth_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, depth)
         if plan is not None:
             next_R, logprobs_RV, ok_R = draw_tree(depth, depth_keys, logprobs_RV, ok_R)
@@ -93,12 +100,14 @@ def rollout(
         return cache, next_R, logprobs_RV, ok_R
 
     def body(carry, depth):
-        cache, token_R = carry
-        cache, next_R, logprobs_RV, ok_R = feed(cache, token_R, depth)
-        return (cache, next_R), (next_R, logprobs_RV, ok_R)
+        cache, token_R, path_RD = carry
+        cache, next_R, logprobs_RV, ok_R = feed(cache, token_R, depth, path_RD)
+        path_RD = jax.lax.dynamic_update_slice_in_dim(path_RD, next_R[:, None], depth, axis=1)
+        return (cache, next_R, path_RD), (next_R, logprobs_RV, ok_R)
 
-    (cache, last_R), (tokens_DR, logprobs_DRV, ok_DR) = jax.lax.scan(
-        body, (cache, root_R), jnp.arange(draft_len)
+    path_RD = jnp.zeros((rows, draft_len), jnp.int32)
+    (cache, last_R, _), (tokens_DR, logprobs_DRV, ok_DR) = jax.lax.scan(
+        body, (cache, root_R, path_RD), jnp.arange(draft_len)
     )
     # The (n+1)-th feed only stores x_n's keys/values; its law is never used.
     logits_R1V, new_kv = scoring.score_chain(forward, params, cache, last_R[:, None], valid_R1)

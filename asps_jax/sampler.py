@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import operator
 import os
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import decode, footprint, sharding, statistics, stopping, trees
+from asps_jax import constraints, decode, footprint, sharding, statistics, stopping, trees
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.models.vocab import align_vocabularies
@@ -69,12 +70,17 @@ class SampleOutput:
         (temperature, top-k, top-p; 0.0 at temperature 0, the greedy law). Finite for every
         emitted token; 0.0 after ``lengths[b]``, so ``logprobs.sum(-1)`` is each row's
         log-likelihood.
+      top_logprobs: with ``top_logprobs=k > 0`` (and ``return_logprobs=True``), the pair
+        ``(ids int32[B, M, k], logprobs float32[B, M, k])``: the k most likely tokens of the
+        processed target law each emitted token was sampled from, most likely first (ids -1 and
+        logprobs 0.0 after ``lengths[b]``); else None.
     """
 
     tokens: jax.Array
     lengths: jax.Array
     stats: dict
     logprobs: jax.Array | None = None
+    top_logprobs: tuple[jax.Array, jax.Array] | None = None
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -161,6 +167,55 @@ def _per_row(name: str, value, batch: int, padded: int):
     return np.concatenate([arr, np.repeat(arr[:1], padded - batch)])
 
 
+def _constraint_rows(target, regex, json_schema, batch: int, padded: int):
+    """The stacked constraint tables of the rows (:func:`asps_jax.constraints.stack`), or None
+    when no row is constrained."""
+
+    def per_row(name, value):
+        if value is None:
+            return [None] * batch
+        if isinstance(value, (list, tuple)):
+            if len(value) != batch:
+                raise ValueError(
+                    f"{name}: give one pattern for all prompts or one per prompt ({batch}), got "
+                    f"{len(value)}"
+                )
+            return list(value)
+        return [value] * batch
+
+    regexes, schemas = per_row("regex", regex), per_row("json_schema", json_schema)
+    if all(r is None for r in regexes) and all(j is None for j in schemas):
+        return None
+    if any(r is not None and j is not None for r, j in zip(regexes, schemas)):
+        raise ValueError("regex and json_schema: give at most one constraint per prompt")
+    what = "regex" if any(r is not None for r in regexes) else "json_schema"
+    if target.tokenizer is None:
+        raise ValueError(
+            f"{what}: the target model {target.name!r} has no tokenizer, which a constraint "
+            "needs (its token strings)"
+        )
+    tokens = constraints.token_bytes(target.tokenizer, target.vocab_size)
+    compiled: dict = {}
+    dfas = []
+    for r, j in zip(regexes, schemas):
+        if r is None and j is None:
+            dfas.append(None)
+            continue
+        pattern, name = (r, "regex") if r is not None else (None, "json_schema")
+        if pattern is None:
+            cache_key = ("schema", json.dumps(j, sort_keys=True) if not isinstance(j, str) else j)
+            if cache_key not in compiled:
+                compiled[cache_key] = constraints.compile_regex(
+                    constraints.schema_regex(j), tokens, what="json_schema"
+                )
+            dfas.append(compiled[cache_key])
+        else:
+            if ("regex", pattern) not in compiled:
+                compiled[("regex", pattern)] = constraints.compile_regex(pattern, tokens, what=name)
+            dfas.append(compiled[("regex", pattern)])
+    return constraints.stack(dfas + [None] * (padded - batch), target.vocab_size)
+
+
 def _validate_sampling(temperature, top_k, top_p, draft_temperature) -> None:
     for name, value in (
         ("temperature", temperature),
@@ -177,8 +232,93 @@ def _validate_sampling(temperature, top_k, top_p, draft_temperature) -> None:
                 raise ValueError(f"{name}: {err}") from None
 
 
+def _validate_controls(
+    repetition_penalty, presence_penalty, frequency_penalty, no_repeat_ngram_size, min_p
+) -> None:
+    """One-line errors for the controls' values (scalars or one per prompt)."""
+
+    def values(value):
+        try:
+            return np.atleast_1d(np.asarray(value, float)).reshape(-1).tolist()
+        except (TypeError, ValueError):
+            return [value]
+
+    finite = "a finite number (0 disables it)"
+    checks = (
+        ("repetition_penalty", repetition_penalty, lambda v: 0.0 < v < np.inf,
+         "a finite number > 0 (1 disables it)"),
+        ("presence_penalty", presence_penalty, np.isfinite, finite),
+        ("frequency_penalty", frequency_penalty, np.isfinite, finite),
+        ("no_repeat_ngram_size", no_repeat_ngram_size, lambda v: v == int(v) and v >= 0,
+         "an integer >= 0 (0 disables it)"),
+        ("min_p", min_p, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 disables it)"),
+    )  # fmt: skip
+    for name, value, ok, expected in checks:
+        if value is None:
+            continue
+        for v in values(value):
+            if isinstance(v, bool) or not isinstance(v, float) or not ok(v):
+                raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _logit_bias_rows(logit_bias, batch: int, padded: int, vocab: int):
+    """``float32[padded, V]`` from ``{id: bias}`` (every prompt) or a list of them (one per
+    prompt); None when no row has a bias."""
+    if logit_bias is None:
+        return None
+    if isinstance(logit_bias, dict):
+        per_row = [logit_bias] * batch
+    elif isinstance(logit_bias, Sequence) and all(isinstance(d, dict) for d in logit_bias):
+        per_row = list(logit_bias)
+        if len(per_row) != batch:
+            raise ValueError(
+                f"logit_bias must be one {{token id: bias}} dict or one per prompt ({batch}), "
+                f"got {len(per_row)} dicts"
+            )
+    else:
+        raise ValueError(
+            f"logit_bias must be a {{token id: bias}} dict (or one per prompt), got {logit_bias!r}"
+        )
+    out = np.zeros((padded, vocab), np.float32)
+    for b, row in enumerate(per_row):
+        for token, bias in row.items():
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+                raise ValueError(f"logit_bias: token ids must be integers, got {token!r}")
+            if not 0 <= int(token) < vocab:
+                raise ValueError(
+                    f"logit_bias: token id {token} lies outside the vocabulary [0, {vocab})"
+                )
+            try:
+                value = float(bias)
+            except (TypeError, ValueError):
+                value = np.nan
+            if np.isnan(value) or value == np.inf:
+                raise ValueError(
+                    f"logit_bias: the bias of token {token} must be a finite number or -inf "
+                    f"(a ban), got {bias!r}"
+                )
+            out[b, int(token)] = value
+    if not np.any(out):
+        return None
+    return out
+
+
+def _check_top_logprobs(top_logprobs, return_logprobs, vocab: int) -> int:
+    k = _check_int("top_logprobs", 0 if top_logprobs is None else top_logprobs, 0)
+    if k > vocab:
+        raise ValueError(f"top_logprobs must be at most the vocabulary size {vocab}, got {k}")
+    if k and not return_logprobs:
+        raise ValueError("top_logprobs needs return_logprobs=True (the log-probs come with them)")
+    return k
+
+
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or int(value) != value or int(value) < minimum:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or int(value) != value
+        or int(value) < minimum
+    ):
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
@@ -339,15 +479,30 @@ def prepare(
     mesh=None,
     prompt_lengths=None,
     diagnostics=False,
+    min_p=None,
+    repetition_penalty=None,
+    presence_penalty=None,
+    frequency_penalty=None,
+    no_repeat_ngram_size=None,
+    logit_bias=None,
+    top_logprobs=0,
+    regex=None,
+    json_schema=None,
     **options,
 ):
     """Validate the arguments of :func:`sample`; returns ``(batch, args)``.
 
     ``args["decoder"]`` is the static :class:`asps_jax.decode.Decoder`; the other entries are the
     array pytrees of ``Decoder.generate`` (``target_params``, ``draft_params``, ``sampling``,
-    ``prompts_BP``, ``prompt_lengths_B``, ``row_keys_B``). ``temperature``, ``top_k``, ``top_p``
-    and ``draft_temperature`` may also be given per prompt. ``diagnostics=True`` also measures
-    the root ``optimal_acceptance`` of multi-draft steps (see :class:`asps_jax.decode.Decoder`).
+    ``prompts_BP``, ``prompt_lengths_B``, ``row_keys_B``). ``temperature``, ``top_k``, ``top_p``,
+    ``draft_temperature``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+    ``frequency_penalty`` and ``no_repeat_ngram_size`` may also be given per prompt, and
+    ``logit_bias`` as one ``{token id: bias}`` dict per prompt (docs/api.md: the controls and their
+    order). ``top_logprobs=k`` records the k most likely tokens of each emitted token's law.
+    ``regex`` / ``json_schema`` constrain the generated text (one for all rows, or one per
+    prompt, None = unconstrained; :mod:`asps_jax.constraints`).
+    ``diagnostics=True`` also measures the root ``optimal_acceptance`` of multi-draft steps (see
+    :class:`asps_jax.decode.Decoder`).
 
     ``num_draft_tokens`` defaults to 8 and ``num_drafts`` to 1. ``tree=(w_1, ..., w_D)`` (tree
     methods only) drafts a branching tree instead of K chains: every node at depth d - 1 draws
@@ -377,6 +532,15 @@ def prepare(
         target, draft = align_vocabularies(target, draft)
     _check_method(method, draft, target, num_drafts, num_draft_tokens, options)
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
+    _validate_controls(
+        repetition_penalty, presence_penalty, frequency_penalty, no_repeat_ngram_size, min_p
+    )
+    top_logprobs = _check_int("top_logprobs", top_logprobs, 0)
+    if top_logprobs > target.vocab_size:
+        raise ValueError(
+            f"top_logprobs must be at most the vocabulary size {target.vocab_size}, got "
+            f"{top_logprobs}"
+        )
     if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32
         top_k = np.minimum(np.asarray(top_k, np.int64), target.vocab_size)
     if mesh is not None:
@@ -425,6 +589,14 @@ def prepare(
         options=tuple(sorted(options.items())),
         widths=widths,
     )
+    controls = dict(
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+    )
+    constraint = _constraint_rows(target, regex, json_schema, batch, padded)
     sampling = SamplingParams.make(
         padded,
         _per_row("temperature", temperature, batch, padded),
@@ -432,6 +604,9 @@ def prepare(
         _per_row("top_p", top_p, batch, padded),
         _per_row("draft_temperature", draft_temperature, batch, padded),
         eos_ids=_eos_ids(target, eos_token_id),
+        logit_bias=_logit_bias_rows(logit_bias, batch, padded, target.vocab_size),
+        constraint=constraint,
+        **{name: _per_row(name, value, batch, padded) for name, value in controls.items()},
     )
     cache_len = _round_up(
         prompts_bp.shape[1] + max_new_tokens + num_draft_tokens + 2, _CACHE_BUCKET
@@ -443,6 +618,7 @@ def prepare(
         cache_len=cache_len,
         mesh=mesh,
         diagnostics=bool(diagnostics),
+        top_logprobs=top_logprobs,
     )
     args = dict(
         decoder=decoder,
@@ -465,8 +641,7 @@ def prepare(
         prompts_bp,
         lengths_b,
         args["row_keys_B"],
-        *(getattr(sampling, f) for f in ("temperature", "draft_temperature", "top_k", "top_p")),
-        sampling.eos_ids,
+        *(getattr(sampling, f) for f in sampling.array_fields()),
         *(() if args["stop"] is None else (args["stop"].strings,)),
     )
     if mesh is not None:  # jit propagates the input shardings through the whole loop
@@ -490,11 +665,19 @@ def _finish(
     return_logprobs: bool,
     mesh=None,
 ) -> SampleOutput:
+    top = None
+    if return_logprobs and state.top_logprobs[0].shape[-1]:
+        emitted = (jnp.arange(spec.max_new_tokens)[None, :] < state.num_generated[:batch, None])[
+            ..., None
+        ]
+        ids, lps = (a[:batch, : spec.max_new_tokens] for a in state.top_logprobs)
+        top = (jnp.where(emitted, ids, -1), jnp.where(emitted, lps, 0.0))
     fields = dict(
         tokens=state.tokens[:batch, : spec.max_new_tokens],
         lengths=state.num_generated[:batch],
         stats=summarize_stats(state, batch),
         logprobs=state.logprobs[:batch, : spec.max_new_tokens] if return_logprobs else None,
+        top_logprobs=top,
     )
     # Several processes: every process gets every row (on its first device).
     out = SampleOutput(**sharding.to_local(fields, mesh))
@@ -504,7 +687,9 @@ def _finish(
         raise NonFiniteLogitsError(
             f"rows {rows} stopped at new-token positions {failed_at[rows].tolist()}: the target or "
             "draft law there had NaN or +inf logits or none finite (check the checkpoint and "
-            "dtype); the exception's .output keeps the tokens generated before",
+            "dtype), or logit_bias / no_repeat_ngram_size banned every token (that the regex / "
+            "json_schema constraint allowed); the exception's "
+            ".output keeps the tokens generated before",
             out,
             rows=rows,
             positions=failed_at[rows].tolist(),
@@ -523,6 +708,7 @@ def sample(
     fills :attr:`SampleOutput.logprobs` (measured in the loop either way: no extra forward, no
     recompile).
     """
+    _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
     batch, args = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
     decoder = args.pop("decoder")
     state = decoder.generate(**args)
@@ -564,6 +750,7 @@ class Session:
         self, target, draft, prompts, *, key, max_new_tokens, return_logprobs=False, **kwargs
     ):
         self.return_logprobs = bool(return_logprobs)
+        _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
         self.batch_size, args = prepare(
             target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs
         )

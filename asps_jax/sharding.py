@@ -426,12 +426,15 @@ def shard_inputs(
         stop = replicate(args["stop"], mesh)
         out["stop"] = dataclasses.replace(stop, tail=shard_batch(args["stop"].tail, mesh, rules))
     sampling = args["sampling"]
+    # Every per-row field along data (derived from the dataclass, so a new field is never left
+    # unsharded); the EOS ids are one list for all rows.
     out["sampling"] = dataclasses.replace(
         sampling,
-        temperature=shard_batch(sampling.temperature, mesh, rules),
-        draft_temperature=shard_batch(sampling.draft_temperature, mesh, rules),
-        top_k=shard_batch(sampling.top_k, mesh, rules),
-        top_p=shard_batch(sampling.top_p, mesh, rules),
-        eos_ids=replicate(sampling.eos_ids, mesh),
+        **{
+            name: shard_batch(getattr(sampling, name), mesh, rules)
+            for name in sampling.array_fields()
+            if name not in sampling.SHARED_FIELDS
+        },
+        **{name: replicate(getattr(sampling, name), mesh) for name in sampling.SHARED_FIELDS},
     )
     return out

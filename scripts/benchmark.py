@@ -137,6 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="float32", help="dtype of our models (torch: float32)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers runs")
+    p.add_argument(
+        "--controls",
+        action="store_true",
+        help="also run every config of ours with every sampling control on (CONTROLS: "
+        "repetition / presence / frequency penalties, no-repeat n-grams, min-p, logit bias) "
+        "and report the time per step with / without",
+    )
+    p.add_argument(
+        "--json-schema",
+        action="store_true",
+        help="also run every config of ours constrained by a JSON schema (BENCH_SCHEMA) and "
+        "report tokens/step and tokens/s with / without",
+    )
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     return p
 
@@ -288,8 +301,34 @@ def ratio_se(a: float, se_a: float, b: float, se_b: float) -> tuple[float, float
     return r, abs(r) * math.hypot(se_a / a, se_b / b)
 
 
-def run_ours(target, draft, prompts, method, n, k, args, tree=()) -> dict:
+# Every sampling control on at once (--controls): the cost of the per-node processing.
+CONTROLS = dict(
+    repetition_penalty=1.2,
+    presence_penalty=0.3,
+    frequency_penalty=0.2,
+    no_repeat_ngram_size=3,
+    min_p=0.02,
+    logit_bias={0: -math.inf, 1: 0.5},
+)
+
+
+# --json-schema: a record with long free-text strings, so that most of a run is constrained
+# decoding rather than the short fixed parts. Rows end where the schema allows nothing more.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "speaker": {"type": "string", "maxLength": 24},
+        "line": {"type": "string", "maxLength": 160},
+        "aside": {"type": "boolean"},
+    },
+    "required": ["speaker", "line", "aside"],
+    "additionalProperties": False,
+}
+
+
+def run_ours(target, draft, prompts, method, n, k, args, tree=(), controls=None) -> dict:
     sizes = dict(tree=tree) if tree else dict(num_draft_tokens=n, num_drafts=k)
+    sizes.update(controls or {})
     batch, call = sampler.prepare(
         target,
         None if method == "ar" else draft,
@@ -334,6 +373,9 @@ def run_ours(target, draft, prompts, method, n, k, args, tree=()) -> dict:
         n=n if method != "ar" else 0,
         K=k,
         tree=list(tree),
+        controls=bool(controls) and "json_schema" not in controls,
+        json_schema="json_schema" in (controls or {}),
+        ms_per_step=1e3 * wall / max(int(np.max(stats["target_calls"])), 1),
         scored_nodes_per_step=float(
             np.sum(stats["scored_nodes_per_step"] * stats["target_calls"])
             / max(np.sum(stats["target_calls"]), 1)
@@ -510,6 +552,43 @@ def _source(args) -> str:
     return f" (at most, {args.task})" if args.task else ""
 
 
+def controls_markdown(rows: list[dict], controlled: list[dict]) -> str:
+    """Time per step (one target call of the loop) without and with every control on."""
+    lines = [
+        f"Sampling controls on ({CONTROLS}):",
+        "",
+        "| method | n | K | ms/step | ms/step, controls | ratio | tok/s | tok/s, controls |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for a, b in zip(rows, controlled):
+        lines.append(
+            f"| {a['method']}{' tree=' + str(a['tree']) if a['tree'] else ''} | {a['n']} | "
+            f"{a['K']} | {a['ms_per_step']:.2f} | {b['ms_per_step']:.2f} | "
+            f"{b['ms_per_step'] / a['ms_per_step']:.3f} | {a['tokens_per_s']:.0f} | "
+            f"{b['tokens_per_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def schema_markdown(rows: list[dict], constrained: list[dict]) -> str:
+    """Tokens per step and tokens/s without and with the JSON-schema constraint."""
+    lines = [
+        f"JSON-schema constraint (BENCH_SCHEMA: {json.dumps(BENCH_SCHEMA)}):",
+        "",
+        "| method | n | K | tok/step | tok/step, schema | ms/step | ms/step, schema | tok/s | "
+        "tok/s, schema |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a, b in zip(rows, constrained):
+        lines.append(
+            f"| {a['method']}{' tree=' + str(a['tree']) if a['tree'] else ''} | {a['n']} | "
+            f"{a['K']} | {a['tokens_per_step']:.2f} | {b['tokens_per_step']:.2f} | "
+            f"{a['ms_per_step']:.2f} | {b['ms_per_step']:.2f} | {a['tokens_per_s']:.0f} | "
+            f"{b['tokens_per_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -551,11 +630,16 @@ def main(argv=None) -> int:
         delay=2.0,  # short runs show no bar
         disable=args.quiet or not sys.stdout.isatty(),
     )
-    rows = []
+    rows, controlled, constrained = [], [], []
     for method, n, k, tree in runs:
         label = f"{method} n={n} K={k}" + (f" tree={tree}" if tree else "")
         progress.set_postfix_str(label)
         rows.append(run_ours(target, draft, prompts, method, n, k, args, tree))
+        if args.controls:
+            controlled.append(run_ours(target, draft, prompts, method, n, k, args, tree, CONTROLS))
+        if args.json_schema:
+            schema = dict(json_schema=BENCH_SCHEMA)
+            constrained.append(run_ours(target, draft, prompts, method, n, k, args, tree, schema))
         progress.update()
         if not args.quiet:
             progress.write(f"# {label}: {rows[-1]['tokens_per_s']:.0f} tok/s", file=sys.stderr)
@@ -584,11 +668,24 @@ def main(argv=None) -> int:
             f"attention, {args.torch_threads} thread(s)"
         )
     print(header + "\n\n" + markdown(rows, hf, gains))
+    if controlled:
+        print("\n" + controls_markdown(rows, controlled))
+    if constrained:
+        print("\n" + schema_markdown(rows, constrained))
     if args.json:
         meta = dict(vars(args), header=header, jax=jax.__version__, prompts=prompts)
         with open(args.json, "w") as f:
             json.dump(
-                {"config": meta, "ours": rows, "transformers": hf, "asps_gain": gains}, f, indent=2
+                {
+                    "config": meta,
+                    "ours": rows,
+                    "ours_with_controls": controlled,
+                    "ours_with_json_schema": constrained,
+                    "transformers": hf,
+                    "asps_gain": gains,
+                },
+                f,
+                indent=2,
             )
     return 0
 

@@ -98,6 +98,25 @@ _non_negative_float = _checked(
 _top_p = _checked(float, lambda v: 0.0 < v <= 1.0, "a top-p in (0, 1]")
 _seed = _checked(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
 _non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+_finite_float = _checked(float, math.isfinite, "a finite number")
+_positive_float = _checked(float, lambda v: 0.0 < v < math.inf, "a finite number > 0")
+_unit_float = _checked(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+
+
+def _bias(text: str) -> tuple[int, float]:
+    """``ID=BIAS`` for --logit-bias (``-inf`` bans the token)."""
+    token, sep, bias = text.partition("=")
+    try:
+        pair = (int(token), float(bias))
+    except ValueError:
+        pair = None
+    if not sep or pair is None or pair[0] < 0 or math.isnan(pair[1]) or pair[1] == math.inf:
+        raise argparse.ArgumentTypeError(
+            f"expected ID=BIAS (a token id >= 0, a finite bias or -inf), got {text!r}"
+        )
+    return pair
+
+
 INTERRUPTED = 130
 
 
@@ -283,6 +302,61 @@ def build_parser() -> argparse.ArgumentParser:
         "repeatable, at most 16 strings of 1 to 64 UTF-8 bytes (default: none)",
     )
     p.add_argument(
+        "--min-p",
+        type=_unit_float,
+        default=None,
+        metavar="p",
+        help="drop tokens less likely than p times the most likely one, after top-k / top-p "
+        "(default: off)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=_positive_float,
+        default=None,
+        metavar="θ",
+        help="transformers' repetition penalty over the prompt and the generated tokens: a "
+        "logit l of a token already there becomes l/θ if l > 0 else l*θ (default: off, 1)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=_finite_float,
+        default=None,
+        metavar="a",
+        help="OpenAI's presence penalty: logit -= a for every token generated before "
+        "(default: off, 0)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=_finite_float,
+        default=None,
+        metavar="b",
+        help="OpenAI's frequency penalty: logit -= b * (times the token was generated) "
+        "(default: off, 0)",
+    )
+    p.add_argument(
+        "--no-repeat-ngram-size",
+        type=_non_negative_int,
+        default=None,
+        metavar="n",
+        help="never complete an n-gram already in the prompt and generated text (default: off)",
+    )
+    p.add_argument(
+        "--logit-bias",
+        type=_bias,
+        action="append",
+        default=None,
+        metavar="ID=BIAS",
+        help="add BIAS to token ID's logit before anything else; -inf bans it; repeatable",
+    )
+    p.add_argument(
+        "--top-logprobs",
+        type=_non_negative_int,
+        default=None,
+        metavar="k",
+        help="with --json: the k most likely tokens and their log-probabilities at each "
+        "generated position (default: off)",
+    )
+    p.add_argument(
         "--max-new-tokens",
         type=_positive_int,
         default=200,
@@ -340,6 +414,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="I",
         help="this process's id in [0, N) in a multi-process run; implies --distributed",
+    )
+    p.add_argument(
+        "--regex",
+        default=None,
+        metavar="PATTERN",
+        help="constrain the generated text to match PATTERN in full (every method, exact: the "
+        "law of constrained sampling from the target; needs the target's tokenizer)",
+    )
+    p.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="constrain the generated text to JSON valid under the schema in FILE (supported "
+        "keywords: docs/api.md)",
     )
     p.add_argument(
         "--json",
@@ -535,6 +623,15 @@ def run(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         stop=args.stop,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
+        top_logprobs=args.top_logprobs or 0,
+        regex=args.regex,
+        json_schema=_read_schema(args.json_schema),
         mesh=mesh,
         return_logprobs=args.json,
     )
@@ -589,6 +686,20 @@ def run(args) -> int:
         summary["tokens"] = rows
         logprobs = np.asarray(out.logprobs)
         summary["logprobs"] = [logprobs[b, : lengths[b]].tolist() for b in range(lengths.size)]
+        if out.top_logprobs is not None:
+            ids, lps = (np.asarray(a) for a in out.top_logprobs)
+            # Per position, [token id, log-probability] pairs, most likely first (null for a
+            # token outside the law's support, when k exceeds it).
+            summary["top_logprobs"] = [
+                [
+                    [
+                        [i, lp if math.isfinite(lp) else None]
+                        for i, lp in zip(ids[b, t].tolist(), lps[b, t].tolist())
+                    ]
+                    for t in range(lengths[b])
+                ]
+                for b in range(lengths.size)
+            ]
         summary["texts"] = [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
         print(json.dumps(_strict_json(summary), allow_nan=False), file=out_stream)
     else:
@@ -604,6 +715,17 @@ def run(args) -> int:
         )
         return INTERRUPTED
     return 0
+
+
+def _read_schema(path):
+    """The text of the --json-schema file (None without the flag)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as err:
+        raise ValueError(f"--json-schema: cannot read {path} ({err.strerror})") from None
 
 
 def main(argv=None) -> int:
@@ -644,6 +766,10 @@ def _main(argv) -> int:
             setattr(args, name, value)
     args.num_draft_tokens = 8 if args.num_draft_tokens is None else args.num_draft_tokens
     args.num_drafts = 1 if args.num_drafts is None else args.num_drafts
+    if args.regex is not None and args.json_schema is not None:
+        parser.error("--regex and --json-schema: give at most one constraint")
+    if args.top_logprobs and not args.json:
+        parser.error("--top-logprobs needs --json (the log-probabilities are in its output)")
     prompts = len(args.prompt or [DEFAULT_PROMPT])
     if args.batch_size is not None and args.batch_size < prompts:
         parser.error(

@@ -1,0 +1,234 @@
+"""Path-dependent logits controls: logit bias, repetition / presence / frequency penalties and
+no-repeat n-grams, applied to the law at every node of a token tree from that node's own path.
+
+A node's path is the row's committed text (prompt + generated tokens, the last of which is the
+root) followed by the node's draft tokens below the root. Every law the decoding loop uses is
+processed from its node's path: the draft law a node's children are drawn from, the target law at
+the node, and the bonus law at a leaf; so each verifier, exact for arbitrary laws per node, keeps
+exactness for the processed target process (docs/api.md §3, the sampling controls).
+
+The order is transformers' ``generate`` order: logit bias, repetition penalty, presence /
+frequency penalties, no-repeat n-grams; temperature, top-k, top-p and min-p follow in
+:func:`asps_jax.processors.process_logits`.
+
+* repetition penalty θ (transformers' ``RepetitionPenaltyLogitsProcessor``): a logit of a token
+  of the prompt + generated text becomes ``l / θ`` if ``l > 0`` else ``l · θ``;
+* presence a / frequency b (OpenAI): ``l -= a · [c > 0] + b · c``, c = the token's count among the
+  generated tokens only (not the prompt);
+* no-repeat n-grams (transformers' ``NoRepeatNGramLogitsProcessor``): ``-inf`` for every token
+  that would complete an n-gram already in the prompt + generated text.
+
+Per-row state (:class:`History`): the counts ``[B, V]`` of the generated tokens, the seen-mask
+``[B, V]`` of the prompt + generated tokens, and the text itself ``[B, H]`` for n-grams. At a node,
+the counts are the row's plus the node's path tokens: the elementwise penalty runs once over the
+``[.., V]`` logits with the row's counts, then the (at most D) path tokens are re-penalised with
+their path counts (a scatter of D entries, not a ``[V]`` one-hot per depth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from asps_jax import constraints
+from asps_jax.logspace import NEG_INF
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class History:
+    """The committed text of each row, as the controls read it (a pytree of device arrays).
+
+    Attributes:
+      counts: int32[B, V], how often each token was generated (the prompt not counted).
+      seen: bool[B, V], the token occurs in the prompt or among the generated tokens.
+      tokens: int32[B, H], the prompt then the generated tokens (the root last), -1 after.
+      length: int32[B], the number of tokens in ``tokens``.
+      dfa: int32[B], each row's constraint state after its generated tokens (-1: none generated
+        yet, the row's start state; see :mod:`asps_jax.constraints`).
+    """
+
+    counts: jax.Array
+    seen: jax.Array
+    tokens: jax.Array
+    length: jax.Array
+    dfa: jax.Array
+
+    @classmethod
+    def init(cls, prompts_BP, prompt_lengths_B, vocab: int, extra: int) -> History:
+        """From right-padded prompts; ``extra`` columns hold the generated tokens."""
+        batch, width = prompts_BP.shape
+        valid_BP = jnp.arange(width)[None, :] < prompt_lengths_B[:, None]
+        tokens_BP = jnp.where(valid_BP, prompts_BP, -1).astype(jnp.int32)
+        rows = jnp.arange(batch)[:, None]
+        seen = (
+            jnp.zeros((batch, vocab), bool)
+            .at[rows, jnp.where(valid_BP, tokens_BP, vocab)]
+            .set(True, mode="drop")
+        )
+        return cls(
+            counts=jnp.zeros((batch, vocab), jnp.int32),
+            seen=seen,
+            tokens=jnp.concatenate([tokens_BP, jnp.full((batch, extra), -1, jnp.int32)], 1),
+            length=prompt_lengths_B.astype(jnp.int32),
+            dfa=jnp.full((batch,), -1, jnp.int32),
+        )
+
+    def append(self, block_BT, num_B) -> History:
+        """The first ``num_B`` tokens of each row's ``block_BT`` appended (they were emitted)."""
+        batch, width = block_BT.shape
+        vocab = self.counts.shape[1]
+        keep_BT = jnp.arange(width)[None, :] < num_B[:, None]
+        idx_BT = jnp.where(keep_BT, block_BT, vocab)
+        rows = jnp.arange(batch)[:, None]
+
+        def write(row, block, start, count):
+            window = jax.lax.dynamic_slice(row, (start,), (width,))
+            window = jnp.where(jnp.arange(width) < count, block, window)
+            return jax.lax.dynamic_update_slice(row, window, (start,))
+
+        return History(
+            counts=self.counts.at[rows, idx_BT].add(1, mode="drop"),
+            seen=self.seen.at[rows, idx_BT].set(True, mode="drop"),
+            tokens=jax.vmap(write)(self.tokens, block_BT, self.length, num_B),
+            length=self.length + num_B,
+            dfa=self.dfa,
+        )
+
+    def repeat(self, k: int) -> History:
+        """The history of rows ``b * k + j`` (K draft replicas per row)."""
+        return jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), self)
+
+
+def _penalize(logits, counts, seen, rep, presence, frequency):
+    """Repetition, presence and frequency penalties, elementwise (broadcasting)."""
+    repeated = jnp.where(logits < 0, logits * rep, logits / rep)
+    logits = jnp.where(seen, repeated, logits)
+    return logits - presence * (counts > 0) - frequency * counts.astype(logits.dtype)
+
+
+def _ngram_banned(tokens_H, length, path_XD, depth_X, n, window: int, vocab: int):
+    """bool[X, V]: the tokens that would complete an n-gram already in each node's text (the
+    row's ``tokens_H[:length]`` followed by ``path_XD[x, :depth_X[x]]``); ``window`` >= n is
+    the static bound the comparison loop runs to, n <= 0 bans nothing."""
+    if path_XD.shape[1] == 0:  # no draft tokens (the AR step): one unused column
+        path_XD = jnp.zeros((path_XD.shape[0], 1), jnp.int32)
+    width = tokens_H.shape[0] + path_XD.shape[1]
+    pos = jnp.arange(width)
+    len_X = length + depth_X
+
+    def node_text(path, depth):
+        offset = pos - length
+        from_path = jnp.take(path, jnp.clip(offset, 0, path.shape[0] - 1))
+        hist = jnp.concatenate([tokens_H, jnp.full(path.shape, -1, jnp.int32)])
+        return jnp.where(offset < 0, hist, jnp.where(offset < depth, from_path, -1))
+
+    seq_XL = jax.vmap(node_text)(path_XD, depth_X)
+    padded_XL = jnp.pad(seq_XL, ((0, 0), (window, 0)), constant_values=-2)
+    # f: the position of the token an n-gram would end with; its n - 1 predecessors must equal
+    # the node's last n - 1 tokens.
+    match_XL = (pos[None, :] >= n - 1) & (pos[None, :] < len_X[:, None]) & (n >= 1)
+    for i in range(window):
+        before_XL = padded_XL[:, window - 1 - i : window - 1 - i + width]  # seq[f - 1 - i]
+        suffix_X = jnp.take_along_axis(seq_XL, jnp.maximum(len_X - 1 - i, 0)[:, None], 1)
+        match_XL = match_XL & ((i >= n - 1) | (before_XL == suffix_X))
+    rows = jnp.arange(seq_XL.shape[0])[:, None]
+    banned = jnp.zeros((seq_XL.shape[0], vocab), bool)
+    return banned.at[rows, jnp.where(match_XL, seq_XL, vocab)].set(True, mode="drop")
+
+
+def apply_controls(sampling, history: History, logits_BXV, path_BXD, depth_X) -> jax.Array:
+    """The logits ``[B, X, V]`` of X nodes per row after bias, penalties and n-gram bans.
+
+    ``path_BXD``: int32[B, X, D], each node's draft tokens below the root (entries from
+    ``depth_X[x]`` on are ignored); ``depth_X``: int32[X] or int32[B, X].
+    """
+    logits_BXV = jnp.asarray(logits_BXV, jnp.float32)
+    batch, nodes, vocab = logits_BXV.shape
+    depth_BX = jnp.broadcast_to(jnp.asarray(depth_X, jnp.int32), (batch, nodes))
+    path_BXD = jnp.asarray(path_BXD, jnp.int32)
+    depth_cap = path_BXD.shape[2]
+
+    def penalties(logits_BXV):
+        def row(logits, bias, rep, presence, frequency, counts, seen, path, depth):
+            logits = logits + bias
+            out = _penalize(logits, counts[None], seen[None], rep, presence, frequency)
+            if depth_cap == 0:
+                return out
+            on_XD = jnp.arange(depth_cap)[None, :] < depth[:, None]
+            tok_XD = jnp.where(on_XD, path, 0)
+            same_XDD = (tok_XD[:, :, None] == tok_XD[:, None, :]) & on_XD[:, None, :]
+            count_XD = counts[tok_XD] + jnp.sum(same_XDD, axis=-1)
+            at_path_XD = jnp.take_along_axis(logits, tok_XD, axis=1)
+            redo_XD = _penalize(at_path_XD, count_XD, True, rep, presence, frequency)
+            at_XD = jnp.where(on_XD, tok_XD, vocab)
+            return out.at[jnp.arange(nodes)[:, None], at_XD].set(redo_XD, mode="drop")
+
+        return jax.vmap(row)(
+            logits_BXV,
+            sampling.logit_bias[:, None, :],
+            sampling.repetition_penalty,
+            sampling.presence_penalty,
+            sampling.frequency_penalty,
+            history.counts,
+            history.seen,
+            path_BXD,
+            depth_BX,
+        )
+
+    any_penalty = (
+        jnp.any(sampling.repetition_penalty != 1.0)
+        | jnp.any(sampling.presence_penalty != 0.0)
+        | jnp.any(sampling.frequency_penalty != 0.0)
+        | jnp.any(sampling.logit_bias != 0.0)
+    )
+    # Batch-level predicates: real branches, so a run without controls does none of this work.
+    logits_BXV = jax.lax.cond(any_penalty, penalties, lambda x: x, logits_BXV)
+    window = sampling.ngram_window
+    if window == 0:
+        return logits_BXV
+
+    def ngrams(logits_BXV):
+        banned_BXV = jax.vmap(
+            lambda tokens, length, path, depth, n: _ngram_banned(
+                tokens, length, path, depth, n, window, vocab
+            )
+        )(history.tokens, history.length, path_BXD, depth_BX, sampling.no_repeat_ngram_size)
+        return jnp.where(banned_BXV, NEG_INF, logits_BXV)
+
+    any_ngram = jnp.any(sampling.no_repeat_ngram_size > 0)
+    return jax.lax.cond(any_ngram, ngrams, lambda x: x, logits_BXV)
+
+
+def process(sampling, history: History, logits_BXV, path_BXD, depth_X, *, draft=False):
+    """Processed log-probabilities ``[B, X, V]`` of X nodes per row (the constraint's mask, the
+    controls, then ``sampling.process``: temperature, top-k, top-p, min-p), and whether each law
+    is usable, bool[B, X] (bans can remove every token).
+
+    A node whose constraint state allows nothing (:mod:`asps_jax.constraints`: the text ends
+    there) is usable: its draft law is empty (no child is drawn from it) and its target law a
+    point mass on token 0, whose slot ``constraints.dead_slots`` drops.
+    """
+    depth_BX = jnp.broadcast_to(jnp.asarray(depth_X, jnp.int32), logits_BXV.shape[:2])
+    logits, dead_BX = constraints.mask(
+        sampling, history, logits_BXV, jnp.asarray(path_BXD, jnp.int32), depth_BX
+    )
+    logits = apply_controls(sampling, history, logits, path_BXD, depth_X)
+    logprobs = sampling.process(logits, draft=draft)
+    mass = jnp.any(logprobs > NEG_INF, axis=-1)
+    if dead_BX is None:
+        return logprobs, mass
+    if not draft:
+        point = jnp.where(jnp.arange(logprobs.shape[-1]) == 0, 0.0, NEG_INF)[None, None, :]
+        logprobs = jnp.where(dead_BX[..., None], point, logprobs)
+    return logprobs, mass | dead_BX
+
+
+def chain_paths(tokens_BKD):
+    """The path tokens ``[B, K * (D + 1), D]`` and depths ``[K * (D + 1)]`` of the laws along K
+    chains (slot ``k * (D + 1) + j``: chain k after its first j tokens)."""
+    batch, k, d = tokens_BKD.shape
+    path = jnp.broadcast_to(tokens_BKD[:, :, None, :], (batch, k, d + 1, d))
+    return path.reshape(batch, k * (d + 1), d), jnp.tile(jnp.arange(d + 1, dtype=jnp.int32), k)

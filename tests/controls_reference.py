@@ -1,0 +1,77 @@
+"""A NumPy (float64) reference of the sampling controls, written from transformers' semantics and
+independent of ``asps_jax``: one law from one row of logits and the text before it.
+
+``text`` is the prompt followed by the generated tokens, ``generated`` how many of its last tokens
+were generated (presence / frequency count those only). Order as transformers' ``generate``:
+logit bias, repetition penalty, presence / frequency, no-repeat n-grams, temperature, top-k,
+top-p, min-p.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def controlled_logits(
+    logits,
+    text,
+    generated,
+    *,
+    logit_bias=None,
+    repetition_penalty=1.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    no_repeat_ngram_size=0,
+):
+    """The logits after bias, penalties and n-gram bans (before temperature)."""
+    out = np.array(logits, np.float64)
+    text = [int(t) for t in text]
+    for token, bias in (logit_bias or {}).items():
+        out[token] += bias
+    for token in set(text):  # transformers: over every token of the prompt + generated text
+        theta = repetition_penalty
+        out[token] = out[token] * theta if out[token] < 0 else out[token] / theta
+    new = text[len(text) - generated :] if generated else []
+    for token in set(new):
+        out[token] -= presence_penalty + frequency_penalty * new.count(token)
+    n = no_repeat_ngram_size
+    if n > 0 and len(text) + 1 >= n:
+        key = tuple(text[len(text) - n + 1 :]) if n > 1 else ()
+        for start in range(len(text) - n + 1):
+            if tuple(text[start : start + n - 1]) == key:
+                out[text[start + n - 1]] = -np.inf
+    return out
+
+
+def warped_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """The law after temperature, top-k, top-p and min-p (greedy: a point mass on the argmax)."""
+    logits = np.array(logits, np.float64)
+    vocab = logits.size
+    if temperature == 0:
+        out = np.zeros(vocab)
+        out[int(np.argmax(logits))] = 1.0
+        return out
+    scores = logits / temperature
+    if 0 < top_k < vocab:
+        kth = np.sort(scores)[::-1][top_k - 1]
+        scores = np.where(scores < kth, -np.inf, scores)
+    if top_p < 1.0:
+        order = np.argsort(scores, kind="stable")  # ascending
+        probs = np.exp(scores[order] - scores.max())
+        probs /= probs.sum()
+        remove = np.cumsum(probs) <= 1.0 - top_p
+        remove[-1] = False
+        scores = scores.copy()
+        scores[order[remove]] = -np.inf
+    probs = np.exp(scores - scores.max())
+    probs /= probs.sum()
+    if min_p > 0:
+        probs = np.where(probs < min_p * probs.max(), 0.0, probs)
+        probs /= probs.sum()
+    return probs
+
+
+def law(logits, text, generated, controls=None, warp=None):
+    """The processed law of the next token: :func:`controlled_logits` then :func:`warped_probs`."""
+    controlled = controlled_logits(logits, text, generated, **(controls or {}))
+    return warped_probs(controlled, **(warp or {}))

@@ -1,0 +1,493 @@
+"""Regex / JSON-schema constraints (asps_jax/constraints.py).
+
+Expected values are independent of the library: a hand-written DFA walked in pure Python with
+NumPy float64 masking (the constrained AR law), exact enumeration of every method's verifier on
+the masked tabular laws, transformers forwards masked and renormalised, Python's ``re`` and
+``jsonschema`` on the bundled pair's output.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+import tabular as tab
+import torch
+import transformers
+import tree_reference as ref
+from multidraft_laws import node_law
+from multidraft_reference import continuation_error, tree_law, without_replacement_weights
+from test_decode import PROMPT, VOCAB, _chi_square_pvalue, write_pair
+from test_verify_chain import code_outcome
+from test_verify_tree import enumerate_method
+
+import asps_jax
+from asps_jax import constraints, penalties, trees
+from asps_jax.processors import SamplingParams
+from asps_jax.verify.registry import REGISTRY
+
+# --- A hand-written DFA over 4 tokens: every state allows a different set, so the masks vary
+# along every path (state -> {token: next state}).
+HAND_DFA = {0: {0: 1, 1: 0, 2: 2}, 1: {1: 2, 3: 0}, 2: {0: 0, 2: 1, 3: 2}}
+V4, N = 4, 2
+
+
+def _hand_tables():
+    table = np.full((3, V4), -1, np.int32)
+    for s, edges in HAND_DFA.items():
+        for x, t in edges.items():
+            table[s, x] = t
+    dfa = constraints.TokenDFA(table, np.array([True, False, True]), 0, "hand")
+    return SamplingParams.make(1, constraint=constraints.stack([dfa], V4))
+
+
+def _state(prefix):
+    """The hand DFA's state after ``prefix``, None once it left the constraint."""
+    state = 0
+    for x in prefix:
+        state = HAND_DFA[state].get(x) if state is not None else None
+    return state
+
+
+def _reachable(shape):
+    return np.array([_state(p) is not None for p in np.ndindex(*shape[:-1])]).reshape(shape[:-1])
+
+
+def _reference_masked(laws):
+    """NumPy float64: each law masked to the tokens its prefix's state allows, renormalised
+    (a prefix outside the constraint is never reached: its law is left as it is)."""
+    out = []
+    for law in laws:
+        law = law.copy()
+        for prefix in np.ndindex(*law.shape[:-1]):
+            state = _state(prefix)
+            if state is None:
+                continue
+            keep = np.isin(np.arange(V4), list(HAND_DFA[state]))
+            law[prefix] = np.where(keep, law[prefix], 0.0) / law[prefix][keep].sum()
+        out.append(law)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames="draft")
+def _process(sampling, history, logits, path, depth, draft):
+    return penalties.process(sampling, history, logits, path, depth, draft=draft)
+
+
+def _library_masked(laws, draft):
+    """The library's processing (asps_jax.penalties.process: the constraint's mask, then the
+    controls and temperature 1) of every prefix's law, each prefix a tree node's path, in one
+    call: returns float64 laws masked by the library's allowed sets, and the float32 laws."""
+    strings = [tab.all_strings(V4, i) for i in range(len(laws))]
+    rows = sum(len(x) for x in strings)
+    path = np.zeros((rows, 1, N + 1), np.int32)
+    depth = np.concatenate([np.full(len(x), i) for i, x in enumerate(strings)])
+    flat = np.concatenate([law.reshape(-1, V4) for law in laws])
+    at = 0
+    for i, x in enumerate(strings):
+        path[at : at + len(x), 0, :i] = x
+        at += len(x)
+    history = penalties.History.init(jnp.zeros((rows, 1), jnp.int32), jnp.ones(rows), V4, 1)
+    with np.errstate(divide="ignore"):
+        logits = jnp.asarray(np.log(flat)[:, None], jnp.float32)
+    sampling = _hand_tables().repeat(rows)
+    lp, ok = _process(
+        sampling, history, logits, jnp.asarray(path), jnp.asarray(depth[:, None]), draft
+    )
+    assert bool(jnp.all(ok))  # a dead node's law is usable (it ends the row)
+    lp = np.asarray(lp[:, 0], np.float64)
+    live = np.concatenate([_reachable(law.shape).reshape(-1) for law in laws])
+    masked = np.where(lp > -np.inf, flat, 0.0)
+    masked[~live] = flat[~live]
+    masked /= masked.sum(-1, keepdims=True)
+    probs = np.exp(lp)
+    probs[~live] = flat[~live]
+    exact, processed, at = [], [], 0
+    for law in laws:
+        size = law.size // V4
+        exact.append(masked[at : at + size].reshape(law.shape))
+        processed.append(probs[at : at + size].reshape(law.shape))
+        at += size
+    return exact, processed
+
+
+@pytest.fixture(scope="module")
+def masked_models():
+    """Tabular target (depth n + 1) and two draft models (depth n), masked by the library and
+    by the reference; the two agree exactly on the allowed sets and to float32 on the laws."""
+    rng = np.random.default_rng(23)
+    target = tab.target_model(rng, V4, N + 1, "dense")
+    drafts = [tab.draft_model(rng, target, N, style) for style in ("close", "independent")]
+    ref_target = _reference_masked(target)
+    lib_target, proc_target = _library_masked(target, draft=False)
+    lib_drafts = []
+    for d in drafts:
+        lib, proc = _library_masked(d, draft=True)
+        for a, b, c in zip(lib, _reference_masked(d), proc):
+            np.testing.assert_allclose(a, b, atol=1e-15)
+            np.testing.assert_allclose(c, b, atol=2e-6)
+        lib_drafts.append(lib)
+    for a, b, c in zip(lib_target, ref_target, proc_target):
+        np.testing.assert_allclose(a, b, atol=1e-15)
+        np.testing.assert_allclose(c, b, atol=2e-6)
+    return lib_target, lib_drafts, ref_target, target
+
+
+def _constrained_ar_law(ref_target):
+    """The constrained AR law of n + 1 tokens (the contract), written out."""
+    return tab.joint(ref_target, N + 1)
+
+
+DRAFTS_SCHEMES = {"specinfer": "specinfer", "spectr": "spectr", "is": "is_default",
+                  "optimal": "optimal_g20"}  # fmt: skip
+
+
+def test_exact_enumeration_every_method(masked_models):
+    """For every method of the registry: the law of one step's emitted string on the laws the
+    library masked per node (by the DFA state along each node's path), continued by the
+    reference's masked target, equals the constrained AR law; and no string outside the
+    constraint has mass."""
+    target, drafts, ref_target, _ = masked_models
+    want = _constrained_ar_law(ref_target)
+    assert np.sum(want > 0) < want.size / 2  # the constraint removes most strings
+    covered = set()
+    for method, info in REGISTRY.items():
+        if info.kind == "chain":
+            d, weight, q_rows, p_rows = tab.draft_enumeration(target, drafts[0], N)
+            stop, full = code_outcome(method, d, q_rows, p_rows, N)
+            emitted = tab.emitted_law(stop, full, weight, d, p_rows[:, N], N)
+            got = tab.continue_with_target(emitted, ref_target)
+            np.testing.assert_allclose(got, want, atol=1e-10, err_msg=method)
+        elif method == "specinfer_wor":
+            same = [drafts[0], [drafts[0][0], drafts[1][1]]]
+            q_root = same[0][0]
+            law, _ = tree_law(
+                node_law("specinfer", V4), target, same, N, root_law=node_law(method, V4),
+                root_weights=without_replacement_weights(q_root, 2),
+            )  # fmt: skip
+            assert continuation_error(law, ref_target, N) <= 1e-10, method
+        elif info.kind == "drafts":
+            law, _ = tree_law(node_law(DRAFTS_SCHEMES[method], V4), target, drafts, N)
+            assert continuation_error(law, ref_target, N) <= 1e-10, method
+        else:
+            tree = trees.chains_token_tree(2, N)
+            draws = list(ref.chain_draws(target, drafts, N))
+            _, err = enumerate_method(tree, method, draws, target)
+            assert err <= 1e-10, method
+        covered.add(method)
+    assert covered == set(REGISTRY)
+
+
+def test_enumeration_detects_a_law_left_unmasked(masked_models):
+    """The check can fail: the target law at depth 1 left unmasked (its node's state ignored)
+    gives a law outside the constraint."""
+    target, drafts, ref_target, raw_target = masked_models
+    broken = [target[0], raw_target[1], target[2]]
+    d, weight, q_rows, p_rows = tab.draft_enumeration(broken, drafts[0], N)
+    stop, full = code_outcome("asps", d, q_rows, p_rows, N)
+    emitted = tab.emitted_law(stop, full, weight, d, p_rows[:, N], N)
+    got = tab.continue_with_target(emitted, ref_target)
+    assert np.max(np.abs(got - _constrained_ar_law(ref_target))) > 1e-3
+
+
+# --- End to end on a tiny Llama (transformers) with a character tokenizer ----------------------
+
+CHARS = "abcdefghijk"  # ids 1..11; id 0 is "</s>", the EOS
+R1 = r"[a-e]+[f-k]?"  # EOS after every token; [f-k] ends the text
+R2 = r"a[b-k]|b[a-c]|[c-k]"  # the second token's set depends on the first (no EOS after a, b)
+R3 = r"[a-e][f-k]*"  # never ends: always a continuation
+# The prefixes of each language, written out by hand: a token is allowed iff the text stays a
+# prefix; EOS iff the text is a full match (re.fullmatch).
+PREFIX = {R1: r"([a-e]+[f-k]?)?", R2: r"|a|b|a[b-k]|b[a-c]|[c-k]", R3: r"([a-e][f-k]*)?"}
+
+
+def _char_tokenizer():
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {"</s>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def char_models(tmp_path_factory):
+    import dataclasses
+
+    hf_target, target, draft = write_pair(tmp_path_factory.mktemp("ckpt"))
+    tokenizer = _char_tokenizer()
+    assert VOCAB == len(tokenizer) == 12
+    with_tok = [dataclasses.replace(m, tokenizer=tokenizer) for m in (target, draft)]
+    return hf_target, *with_tok, target
+
+
+def _text(tokens):
+    return "".join(CHARS[t - 1] for t in tokens if t > 0)
+
+
+def _reference_law(logits, text, pattern, rep=1.0, temperature=1.0, prompt=()):
+    """transformers' processors on the logits masked to the tokens ``pattern`` allows after
+    ``text``: the constrained target law (float64)."""
+    allowed = np.array(
+        [bool(re.fullmatch(pattern, text))]
+        + [bool(re.fullmatch(PREFIX[pattern], text + c)) for c in CHARS]
+    )
+    scores = torch.as_tensor(np.where(allowed, logits, -np.inf), dtype=torch.float32)[None]
+    ids = torch.tensor([list(prompt) + [CHARS.index(c) + 1 for c in text]])
+    if rep != 1.0:
+        scores = transformers.RepetitionPenaltyLogitsProcessor(rep)(ids, scores)
+    return torch.softmax(scores[0].double() / temperature, -1).numpy()
+
+
+def _two_token_law(hf_target, pattern, **kw):
+    with torch.no_grad():
+        first = hf_target(torch.tensor([PROMPT])).logits[0, -1].numpy()
+        second = hf_target(torch.tensor([PROMPT + [x] for x in range(VOCAB)])).logits[:, -1]
+    p1 = _reference_law(first, "", pattern, prompt=PROMPT, **kw)
+    p2 = np.zeros((VOCAB, VOCAB))
+    for x in np.flatnonzero(p1):
+        p2[x] = _reference_law(second[x].numpy(), CHARS[x - 1], pattern, prompt=PROMPT, **kw)
+    return p1[:, None] * p2
+
+
+# Per-row settings of one call: two patterns (per-row constraints), and one composed with a
+# repetition penalty and a temperature.
+E2E = [(R1, {}), (R2, {}), (R1, dict(rep=1.6, temperature=0.8))]
+E2E_ROWS = 2500
+
+
+@pytest.mark.parametrize(
+    "method, shape", [("asps", dict(num_draft_tokens=2)), ("tv", dict(tree=(2, 2)))]
+)
+def test_first_two_tokens_follow_the_constrained_target_law(char_models, method, shape):
+    """End to end through asps_jax.sample: the first two tokens (EOS included: R1 allows it
+    after one token, R2 forces it after two) against the masked, renormalised target computed
+    with transformers; two regexes in one batch; and every finished row matches its regex."""
+    hf_target, target, draft, _ = char_models
+    settings = [s for s in E2E for _ in range(E2E_ROWS)]
+    out = asps_jax.sample(
+        target, draft, [PROMPT] * len(settings), key=jax.random.key(7), max_new_tokens=3,
+        method=method, eos_token_id=0, regex=[r for r, _ in settings],
+        repetition_penalty=[kw.get("rep", 1.0) for _, kw in settings],
+        temperature=[kw.get("temperature", 1.0) for _, kw in settings], **shape,
+    )  # fmt: skip
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    for i, (pattern, kw) in enumerate(E2E):
+        rows = slice(i * E2E_ROWS, (i + 1) * E2E_ROWS)
+        counts = np.zeros((VOCAB, VOCAB))
+        np.add.at(counts, (tokens[rows, 0], tokens[rows, 1]), 1)
+        pvalue = _chi_square_pvalue(counts, _two_token_law(hf_target, pattern, **kw))
+        assert pvalue > 1e-3, f"{method} setting {i}: chi-square p-value {pvalue:.2e}"
+        for row, length in zip(tokens[rows], lengths[rows]):
+            text = _text(row[:length])
+            if row[length - 1] == 0:  # ended by EOS: a full match
+                assert re.fullmatch(pattern, text), (pattern, text)
+            else:
+                assert re.fullmatch(PREFIX[pattern], text), (pattern, text)
+    assert np.any(tokens[:E2E_ROWS, 1] == 0)  # EOS in an accepting state happens
+    r2 = tokens[E2E_ROWS : 2 * E2E_ROWS]
+    assert np.all(r2[np.isin(r2[:, 0], [1, 2]), 2] == 0)  # and is forced after R2's match
+    assert np.all(r2[~np.isin(r2[:, 0], [1, 2]), 1] == 0)
+
+
+def test_the_test_patterns_compile_to_their_regex_language(char_models):
+    """The references above read the patterns with Python's ``re``: outlines-core's index must
+    accept exactly those strings (checked on every string of up to 4 characters)."""
+    tokens = constraints.token_bytes(char_models[1].tokenizer, VOCAB)
+    for pattern in (R1, R2, R3):
+        dfa = constraints.compile_regex(pattern, tokens)
+        for length in range(5):
+            for s in itertools.product(CHARS, repeat=length):
+                state = dfa.start
+                for c in s:
+                    state = dfa.next[state, CHARS.index(c) + 1] if state >= 0 else -1
+                accepted = state >= 0 and bool(dfa.final[state])
+                assert accepted == bool(re.fullmatch(pattern, "".join(s))), (pattern, s)
+
+
+@pytest.mark.parametrize("method", ["ar", "specinfer"])
+def test_without_eos_a_row_ends_where_its_constraint_allows_nothing(char_models, method):
+    """EOS disabled: R2's accepting states have no continuation, so the row ends there (no
+    failure, also when the node is inside a drafted tree); R3's rows never end early."""
+    _, target, draft, _ = char_models
+    out = asps_jax.sample(
+        target, draft if method != "ar" else None, [PROMPT] * 64, key=jax.random.key(1),
+        max_new_tokens=5, method=method, eos_token_id=-1, regex=[R2] * 32 + [R3] * 32,
+        **(dict(num_drafts=2, num_draft_tokens=3) if method != "ar" else {}),
+    )  # fmt: skip
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    for b in range(64):
+        text = _text(tokens[b, : lengths[b]])
+        assert 0 not in tokens[b, : lengths[b]]
+        if b < 32:
+            assert lengths[b] in (1, 2) and re.fullmatch(R2, text), text
+        else:
+            assert lengths[b] == 5 and re.fullmatch(R3, text), text
+
+
+def test_second_compile_reads_the_disk_cache(char_models, tmp_path, monkeypatch):
+    _, target, _, _ = char_models
+    monkeypatch.setenv("ASPS_JAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ASPS_JAX_NO_CACHE", raising=False)
+    monkeypatch.setattr(constraints, "_MEMORY", {})
+    tokens = constraints.token_bytes(target.tokenizer, target.vocab_size)
+    before = dict(constraints.STATS)
+    first = constraints.compile_regex("[a-c]+k", tokens)
+    files = list((tmp_path / "constraints").glob("*.npz"))
+    assert len(files) == 1 and files[0].stem == first.key
+    assert constraints.STATS["compiled"] == before.get("compiled", 0) + 1
+    monkeypatch.setattr(constraints, "_MEMORY", {})
+    second = constraints.compile_regex("[a-c]+k", tokens)
+    assert constraints.STATS["compiled"] == before.get("compiled", 0) + 1
+    assert constraints.STATS["disk"] == before.get("disk", 0) + 1
+    np.testing.assert_array_equal(first.next, second.next)
+    np.testing.assert_array_equal(first.final, second.final)
+    # Another vocabulary is another entry.
+    constraints.compile_regex("[a-c]+k", tokens[:-1] + [b"z"])
+    assert len(list((tmp_path / "constraints").glob("*.npz"))) == 2
+
+
+BAD = [
+    (dict(regex="(a"), "regex '(a' does not compile"),
+    (dict(regex=3), "regex must be a string"),
+    (dict(json_schema={"type": "integer", "minimum": 0, "maximum": 120}),
+     "keyword 'minimum' at /minimum is not enforced"),
+    (dict(json_schema={"type": "object", "properties": {"n": {"type": "number",
+     "multipleOf": 2}}}), "keyword 'multipleOf' at /properties/n/multipleOf"),
+    (dict(json_schema={"oneOf": [{"type": "string"}]}), "keyword 'oneOf'"),
+    (dict(json_schema="{not json"), "json_schema: not valid JSON"),
+    (dict(json_schema={"type": "date"}), "type 'date' at /type is not supported"),
+    (dict(regex=["a", "b", "c"]), "one per prompt (1)"),
+    (dict(regex="a", json_schema={"type": "string"}), "at most one constraint per prompt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kwargs, match", BAD)
+def test_bad_constraints_are_one_line_errors(char_models, kwargs, match):
+    _, target, draft, _ = char_models
+    with pytest.raises(ValueError) as info:
+        asps_jax.sample(target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=2, **kwargs)
+    assert match in str(info.value) and "\n" not in str(info.value)
+
+
+def test_no_tokenizer_and_size_bound_are_one_line_errors(char_models, monkeypatch):
+    _, target, draft, bare = char_models
+    with pytest.raises(ValueError, match="has no tokenizer") as info:
+        asps_jax.sample(bare, None, [PROMPT], key=jax.random.key(0), max_new_tokens=2,
+                        method="ar", regex="a")  # fmt: skip
+    assert "\n" not in str(info.value)
+    monkeypatch.setattr(constraints, "MAX_TABLE_ENTRIES", 40)
+    monkeypatch.setattr(constraints, "_MEMORY", {})
+    with pytest.raises(ValueError, match="past the bound of 40") as info:
+        asps_jax.sample(target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=2,
+                        regex="[a-k]{6}")  # fmt: skip
+    assert "\n" not in str(info.value)
+
+
+# --- The bundled pair (byte-level BPE: multi-character tokens) --------------------------------
+
+BUNDLED_REGEX = r"(Romeo|Juliet) loves (Romeo|Juliet)\."
+BUNDLED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["a", "bc"]},
+    },
+    "required": ["name", "ok", "kind"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "models"
+    roles = ("target", "draft")
+    return tuple(asps_jax.load_model(str(root / f"tinyshakespeare-{r}")) for r in roles)
+
+
+@pytest.mark.parametrize(
+    "method, shape", [("asps", dict(num_draft_tokens=4)), ("tv", dict(tree=(2, 2)))]
+)
+def test_bundled_pair_rows_match_their_regex_or_schema(bundled, method, shape):
+    """Per-row constraints on the bundled pair: every regex row is a full match of its regex
+    (built of multi-character tokens), every schema row parses as JSON and validates against
+    the schema (jsonschema); every row ends with the EOS, which only an accepting state allows."""
+    target, draft = bundled
+    tok = target.tokenizer
+    prompt = tok.encode("ROMEO:")
+    out = asps_jax.sample(
+        target, draft, [prompt] * 6, key=jax.random.key(3), max_new_tokens=96, method=method,
+        regex=[BUNDLED_REGEX] * 3 + [None] * 3, json_schema=[None] * 3 + [BUNDLED_SCHEMA] * 3,
+        **shape,
+    )  # fmt: skip
+    eos = tok.eos_token_id
+    multi_char = 0
+    for b in range(6):
+        ids = np.asarray(out.tokens[b, : out.lengths[b]]).tolist()
+        assert ids[-1] == eos and eos not in ids[:-1], (b, ids)
+        text = tok.decode(ids[:-1])
+        multi_char += sum(len(tok.decode([t])) > 1 for t in ids[:-1])
+        if b < 3:
+            assert re.fullmatch(BUNDLED_REGEX, text), text
+        else:
+            jsonschema.validate(json.loads(text), BUNDLED_SCHEMA)
+    assert multi_char > 0
+
+
+def _cli():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sample.py"
+    spec = importlib.util.spec_from_file_location("sample_cli_constraints", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--regex", "(a"], "regex '(a' does not compile"),
+        (["--json-schema", "SCHEMA"], "keyword 'maximum' at /maximum is not enforced"),
+        (["--json-schema", "/nonexistent/schema.json"], "--json-schema: cannot read"),
+    ],
+)
+def test_cli_constraint_errors_exit_2_with_one_line(capsys, tmp_path, argv, needle):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "integer", "maximum": 120}))
+    argv = [str(schema) if a == "SCHEMA" else a for a in argv]
+    assert _cli().main(argv + ["--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_stream_takes_the_constraint(char_models):
+    """asps_jax.stream (a Session underneath): the streamed tokens are the result's, and every
+    row is a full match of its regex ending in EOS."""
+    _, target, _, _ = char_models
+    gen = asps_jax.stream(
+        target, None, [PROMPT] * 4, key=jax.random.key(2), max_new_tokens=4, method="ar",
+        eos_token_id=0, regex=R2,
+    )  # fmt: skip
+    streamed = [[] for _ in range(4)]
+    try:
+        while True:
+            for b, new in enumerate(next(gen)):
+                streamed[b] += new
+    except StopIteration as stop:
+        out = stop.value
+    for b in range(4):
+        ids = np.asarray(out.tokens[b, : out.lengths[b]]).tolist()
+        assert ids == streamed[b] and ids[-1] == 0
+        assert re.fullmatch(R2, _text(ids)), ids

@@ -1,0 +1,456 @@
+"""The sampling controls (logit bias, repetition / presence / frequency penalties, no-repeat
+n-grams, min-p) and top_logprobs.
+
+Expected values come from transformers' own processors (``RepetitionPenaltyLogitsProcessor``,
+``NoRepeatNGramLogitsProcessor``, ``SequenceBiasLogitsProcessor``, ``MinPLogitsWarper`` and the
+warpers; presence / frequency are OpenAI's formula, written out), from transformers forwards and
+``generate``, and from the NumPy reference in controls_reference.py (cross-checked against
+transformers here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from controls_reference import law, warped_probs
+from test_decode import PROMPT, VOCAB, _chi_square_pvalue, write_pair
+
+import asps_jax
+from asps_jax import decode, penalties, sampler
+from asps_jax.processors import SamplingParams
+
+# A path-dependent setting: every control changes the law, and differently along each path.
+CONTROLS = dict(
+    logit_bias={3: -np.inf, 5: 1.5},
+    repetition_penalty=1.8,
+    presence_penalty=0.6,
+    frequency_penalty=0.4,
+    no_repeat_ngram_size=2,
+)
+WARP = dict(temperature=0.9, top_k=0, top_p=1.0, min_p=0.08)
+
+
+def _hf_processed(logits, text, generated, controls, warp):
+    """One law through transformers' processors (presence / frequency by OpenAI's formula)."""
+    from transformers import (
+        MinPLogitsWarper,
+        NoRepeatNGramLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    ids = torch.tensor([list(text)], dtype=torch.long)
+    scores = torch.as_tensor(np.asarray(logits, np.float32))[None].clone()
+    if controls.get("logit_bias"):
+        bias = {(int(t),): float(b) for t, b in controls["logit_bias"].items()}
+        scores = SequenceBiasLogitsProcessor(bias)(ids, scores)
+    if controls.get("repetition_penalty", 1.0) != 1.0:
+        scores = RepetitionPenaltyLogitsProcessor(controls["repetition_penalty"])(ids, scores)
+    new = list(text)[len(text) - generated :] if generated else []
+    for token in set(new):
+        scores[0, token] -= controls.get("presence_penalty", 0.0)
+        scores[0, token] -= controls.get("frequency_penalty", 0.0) * new.count(token)
+    if controls.get("no_repeat_ngram_size", 0):
+        scores = NoRepeatNGramLogitsProcessor(controls["no_repeat_ngram_size"])(ids, scores)
+    if warp.get("temperature", 1.0) == 0:
+        return warped_probs(scores[0].double().numpy(), temperature=0)
+    scores = TemperatureLogitsWarper(warp.get("temperature", 1.0))(ids, scores)
+    if warp.get("top_k"):
+        scores = TopKLogitsWarper(warp["top_k"])(ids, scores)
+    if warp.get("top_p", 1.0) < 1.0:
+        scores = TopPLogitsWarper(warp["top_p"])(ids, scores)
+    if warp.get("min_p", 0.0) > 0:
+        scores = MinPLogitsWarper(warp["min_p"])(ids, scores)
+    return torch.softmax(scores[0].double(), -1).numpy()
+
+
+def _random_case(rng, vocab):
+    prompt = rng.integers(0, vocab, rng.integers(1, 8)).tolist()
+    generated = rng.integers(0, vocab, rng.integers(0, 8)).tolist()
+    controls = dict(
+        logit_bias={int(t): float(rng.normal()) for t in rng.integers(0, vocab, 3)},
+        repetition_penalty=float(rng.choice([0.7, 1.0, 1.3, 2.5])),
+        presence_penalty=float(rng.choice([0.0, 0.5, -0.3])),
+        frequency_penalty=float(rng.choice([0.0, 0.25, 1.0])),
+        no_repeat_ngram_size=int(rng.integers(0, 4)),
+    )
+    warp = dict(
+        temperature=float(rng.choice([0.7, 1.0, 1.5])),
+        top_k=int(rng.choice([0, 5])),
+        top_p=float(rng.choice([1.0, 0.9])),
+        min_p=float(rng.choice([0.0, 0.05, 0.2])),
+    )
+    return prompt, generated, controls, warp
+
+
+def test_reference_and_library_match_transformers_processors():
+    """On random logits and texts: the NumPy reference against transformers' processors, and
+    asps_jax (penalties.apply_controls + SamplingParams.process, rows of different settings, each
+    law at a node below the committed text) against both."""
+    rng = np.random.default_rng(0)
+    vocab, cases = 20, 24
+    rows = []
+    for _ in range(cases):
+        prompt, generated, controls, warp = _random_case(rng, vocab)
+        logits = rng.normal(size=vocab).astype(np.float32) * 2.0
+        text = prompt + generated
+        expected = _hf_processed(logits, text, len(generated), controls, warp)
+        ours = law(logits, text, len(generated), controls, warp)
+        np.testing.assert_allclose(ours, expected, atol=1e-6)
+        rows.append((prompt, generated, controls, warp, logits, expected))
+
+    # The library: committed text = prompt + the first half of the generated tokens, and the
+    # law at a node whose path is the rest (so both the history and the path carry counts).
+    path_len = 8
+    prompts = np.zeros((cases, 8), np.int32)
+    prompt_lengths = np.array([len(r[0]) for r in rows], np.int32)
+    for b, r in enumerate(rows):
+        prompts[b, : len(r[0])] = r[0]
+    history = penalties.History.init(jnp.asarray(prompts), jnp.asarray(prompt_lengths), vocab, 16)
+    block = np.full((cases, path_len), -1, np.int32)
+    path = np.zeros((cases, 1, path_len), np.int32)
+    committed, depth = np.zeros(cases, np.int32), np.zeros((cases, 1), np.int32)
+    for b, r in enumerate(rows):
+        half = len(r[1]) // 2
+        committed[b] = half
+        block[b, :half] = r[1][:half]
+        depth[b, 0] = len(r[1]) - half
+        path[b, 0, : depth[b, 0]] = r[1][half:]
+    history = history.append(jnp.asarray(block), jnp.asarray(committed))
+    bias = np.zeros((cases, vocab), np.float32)
+    for b, r in enumerate(rows):
+        for t, v in r[2]["logit_bias"].items():
+            bias[b, t] += v  # a dict keeps the last value of a repeated id, like the processor
+    sampling = SamplingParams.make(
+        cases,
+        temperature=[r[3]["temperature"] for r in rows],
+        top_k=[r[3]["top_k"] for r in rows],
+        top_p=[r[3]["top_p"] for r in rows],
+        min_p=[r[3]["min_p"] for r in rows],
+        repetition_penalty=[r[2]["repetition_penalty"] for r in rows],
+        presence_penalty=[r[2]["presence_penalty"] for r in rows],
+        frequency_penalty=[r[2]["frequency_penalty"] for r in rows],
+        no_repeat_ngram_size=[r[2]["no_repeat_ngram_size"] for r in rows],
+        logit_bias=bias,
+    )
+    logits = jnp.asarray(np.stack([r[4] for r in rows]))[:, None]
+    lp, has_mass = penalties.process(sampling, history, logits, jnp.asarray(path), depth)
+    assert bool(jnp.all(has_mass))
+    for b, r in enumerate(rows):
+        np.testing.assert_allclose(np.exp(np.asarray(lp[b, 0], np.float64)), r[5], atol=2e-6)
+
+
+def test_ngram_bans_cover_history_and_path_windows():
+    """Literal cases: an n-gram that spans the committed text and the node's path, one inside the
+    path, none when the text is shorter than n, and n = 1 (every token of the text)."""
+    vocab = 8
+    history = penalties.History.init(jnp.array([[1, 2, 3, 1]]), jnp.array([4]), vocab, 8)
+
+    def banned(n, path):
+        sampling = SamplingParams.make(1, no_repeat_ngram_size=n)
+        path_arr = jnp.asarray([[path + [0] * (4 - len(path))]], jnp.int32)
+        lp, _ = penalties.process(
+            sampling, history, jnp.zeros((1, 1, vocab)), path_arr, jnp.array([[len(path)]])
+        )
+        return np.flatnonzero(np.asarray(lp[0, 0]) == -np.inf).tolist()
+
+    assert banned(2, []) == [2]  # text 1 2 3 1: after "1", 2 followed 1
+    assert banned(3, [2]) == [3]  # text 1 2 3 1 2: "1 2" was followed by 3
+    assert banned(3, [4, 4]) == []  # "4 4" never occurred before
+    assert banned(2, [4, 4]) == [4]  # "4 4" itself: after "4", 4 occurred (in the path)
+    assert banned(1, [6]) == [1, 2, 3, 6]
+    assert banned(6, []) == []  # shorter than n
+    assert banned(0, [1, 2]) == []
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    hf_target, target, draft = write_pair(root)
+    hf_draft = transformers.LlamaForCausalLM.from_pretrained(root / "draft")
+    return hf_target, hf_draft, target, draft
+
+
+def _last_logits(hf_model, texts):
+    with torch.no_grad():
+        return np.stack([hf_model(torch.tensor([list(t)])).logits[0, -1].numpy() for t in texts])
+
+
+# One decode step's laws for each tree layout: K chains verified chain by chain or token by token
+# (sps, asps, specinfer, spectr, is, optimal share this code path: the draft rollout and the
+# target laws along each chain), K chains as a tree (tv, tv_wr, is_bv with num_drafts), and a
+# branching tree drawn without replacement (tv; is_bv / tv_wr draw it independently, the same
+# node laws).
+LAYOUTS = [
+    ("specinfer", dict(num_drafts=2, num_draft_tokens=3)),
+    ("tv_wr", dict(num_drafts=2, num_draft_tokens=2)),
+    ("tv", dict(tree=(2, 2))),
+]
+
+
+@pytest.mark.parametrize("method, shape", LAYOUTS)
+def test_every_node_law_is_processed_from_its_own_path(models, method, shape):
+    """With generated tokens in the committed text, the draft law and the target law at every
+    node of a step's tree equal transformers' processors applied to the model's logits after
+    that node's own text (prompt + generated + the node's path). The verifiers are exact for
+    arbitrary laws per node, so this is what keeps every method's output law exact."""
+    hf_target, hf_draft, target, draft = models
+    prompts = [PROMPT, [4, 7, 9, 1, 0, 11, 6]]
+    generated = [[1, 9, 1, 4], [6, 6, 2, 7]]  # committed as if generated (the models' caches
+    # hold the prompt only: the logits come from the prompt, the controls from the whole text)
+    controls = dict(CONTROLS, no_repeat_ngram_size=[2, 3], repetition_penalty=[1.8, 0.6])
+    _, args = sampler.prepare(
+        target, draft, prompts, key=jax.random.key(3), max_new_tokens=8, method=method,
+        eos_token_id=-1, draft_temperature=1.2, **controls, **WARP, **shape,
+    )  # fmt: skip
+    dec = args.pop("decoder")
+    spec = dec.spec
+    state = decode.prefill(
+        dec, *(args[k] for k in ("target_params", "draft_params", "prompts_BP")),
+        *(args[k] for k in ("prompt_lengths_B", "row_keys_B")),
+    )  # fmt: skip
+    block = np.full((state.root.shape[0], 4), -1, np.int32)
+    block[:2] = generated
+    history = state.history.append(jnp.asarray(block), jnp.array([4, 4] + [0] * (len(block) - 2)))
+    state = dataclasses.replace(state, history=history)
+
+    @jax.jit
+    def laws(args, state):
+        drafts = decode._draft(dec, args["draft_params"], args["sampling"], state)
+        target_lp, _, _, _ = decode._score(
+            dec, args["target_params"], args["sampling"], state, drafts
+        )
+        return drafts, target_lp
+
+    drafts, target_lp = laws(args, state)
+    tokens_BKD = np.asarray(drafts.tokens_BKD)
+    lengths_BK = np.asarray(drafts.lengths_BK)
+    draft_lp = np.asarray(drafts.logprobs_BKDV, np.float64)
+    target_lp = np.asarray(target_lp, np.float64)
+    d = spec.num_draft_tokens
+    checked = 0
+
+    def check(hf_model, b, paths, ours, warp):
+        nonlocal checked
+        text = prompts[b] + generated[b]
+        raw = _last_logits(hf_model, [prompts[b] + p for p in paths])
+        for path, lp, logits in zip(paths, ours, raw):
+            expected = _hf_processed(
+                logits, text + path, len(generated[b]) + len(path), _row(controls, b), warp
+            )
+            np.testing.assert_allclose(np.exp(lp), expected, atol=2e-5, err_msg=str(path))
+            checked += 1
+
+    for b in range(len(prompts)):
+        # Every depth's draft law, from the chain's own path.
+        paths = [tokens_BKD[b, k, :j].tolist() for k in range(spec.num_drafts) for j in range(d)]
+        ours = [draft_lp[b, k, j] for k in range(spec.num_drafts) for j in range(d)]
+        check(hf_draft, b, paths, ours, dict(WARP, temperature=1.2))
+        # Every target law the verifier reads.
+        if spec.verifies_tree:
+            tree = spec.token_tree
+            node_tokens = np.asarray(decode._tree_nodes(spec, state.root, drafts)[0][b])
+            canonical = np.asarray(drafts.canonical_BN[b])
+            nodes = [i for i in range(tree.num_nodes) if canonical[i] == i]
+            paths = [node_tokens[tree.paths[i, 1 : tree.depth[i] + 1]].tolist() for i in nodes]
+            ours = [target_lp[b, i] for i in nodes]
+        else:
+            pairs = [(k, j) for k in range(spec.num_drafts) for j in range(lengths_BK[b, k] + 1)]
+            paths = [tokens_BKD[b, k, :j].tolist() for k, j in pairs]
+            ours = [target_lp[b, k, j] for k, j in pairs]
+        check(hf_target, b, paths, ours, WARP)
+    assert checked >= 12
+
+
+def _row(controls, b):
+    return {k: (v[b] if isinstance(v, list) else v) for k, v in controls.items()}
+
+
+def _exact_two_token_law(hf_target, controls, warp):
+    first = _last_logits(hf_target, [PROMPT])[0]
+    p1 = _hf_processed(first, PROMPT, 0, controls, warp)
+    second = _last_logits(hf_target, [PROMPT + [x] for x in range(VOCAB)])
+    p2 = np.stack([_hf_processed(second[x], PROMPT + [x], 1, controls, warp) for x in range(VOCAB)])
+    return p1[:, None] * p2
+
+
+# One compiled run per method serves three tests: STAT_ROWS rows of each law setting, then the
+# greedy rows (per-row temperature 0), with top_logprobs on.
+STAT_ROWS = 6_000
+SETTINGS = [
+    (CONTROLS, WARP),
+    (dict(repetition_penalty=0.5, presence_penalty=0.3, frequency_penalty=-0.8), {}),
+]
+GREEDY_PROMPTS = [PROMPT, [4, 7, 9, 1, 0, 11, 6], [2]]
+GREEDY = dict(repetition_penalty=1.7, no_repeat_ngram_size=2, logit_bias={4: -2.0})
+NEW = 6
+TOP = 4
+RUNS = {
+    "ar": {},
+    "asps": dict(num_drafts=1, num_draft_tokens=3),
+    "specinfer": dict(num_drafts=2, num_draft_tokens=2),
+    "tv": dict(tree=(2, 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def run(models):
+    _, _, target, draft = models
+    done = {}
+
+    def get(method):
+        if method in done:
+            return done[method]
+        settings = [s for s in SETTINGS for _ in range(STAT_ROWS)]
+        settings += [(GREEDY, dict(temperature=0.0))] * len(GREEDY_PROMPTS)
+        per_row = {
+            name: [c.get(name, d) for c, _ in settings]
+            for name, d in (
+                ("repetition_penalty", 1.0),
+                ("presence_penalty", 0.0),
+                ("frequency_penalty", 0.0),
+                ("no_repeat_ngram_size", 0),
+            )
+        }
+        per_row.update(
+            {
+                name: [w.get(name, d) for _, w in settings]
+                for name, d in (("temperature", 1.0), ("min_p", 0.0))
+            }
+        )
+        done[method] = asps_jax.sample(
+            target, draft if method != "ar" else None,
+            [PROMPT] * (len(settings) - len(GREEDY_PROMPTS)) + GREEDY_PROMPTS,
+            key=jax.random.key(11), max_new_tokens=NEW, method=method, eos_token_id=-1,
+            logit_bias=[c.get("logit_bias", {}) for c, _ in settings], return_logprobs=True,
+            top_logprobs=TOP, **per_row, **RUNS[method],
+        )  # fmt: skip
+        return done[method]
+
+    return get
+
+
+@pytest.mark.parametrize("method", RUNS)
+def test_first_two_tokens_follow_the_processed_target_law(models, run, method):
+    """End to end through asps_jax.sample: the first two tokens (one step decides both when the
+    first draft token is accepted, two steps when not) against transformers' processors."""
+    hf_target = models[0]
+    tokens = np.asarray(run(method).tokens)
+    for i, (controls, warp) in enumerate(SETTINGS):
+        rows = tokens[i * STAT_ROWS : (i + 1) * STAT_ROWS]
+        counts = np.zeros((VOCAB, VOCAB))
+        np.add.at(counts, (rows[:, 0], rows[:, 1]), 1)
+        expected = _exact_two_token_law(hf_target, controls, warp)
+        pvalue = _chi_square_pvalue(counts, expected)
+        assert pvalue > 1e-3, f"{method} setting {i}: chi-square p-value {pvalue:.2e}"
+
+
+def _hf_generate(hf_model, prompt, max_new, **kwargs):
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+            eos_token_id=None, pad_token_id=0, **kwargs,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("method", RUNS)
+def test_greedy_matches_transformers_generate(models, run, method):
+    """temperature 0 with repetition_penalty, no_repeat_ngram_size and a logit bias is
+    transformers' ``generate(repetition_penalty=..., no_repeat_ngram_size=..., sequence_bias=...)``
+    greedy decoding, token for token, over several steps (the history carries across steps)."""
+    hf_target = models[0]
+    out = run(method)
+    first = len(SETTINGS) * STAT_ROWS
+    for b, prompt in enumerate(GREEDY_PROMPTS):
+        expected = _hf_generate(
+            hf_target, prompt, NEW, repetition_penalty=GREEDY["repetition_penalty"],
+            no_repeat_ngram_size=GREEDY["no_repeat_ngram_size"],
+            sequence_bias={(t,): v for t, v in GREEDY["logit_bias"].items()},
+        )  # fmt: skip
+        assert np.asarray(out.tokens[first + b]).tolist() == expected, (method, b)
+
+
+@pytest.mark.parametrize("method", ["ar", "tv"])
+def test_top_logprobs_are_the_processed_law_of_each_emitted_token(models, run, method):
+    """``top_logprobs`` and ``logprobs`` of every emitted token against the law recomputed from
+    a transformers forward of its text and transformers' processors."""
+    hf_target = models[0]
+    out = run(method)
+    ids, lps = (np.asarray(a) for a in out.top_logprobs)
+    assert ids.shape[1:] == (NEW, TOP) and lps.shape == ids.shape
+    rows = [0, 1, STAT_ROWS, STAT_ROWS + 1]  # both settings
+    for b in rows:
+        controls, warp = SETTINGS[b // STAT_ROWS]
+        tokens = np.asarray(out.tokens[b]).tolist()
+        texts = [PROMPT + tokens[:t] for t in range(NEW)]
+        for t, logits in enumerate(_last_logits(hf_target, texts)):
+            expected = _hf_processed(logits, texts[t], t, controls, warp)
+            order = np.argsort(-expected, kind="stable")[:TOP]
+            with np.errstate(divide="ignore"):
+                np.testing.assert_allclose(lps[b, t], np.log(expected[order]), atol=1e-4)
+                np.testing.assert_allclose(
+                    out.logprobs[b, t], np.log(expected[tokens[t]]), atol=1e-4
+                )
+            finite = expected[order] > 0
+            assert ids[b, t][finite].tolist() == order[finite].tolist()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=-1.2), "repetition_penalty must be"),
+        (dict(presence_penalty=np.nan), "presence_penalty must be a finite number"),
+        (dict(frequency_penalty=[np.inf]), "frequency_penalty must be a finite number"),
+        (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size must be an integer >= 0"),
+        (dict(no_repeat_ngram_size=2.5), "no_repeat_ngram_size must be an integer"),
+        (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+        (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+        (dict(logit_bias={VOCAB: 1.0}), "logit_bias: token id 12 lies outside"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias: token id -1 lies outside"),
+        (dict(logit_bias={2: np.inf}), "logit_bias: the bias of token 2 must be"),
+        (dict(logit_bias={2: "x"}), "logit_bias: the bias of token 2 must be"),
+        (dict(logit_bias=[{2: 1.0}, {}]), "one per prompt"),
+        (dict(logit_bias=[(2, 1.0)]), "logit_bias must be a"),
+        (dict(top_logprobs=3), "top_logprobs needs return_logprobs=True"),
+        (dict(top_logprobs=-1, return_logprobs=True), "top_logprobs must be an integer >= 0"),
+        (dict(top_logprobs=VOCAB + 1, return_logprobs=True), "at most the vocabulary size 12"),
+        (dict(repetition_penalty=[1.0, 2.0]), "one value per prompt"),
+    ],
+)
+def test_bad_control_values_are_one_line_errors(models, kwargs, match):
+    _, _, target, draft = models
+    with pytest.raises(ValueError, match=match) as info:
+        asps_jax.sample(target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=2, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_controls_change_no_compiled_shape():
+    """Values of every control are arrays: two settings give the same tree structure and shapes
+    (no recompile); n-gram sizes within one power-of-two window share it too."""
+    vocab = 10
+    a = SamplingParams.make(
+        3, repetition_penalty=1.2, no_repeat_ngram_size=2, logit_bias=np.ones(vocab)
+    )
+    b = SamplingParams.make(
+        3, repetition_penalty=[1.0, 2.0, 3.0], no_repeat_ngram_size=[4, 0, 1], min_p=0.3,
+        presence_penalty=-1.0, frequency_penalty=2.0, logit_bias=np.zeros((3, vocab)),
+    )  # fmt: skip
+    shapes = [jax.tree.map(lambda x: (x.shape, x.dtype), s) for s in (a, b)]
+    assert jax.tree.structure(a) == jax.tree.structure(b) and shapes[0] == shapes[1]
+    assert a.ngram_window == b.ngram_window == 4
+    assert SamplingParams.make(3).ngram_window == 0
+    assert SamplingParams.make(3, no_repeat_ngram_size=5).ngram_window == 8
+    for name in SamplingParams.array_fields():
+        assert getattr(a.repeat(2), name).shape[0] in (6, 1)  # eos_ids stays one list
