@@ -155,10 +155,12 @@ def test_ngram_bans_cover_history_and_path_windows():
     vocab = 8
     history = penalties.History.init(jnp.array([[1, 2, 3, 1]]), jnp.array([4]), vocab, 8)
 
+    process = jax.jit(penalties.process)  # one compile per n-gram window
+
     def banned(n, path):
         sampling = SamplingParams.make(1, no_repeat_ngram_size=n)
         path_arr = jnp.asarray([[path + [0] * (4 - len(path))]], jnp.int32)
-        lp, _ = penalties.process(
+        lp, _ = process(
             sampling, history, jnp.zeros((1, 1, vocab)), path_arr, jnp.array([[len(path)]])
         )
         return np.flatnonzero(np.asarray(lp[0, 0]) == -np.inf).tolist()
