@@ -11,6 +11,8 @@ transformers here).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +25,9 @@ from controls_reference import law, warped_probs
 from test_decode import PROMPT, VOCAB, _chi_square_pvalue, write_pair
 
 import asps_jax
-from asps_jax import decode, penalties, sampler
+from asps_jax import decode, penalties, sampler, trees
 from asps_jax.processors import SamplingParams
+from asps_jax.verify.tree import tree_outcome
 
 # A path-dependent setting: every control changes the law, and differently along each path.
 CONTROLS = dict(
@@ -529,15 +532,26 @@ def _processed_tables(raw, controls, temperature, draft):
     return ours, want
 
 
+@functools.cache
+def _tree_outcome_fn(tree, method):
+    """``fn(tokens[M, N], lq[M, N, V], lp[M, N, V]) -> joint [M, N, V]``: P(stop at slot i and
+    emit y) of ``verify_tree``'s exact outcome law, for M drawn trees."""
+    options = {"rule": "fixed_order"} if method == "is_bv" else {}
+
+    def fn(tokens, lq, lp):
+        valid = jnp.ones(tokens.shape, bool)
+        stop, emit = tree_outcome(tree, tokens, lq, lp, valid, method, **options)
+        return stop[:, None] * emit
+
+    return jax.jit(jax.vmap(fn))
+
+
 def _enumerated_law(method, target, draft):
     """The method's exact emitted law continued by ``target`` to n + 1 tokens, [V**(n+1)]."""
     import tree_reference as tref
     from multidraft_laws import node_law
     from multidraft_reference import tree_law
     from test_verify_chain import code_outcome
-    from test_verify_tree import enumerate_method
-
-    from asps_jax import trees
 
     n, vocab = ENUM_N, ENUM_V
     if method in ("sps", "asps"):
@@ -546,9 +560,30 @@ def _enumerated_law(method, target, draft):
         emitted = tab.emitted_law(stop, full, weight, drafts, p_rows[:, n], n)
         return tab.continue_with_target(emitted, target)
     if method in ("tv", "tv_wr", "is_bv"):
-        tree = trees.branching_token_tree((2, 2))
-        draws = list(tref.tree_draws(target, draft, list(tree.parents), method != "tv"))
-        total, _ = enumerate_method(tree, method, draws, target)
+        # The decode loop's layouts: K independent chains ("tv" with num_drafts), a branching
+        # tree drawn independently ("tv_wr", "is_bv"; IS+BV with its deterministic rule, whose
+        # law is not conditional on a selection draw).
+        if method == "tv":
+            tree = trees.chains_token_tree(2, n)
+            draws = list(tref.chain_draws(target, [draft, draft], n))
+        else:
+            tree = trees.branching_token_tree((2, 2))
+            draws = list(tref.tree_draws(target, draft, list(tree.parents), True))
+        # Padded to every possible draw (weight 0), so one compile serves every control.
+        draws += [(0.0,) + draws[0][1:]] * (vocab ** (tree.num_nodes - 1) - len(draws))
+        _, tokens, q, p = (np.array(a) for a in zip(*draws))
+        weight = np.array([w for w, *_ in draws])
+        with jax.enable_x64(True), np.errstate(divide="ignore"):
+            joint = np.asarray(
+                _tree_outcome_fn(tree, method)(
+                    jnp.asarray(tokens), jnp.log(jnp.asarray(q)), jnp.log(jnp.asarray(p))
+                )
+            )
+        total = defaultdict(float)
+        for d in range(len(draws)):
+            for i, y in zip(*np.nonzero(joint[d] > 0)):
+                prefix = tuple(int(tokens[d, j]) for j in tree.paths[i, 1 : tree.depth[i] + 1])
+                total[prefix + (int(y),)] += weight[d] * joint[d, i, y]
         return tref.continued(total, target, n + 1)
     scheme = {"is": "is_default", "optimal": "optimal_g20"}.get(method, method)
     total, _ = tree_law(node_law(scheme, vocab), target, [draft, draft], n)
