@@ -252,13 +252,19 @@ class SamplingParams:
         def filtered(logits):
             return jax.vmap(process_logits)(logits, temperature, self.top_k, self.top_p, self.min_p)
 
+        def min_p_only(logits):  # min-p needs no sort
+            return jax.vmap(process_logits)(logits, temperature, None, None, self.min_p)
+
         def temperature_only(logits):  # no V-sized sort: the common case, and much cheaper
             return jax.vmap(process_logits)(logits, temperature)
 
-        # A batch-level predicate, so this is a real branch (a per-row cond under vmap would
+        def unsorted(logits):
+            return jax.lax.cond(jnp.any(self.min_p > 0.0), min_p_only, temperature_only, logits)
+
+        # Batch-level predicates, so these are real branches (a per-row cond under vmap would
         # run both sides).
-        any_filter = jnp.any(self.top_k > 0) | jnp.any(self.top_p < 1.0) | jnp.any(self.min_p > 0.0)
-        return jax.lax.cond(any_filter, filtered, temperature_only, logits_BV)
+        any_filter = jnp.any(self.top_k > 0) | jnp.any(self.top_p < 1.0)
+        return jax.lax.cond(any_filter, filtered, unsorted, logits_BV)
 
     def repeat(self, k: int) -> SamplingParams:
         """The parameters of rows ``b * k + j`` (K draft replicas per row)."""

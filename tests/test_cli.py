@@ -46,6 +46,10 @@ def test_every_flag_in_one_json_run(capsys):
             "--temperature", "0.9", "--draft-temperature", "1.2", "--top-k", "50",
             "--top-p", "0.95", "--max-new-tokens", "10", "--batch-size", "3", "--seed", "5",
             "--dtype", "bf16", "--stop", "e", "--stop", "\n", "--stop", "e", "--json",
+            "--min-p", "0.05", "--repetition-penalty", "1.3",
+            "--presence-penalty", "0.4", "--frequency-penalty", "0.2",
+            "--no-repeat-ngram-size", "3", "--logit-bias", "3=-inf", "--logit-bias", "14=1.5",
+            "--top-logprobs", "2",
         ]
     )  # fmt: skip
     assert code == 0
@@ -58,6 +62,17 @@ def test_every_flag_in_one_json_run(capsys):
     assert result["target_calls"] >= 3 and result["compile_seconds"] > 0
     # One finite, non-positive log-probability per emitted token.
     assert [len(lp) for lp in result["logprobs"]] == [len(t) for t in result["tokens"]]
+    # --top-logprobs 2: two [id, log-probability] pairs per token, most likely first; the banned
+    # token 3 never appears.
+    assert [len(top) for top in result["top_logprobs"]] == [len(t) for t in result["tokens"]]
+    for row in result["top_logprobs"]:
+        for pairs in row:
+            assert (
+                len(pairs) == 2
+                and pairs[0][1] >= pairs[1][1]
+                and 3 not in (pairs[0][0], pairs[1][0])
+            )
+    assert all(3 not in t for t in result["tokens"])
     assert all(math.isfinite(x) and x <= 0.0 for lp in result["logprobs"] for x in lp)
     # --stop: a row ends at the first token whose text completes "e" or a newline.
     from transformers import AutoTokenizer
@@ -134,6 +149,16 @@ def test_runs_as_a_subprocess_without_network():
         (["--stop", "a", "--stop", ""], "--stop '' is empty"),
         (["--stop", "x" * 65], "at most 64"),
         ([arg for i in range(17) for arg in ("--stop", str(i))], "at most 16"),
+        (["--repetition-penalty", "0"], "a finite number > 0"),
+        (["--repetition-penalty", "-1.5"], "a finite number > 0"),
+        (["--presence-penalty", "nan"], "a finite number"),
+        (["--frequency-penalty", "inf"], "a finite number"),
+        (["--no-repeat-ngram-size", "-1"], "an integer >= 0"),
+        (["--min-p", "1.5"], "in [0, 1]"),
+        (["--logit-bias", "5"], "ID=BIAS"),
+        (["--logit-bias", "5=inf"], "ID=BIAS"),
+        (["--logit-bias=-2=1"], "ID=BIAS"),
+        (["--top-logprobs", "2"], "--top-logprobs needs --json"),
     ],
 )
 def test_bad_flags_exit_with_one_line(capsys, argv, needle):
@@ -153,6 +178,8 @@ def test_bad_flags_exit_with_one_line(capsys, argv, needle):
         (["--target", "no-such-alias"], "no-such-alias"),
         (["--method", "asps", "--num-drafts", "2"], "single draft chain"),
         (["--prompt", "x " * 3000], "context"),
+        (["--logit-bias", "99999=1"], "logit_bias: token id 99999 lies outside"),
+        (["--json", "--top-logprobs", "99999"], "top_logprobs must be at most"),
     ],
 )
 def test_bad_runs_exit_nonzero_with_one_line(capsys, argv, needle):

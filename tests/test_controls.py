@@ -11,19 +11,23 @@ transformers here).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tabular as tab
 import torch
 import transformers
 from controls_reference import law, warped_probs
 from test_decode import PROMPT, VOCAB, _chi_square_pvalue, write_pair
 
 import asps_jax
-from asps_jax import decode, penalties, sampler
+from asps_jax import decode, penalties, sampler, trees
 from asps_jax.processors import SamplingParams
+from asps_jax.verify.tree import tree_outcome
 
 # A path-dependent setting: every control changes the law, and differently along each path.
 CONTROLS = dict(
@@ -155,10 +159,12 @@ def test_ngram_bans_cover_history_and_path_windows():
     vocab = 8
     history = penalties.History.init(jnp.array([[1, 2, 3, 1]]), jnp.array([4]), vocab, 8)
 
+    process = jax.jit(penalties.process)  # one compile per n-gram window
+
     def banned(n, path):
         sampling = SamplingParams.make(1, no_repeat_ngram_size=n)
         path_arr = jnp.asarray([[path + [0] * (4 - len(path))]], jnp.int32)
-        lp, _ = penalties.process(
+        lp, _ = process(
             sampling, history, jnp.zeros((1, 1, vocab)), path_arr, jnp.array([[len(path)]])
         )
         return np.flatnonzero(np.asarray(lp[0, 0]) == -np.inf).tolist()
@@ -454,3 +460,150 @@ def test_controls_change_no_compiled_shape():
     assert SamplingParams.make(3, no_repeat_ngram_size=5).ngram_window == 8
     for name in SamplingParams.array_fields():
         assert getattr(a.repeat(2), name).shape[0] in (6, 1)  # eos_ids stays one list
+
+
+# --- Exact enumeration on tabular models, every method -------------------------------------
+# Raw tabular target (depth n + 1) and draft (depth n) laws on V tokens; the law at every prefix
+# (= tree node) is processed by asps_jax's penalties.process from the committed text followed by
+# that prefix, and checked against the NumPy reference. Every method's exact emitted law, over
+# every draw of its tree (chains for the token-level methods, a branching (2, 2) tree for the
+# sequence-level ones, as the decode loop draws them), continued by the processed target, must be
+# the law of sampling token by token from the processed target.
+ENUM_V, ENUM_N = 3, 2
+ENUM_PROMPT, ENUM_GENERATED = [0, 1], [2, 0]
+ENUM_CONTROLS = {
+    "logit_bias": dict(logit_bias={1: -1.5, 2: 0.7}),
+    "repetition_penalty": dict(repetition_penalty=2.5),
+    "presence_frequency": dict(presence_penalty=0.9, frequency_penalty=0.6),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+    "min_p": dict(min_p=0.3),
+    "all": dict(
+        logit_bias={2: -0.8}, repetition_penalty=0.6, presence_penalty=-0.5,
+        frequency_penalty=0.7, no_repeat_ngram_size=3, min_p=0.1,
+    ),
+}  # fmt: skip
+ENUM_METHODS = ("sps", "asps", "specinfer", "spectr", "is", "optimal", "tv", "tv_wr", "is_bv")
+
+
+_ENUM_PROCESS = jax.jit(penalties.process, static_argnames="draft")
+
+
+def _processed_tables(raw, controls, temperature, draft):
+    """``(ours, reference)``: the processed law tables (float64) of the raw log-law tables."""
+    vocab = ENUM_V
+    bias = np.zeros(vocab, np.float32)
+    for t, v in controls.get("logit_bias", {}).items():
+        bias[t] = v
+    others = {k: v for k, v in controls.items() if k != "logit_bias"}
+    others_ref = {k: v for k, v in controls.items() if k != "min_p"}
+    sampling = SamplingParams.make(1, temperature=temperature, logit_bias=bias, **others)
+    history = penalties.History.init(
+        jnp.asarray([ENUM_PROMPT]), jnp.asarray([len(ENUM_PROMPT)]), vocab, 8
+    ).append(jnp.asarray([ENUM_GENERATED]), jnp.asarray([len(ENUM_GENERATED)]))
+    text = ENUM_PROMPT + ENUM_GENERATED
+    # Every prefix of every depth as one batch of nodes: one compiled call.
+    prefixes = [s for i in range(len(raw)) for s in tab.all_strings(vocab, i)]
+    path = np.zeros((1, len(prefixes), ENUM_N), np.int32)
+    for x, s in enumerate(prefixes):
+        path[0, x, : len(s)] = s
+    depth = np.array([[len(s) for s in prefixes]])
+    logits = np.concatenate([t.reshape(-1, vocab) for t in raw])[None]
+    lp, _ = _ENUM_PROCESS(
+        sampling, history, jnp.asarray(logits, jnp.float32), jnp.asarray(path), depth, draft=draft
+    )
+    p = np.exp(np.asarray(lp[0], np.float64))
+    reach = p.sum(-1, keepdims=True) > 0  # a prefix every token of which is banned: unused
+    p = np.where(reach, p / np.where(reach, p.sum(-1, keepdims=True), 1.0), 1.0 / vocab)
+    warp = dict(temperature=temperature, min_p=controls.get("min_p", 0.0))
+    ref = np.stack(
+        [
+            law(row, text + s.tolist(), len(ENUM_GENERATED) + len(s), others_ref, warp)
+            for row, s in zip(logits[0], prefixes)
+        ]
+    )
+    ref = np.where(reach, ref, 1.0 / vocab)
+    np.testing.assert_allclose(p, ref, atol=2e-6)
+    ours, want, start = [], [], 0
+    for table in raw:
+        size = table.size // vocab
+        ours.append(p[start : start + size].reshape(table.shape))
+        want.append(ref[start : start + size].reshape(table.shape))
+        start += size
+    return ours, want
+
+
+@functools.cache
+def _tree_outcome_fn(tree, method):
+    """``fn(tokens[M, N], lq[M, N, V], lp[M, N, V]) -> joint [M, N, V]``: P(stop at slot i and
+    emit y) of ``verify_tree``'s exact outcome law, for M drawn trees."""
+    options = {"rule": "fixed_order"} if method == "is_bv" else {}
+
+    def fn(tokens, lq, lp):
+        valid = jnp.ones(tokens.shape, bool)
+        stop, emit = tree_outcome(tree, tokens, lq, lp, valid, method, **options)
+        return stop[:, None] * emit
+
+    return jax.jit(jax.vmap(fn))
+
+
+def _enumerated_law(method, target, draft):
+    """The method's exact emitted law continued by ``target`` to n + 1 tokens, [V**(n+1)]."""
+    import tree_reference as tref
+    from multidraft_laws import node_law
+    from multidraft_reference import tree_law
+    from test_verify_chain import code_outcome
+
+    n, vocab = ENUM_N, ENUM_V
+    if method in ("sps", "asps"):
+        drafts, weight, q_rows, p_rows = tab.draft_enumeration(target, draft, n)
+        stop, full = code_outcome(method, drafts, q_rows, p_rows, n)
+        emitted = tab.emitted_law(stop, full, weight, drafts, p_rows[:, n], n)
+        return tab.continue_with_target(emitted, target)
+    if method in ("tv", "tv_wr", "is_bv"):
+        # The decode loop's layouts: K independent chains ("tv" with num_drafts), a branching
+        # tree drawn independently ("tv_wr", "is_bv"; IS+BV with its deterministic rule, whose
+        # law is not conditional on a selection draw).
+        if method == "tv":
+            tree = trees.chains_token_tree(2, n)
+            draws = list(tref.chain_draws(target, [draft, draft], n))
+        else:
+            tree = trees.branching_token_tree((2, 2))
+            draws = list(tref.tree_draws(target, draft, list(tree.parents), True))
+        # Padded to every possible draw (weight 0), so one compile serves every control.
+        draws += [(0.0,) + draws[0][1:]] * (vocab ** (tree.num_nodes - 1) - len(draws))
+        _, tokens, q, p = (np.array(a) for a in zip(*draws))
+        weight = np.array([w for w, *_ in draws])
+        with jax.enable_x64(True), np.errstate(divide="ignore"):
+            joint = np.asarray(
+                _tree_outcome_fn(tree, method)(
+                    jnp.asarray(tokens), jnp.log(jnp.asarray(q)), jnp.log(jnp.asarray(p))
+                )
+            )
+        total = defaultdict(float)
+        for d in range(len(draws)):
+            for i, y in zip(*np.nonzero(joint[d] > 0)):
+                prefix = tuple(int(tokens[d, j]) for j in tree.paths[i, 1 : tree.depth[i] + 1])
+                total[prefix + (int(y),)] += weight[d] * joint[d, i, y]
+        return tref.continued(total, target, n + 1)
+    scheme = {"is": "is_default", "optimal": "optimal_g20"}.get(method, method)
+    total, _ = tree_law(node_law(scheme, vocab), target, [draft, draft], n)
+    return tref.continued(total, target, n + 1)
+
+
+@pytest.mark.parametrize("method", ENUM_METHODS)
+def test_exact_enumeration_with_every_control(method):
+    rng = np.random.default_rng(5)
+    raw_target = [np.log(t) for t in tab.target_model(rng, ENUM_V, ENUM_N + 1, "dense")]
+    raw_draft = [
+        np.log(q) for q in tab.draft_model(rng, [np.exp(t) for t in raw_target], ENUM_N, "far")
+    ]
+    for name, controls in ENUM_CONTROLS.items():
+        target, target_ref = _processed_tables(raw_target, controls, 1.0, draft=False)
+        draft, _ = _processed_tables(raw_draft, controls, 1.0, draft=True)
+        got = _enumerated_law(method, target, draft)
+        # Exact for the processed target the loop uses, and that is the reference's law.
+        np.testing.assert_allclose(got, tab.joint(target, ENUM_N + 1), atol=1e-10, err_msg=name)
+        np.testing.assert_allclose(got, tab.joint(target_ref, ENUM_N + 1), atol=1e-5, err_msg=name)
+        # The control changes the law along paths: the enumeration is not trivially the raw one.
+        raw_joint = tab.joint([np.exp(t) for t in raw_target], ENUM_N + 1)
+        assert np.abs(got - raw_joint).max() > 1e-3, name
