@@ -61,6 +61,7 @@ def test_every_public_list_is_derived_from_the_registry():
     assert multi.OPTIMAL_DEFAULTS == {
         "levels": 16,
         "fit_steps": 15,
+        "table": 128,
         "batch_axis": None,
         "grad_steps": 200,
     }

@@ -48,7 +48,7 @@ from asps_jax.verify.tokenlevel import (
 # The options and defaults live in the registry; ``tail`` is a keyword of every verifier here.
 IS_DEFAULTS = {k: v for k, v in REGISTRY["is"].options if k != "tail"}
 OPTIMAL_DEFAULTS = {k: v for k, v in REGISTRY["optimal"].options if k != "tail"}
-RACE_OPTIONS = ("levels", "fit_steps")
+RACE_OPTIONS = ("levels", "fit_steps", "table")
 PAIRWISE_OPTIONS = ("s", "alphabet", "lp_iters", "tol")
 
 
@@ -192,6 +192,13 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+def _table(value) -> int:
+    """``table``: 0 (one level law per token) or B >= 2 tabulated laws."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value == 1:
+        raise ValueError(f"verify_drafts: table must be an int, 0 or >= 2, got {value!r}")
+    return value
+
+
 def _axis_name(value):
     """``batch_axis``: None, or the name of the ``vmap`` axis the call is mapped over."""
     if value is not None and not isinstance(value, str):
@@ -215,6 +222,7 @@ def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
             rule="level_race",
             levels=_positive_int("levels", opts["levels"]),
             fit_steps=_positive_int("fit_steps", opts["fit_steps"]),
+            table=_table(opts["table"]),
             grad_steps=_positive_int("grad_steps", opts["grad_steps"], minimum=0),
             batch_axis=_axis_name(opts["batch_axis"]),
         )
@@ -233,6 +241,7 @@ def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
             rule=rule,
             levels=_positive_int("levels", opts["levels"]),
             fit_steps=_positive_int("fit_steps", opts["fit_steps"]),
+            table=_table(opts["table"]),
             batch_axis=_axis_name(opts["batch_axis"]),
         )
     wrong = sorted(set(options) & set(RACE_OPTIONS))
