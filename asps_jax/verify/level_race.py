@@ -35,8 +35,13 @@ J levels (``softmax`` of free logits), taking gradient-ascent steps on the exact
 the closed form. On the bundled pair's real laws this closes most of the remaining gap to the
 optimum ``1 + min_S [p(S) - prod_k q_k(S)]`` (docs/algorithms.md §3.5).
 
-Cost per node with two or more alive drafts: O(T J V K) for a fit of T steps on J levels (K is
-small), O(K^2 J) per token tuple; gradient steps cost a small multiple of a fit step each.
+Tokens need not have free laws of their own either: with ``table`` = B the race tabulates B + 2
+level laws and each token mixes the two entries around its own ratio ``log(p / mean q)``
+(``fit_race``); the fit then runs on the table's masses.
+
+Cost per node with two or more alive drafts: O(K V) to map the tokens onto the table and back,
+plus O(T J B K) for a fit of T steps on J levels (O(T J V K) with one law per token, ``table=0``);
+O(K^2 J) per token tuple; gradient steps cost a small multiple of a fit step each.
 """
 
 from __future__ import annotations
