@@ -314,7 +314,8 @@ def verify_is(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> V
 
     Options: ``rule`` in ``"level_race"`` (default, §3.10: ``levels`` J = 16, ``fit_steps``
     T = 15, ``table`` B = 128 tabulated level laws on log(p / q), 0 = one law per token), or the
-    pairwise tournaments ``"truncated_lp"`` (``s`` = 5 LP positions), ``"fixed_order"``, ``"sir"`` with ``alphabet`` (40; the SIR block, an upper bound on s),
+    pairwise tournaments ``"truncated_lp"`` (``s`` = 5 LP positions), ``"fixed_order"``,
+    ``"sir"`` with ``alphabet`` (40; the SIR block, an upper bound on s),
     ``lp_iters`` (300), ``tol`` (1e-5, certified LP gap). ``batch_axis`` (None): when the call
     is ``vmap``-ed with that ``axis_name`` over a batch's rows, the level race fits a node only
     if some row has two alive drafts there (``level_race.fit_race``; the same verdicts).
