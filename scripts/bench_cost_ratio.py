@@ -16,10 +16,20 @@ acceptance the machinery alone decides):
   overlap ``1 - TV(target, draft)`` of ~0.75 on random contexts, the range of llama-68m drafting
   for a 7B target.
 
-Per method (default ar; sps and asps with K = 1; specinfer with K = 2; any method of
-``sampler.METHODS``, K = 2 unless it verifies one chain) and draft length n, the jitted
+The pair is written once as Hugging Face checkpoints (``--checkpoints``, default
+``~/.cache/asps_jax/bench_cost_ratio``, one folder per shape, seed and perturbation; reused when
+present) and both our runs and transformers' load those files, so both sides decode the same
+weights.
+
+Per method (default ar; sps and asps with K = 1; specinfer, is, is_bv and tv with K = 2; any method
+of ``sampler.METHODS``, K = 2 unless it verifies one chain) and draft length n, the jitted
 ``decode.generate`` loop runs batch 1 for ``--max-new-tokens`` tokens (EOS off), medians of
-``--repeats`` runs in CPU time (``time.process_time``) and wall time. Reported: tokens/s, tokens
+``--repeats`` runs in CPU time (``time.process_time``) and wall time. Beside ours, on the same
+checkpoints and prompt: transformers ``generate(do_sample=True)`` and assisted generation
+(``assistant_model=draft``, ``do_sample=True``, ``num_assistant_tokens=n`` with the ``"constant"``
+schedule and the confidence early exit off, so that every step drafts exactly n tokens), torch
+float32, eager attention, ``--torch-threads`` threads; their tokens per step are the new tokens
+over the target's forward calls (``--no-hf`` skips them). Reported: tokens/s, tokens
 per step (ATN, mean +- standard error over all steps of all runs), the cost ratio
 ``c = draft one-token forward / target one-token forward`` (measured here, same cache length), the
 speedup over our AR, and ``efficiency = speedup / (ATN / (1 + n c))``, the fraction of the ideal
@@ -28,16 +38,24 @@ measured cost ``k_n`` of the target's (n+1)-token chain forward in one-token for
 speedup bound ``ATN / (k_n + (n + 1) c)`` a step has on this machine (draft rollout: n + 1
 one-token draft forwards), with the fraction of it reached: what the ideal misses on hardware
 where scoring n + 1 tokens costs more than one (a CPU) and what the decoding machinery loses.
+Last, the level race's per-node fit (``is`` and ``optimal`` defaults, K = 2, at the target's V) in
+CPU time beside the target's one-token forward, measured in the same run.
 
-    python scripts/bench_cost_ratio.py [--n 2 4 8] [--methods ar sps asps specinfer] [--json PATH]
+``--quick`` (a few minutes at the 0.5B shape, compilation included): n = 4, 16 new tokens, one
+timed run, methods ar, asps, specinfer and is, and transformers.
+
+    python scripts/bench_cost_ratio.py [--quick] [--n 2 4 8] [--methods ar sps ...] [--no-hf]
+                                       [--checkpoints DIR] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -47,12 +65,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import asps_jax
 from asps_jax import decode, sampler
 from asps_jax.kv_cache import init_cache
 from asps_jax.models import LlamaConfig, Model
 from asps_jax.models.base import run_params
 from asps_jax.models.llama import init_params
+from asps_jax.models.loader import save_checkpoint
 from asps_jax.scoring import score_chain
+from asps_jax.verify import multi, tokenlevel
 from asps_jax.verify.registry import REGISTRY
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,7 +85,9 @@ SMOKE_TARGET = dict(TARGET, vocab_size=256, hidden_size=64, intermediate_size=12
 SMOKE_TARGET.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
 SMOKE_DRAFT = dict(DRAFT, vocab_size=256, hidden_size=32, intermediate_size=64)
 SMOKE_DRAFT.update(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
-DEFAULT_METHODS = ("ar", "sps", "asps", "specinfer")
+DEFAULT_METHODS = ("ar", "sps", "asps", "specinfer", "is", "is_bv", "tv")
+QUICK = dict(methods=["ar", "asps", "specinfer", "is"], n=[4], max_new_tokens=16, repeats=1)
+CHECKPOINTS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "asps_jax"
 
 
 def num_drafts(method: str) -> int:
@@ -90,6 +113,112 @@ def build_pair(target_shape, draft_shape, head_std, layer_scale, seed=0):
     target = Model(name="random-0.5b", path="", config=t_cfg, params=t_params)
     draft = Model(name="random-68m", path="", config=d_cfg, params=d_params)
     return target, draft
+
+
+def checkpoint_pair(shapes, head_std, layer_scale, seed, root) -> tuple[Path, Path]:
+    """Paths of the pair's HF checkpoints under ``root``, written by :func:`build_pair` unless a
+    previous run left them (the folder name carries a hash of everything that shapes them)."""
+    spec = json.dumps([shapes, head_std, layer_scale, seed], sort_keys=True)
+    tag = hashlib.sha256(spec.encode()).hexdigest()[:12]
+    paths = (Path(root) / f"target-{tag}", Path(root) / f"draft-{tag}")
+    if not all((p / "config.json").exists() and (p / "model.safetensors").exists() for p in paths):
+        for model, path in zip(build_pair(*shapes, head_std, layer_scale, seed), paths):
+            tmp = path.with_name(path.name + ".partial")
+            save_checkpoint(tmp, model.config, model.params)
+            tmp.rename(path)  # a killed run leaves no half-written checkpoint behind
+    return paths
+
+
+def fit_seconds(vocab: int, method: str, repeats: int) -> float:
+    """Median CPU seconds of ``method``'s default level-race fit at one node (K = 2, jitted), on
+    a draft law of ~3 nats and a target that differs from it by N(0, 1) logit noise."""
+    k_p, k_q = jax.random.split(jax.random.key(0))
+    lq = jax.nn.log_softmax(3.0 * jax.random.normal(k_q, (vocab,)))
+    p = jax.nn.softmax(lq + jax.random.normal(k_p, (vocab,)))
+    qs = jnp.broadcast_to(jnp.exp(lq), (2, vocab))
+    cfg = multi._rule_config(method, vocab, {})
+    alive = jnp.ones((2,), bool)
+    fn = jax.jit(lambda p, q: tokenlevel.importance_sampling_rules(p, q, alive, cfg).q_sel)
+    for _ in range(2):
+        jax.block_until_ready(fn(p, qs))
+    cpu, _ = _times(lambda: jax.block_until_ready(fn(p, qs)), repeats)
+    return statistics.median(cpu)
+
+
+def run_transformers(paths, prompt, ns, args) -> list[dict]:
+    """transformers ``generate`` and assisted generation (batch 1, ``do_sample=True``) on the
+    checkpoints: medians of ``--repeats`` runs, CPU and wall time, tokens per target call."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.torch_threads)
+
+    def load(path):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        model.generation_config.eos_token_id = None  # every run generates max_new_tokens
+        return model
+
+    target, draft = load(paths[0]), load(paths[1])
+    calls = [0]
+    forward = target.forward
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return forward(*a, **k)
+
+    target.forward = counted
+    ids = torch.as_tensor(np.asarray(prompt), dtype=torch.long)
+    config = draft.generation_config
+    config.num_assistant_tokens_schedule = "constant"
+    config.assistant_confidence_threshold = 0.0  # no early exit: exactly n drafted per step
+
+    def generate(new_tokens, **extra):
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=True,
+            top_k=0,
+            pad_token_id=0,
+            **extra,
+        )
+        return int(out.shape[1] - ids.shape[1])
+
+    rows = []
+    with torch.no_grad():
+        generate(2)  # warm-up
+        for n in [0, *ns]:
+            extra = dict(assistant_model=draft) if n else {}
+            config.num_assistant_tokens = max(n, 1)
+            torch.manual_seed(args.seed)
+            tokens, steps = [], []
+
+            def once(extra=extra, tokens=tokens, steps=steps):
+                calls[0] = 0
+                tokens.append(generate(args.max_new_tokens, **extra))
+                steps.append(calls[0])
+
+            cpu, wall = _times(once, args.repeats)
+            cpu_s, wall_s = statistics.median(cpu), statistics.median(wall)
+            rows.append(
+                dict(
+                    method="hf assisted" if n else "hf generate",
+                    n=n,
+                    K=1,
+                    tokens=tokens[-1],
+                    steps=sum(steps),
+                    tokens_per_step=sum(tokens) / sum(steps),
+                    tokens_per_step_se=None,
+                    compile_s=None,
+                    cpu_s=cpu_s,
+                    wall_s=wall_s,
+                    tokens_per_cpu_s=tokens[-1] / cpu_s,
+                    tokens_per_s=tokens[-1] / wall_s,
+                )
+            )
+    return rows
 
 
 def _times(fn, repeats: int) -> tuple[list[float], list[float]]:
@@ -190,12 +319,27 @@ def main(argv=None) -> int:
     p.add_argument("--layer-scale", type=float, default=0.07, help="scale of wo and w_down")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a quick self-test)")
+    p.add_argument("--quick", action="store_true", help=f"a short subset: {QUICK}")
+    p.add_argument(
+        "--checkpoints",
+        default=str(CHECKPOINTS / "bench_cost_ratio"),
+        help="folder of the pair's HF checkpoints (written once, then reused)",
+    )
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers runs")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     if args.repeats < 1 or args.max_new_tokens < 1 or min(args.n) < 1 or args.prompt_tokens < 1:
         p.error("--repeats, --max-new-tokens, --prompt-tokens and every --n must be >= 1")
+    if args.torch_threads < 1:
+        p.error("--torch-threads must be >= 1")
     shapes = (SMOKE_TARGET, SMOKE_DRAFT) if args.smoke else (TARGET, DRAFT)
-    target, draft = build_pair(*shapes, args.head_std, args.layer_scale, args.seed)
+    paths = checkpoint_pair(shapes, args.head_std, args.layer_scale, args.seed, args.checkpoints)
+    target, draft = (asps_jax.load_model(str(path), dtype="float32") for path in paths)
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, target.vocab_size, (1, args.prompt_tokens)).astype(np.int32)
     cache_len = args.prompt_tokens + args.max_new_tokens + max(args.n) + 2
@@ -209,18 +353,29 @@ def main(argv=None) -> int:
         n: forward_seconds(target, cache_len, max(args.repeats, 5), n + 1)[0] / t_fwd[0]
         for n in args.n
     }
+    fits = {m: fit_seconds(target.vocab_size, m, max(args.repeats, 5)) for m in ("is", "optimal")}
     rows = []
     for method in args.methods:
         for n in [1] if method == "ar" else args.n:
             rows.append(run_method(target, draft, prompt, method, n, args))
             print(f"# {method} n={rows[-1]['n']}: {rows[-1]}", file=sys.stderr, flush=True)
+    hf = [] if args.no_hf else run_transformers(paths, prompt, args.n, args)
+    for r in hf:
+        print(f"# {r['method']} n={r['n']}: {r}", file=sys.stderr, flush=True)
     ar = next((r for r in rows if r["method"] == "ar"), None)
-    for r in rows:
+    assisted = {r["n"]: r for r in hf if r["n"]}
+    for r in rows + hf:
+        if r["n"] in assisted and r["method"] != "ar":
+            other = assisted[r["n"]]
+            r["vs_hf_assisted"] = r["tokens_per_cpu_s"] / other["tokens_per_cpu_s"]
+            r["vs_hf_assisted_wall"] = r["tokens_per_s"] / other["tokens_per_s"]
         if ar is None or r["method"] == "ar":
             continue
-        ideal = r["tokens_per_step"] / (1 + r["n"] * c_cpu)
         r["speedup"] = r["tokens_per_cpu_s"] / ar["tokens_per_cpu_s"]
         r["speedup_wall"] = r["tokens_per_s"] / ar["tokens_per_s"]
+        if r["n"] == 0:
+            continue
+        ideal = r["tokens_per_step"] / (1 + r["n"] * c_cpu)
         r["ideal_speedup"] = ideal
         r["efficiency"] = r["speedup"] / ideal
         r["efficiency_wall"] = r["speedup_wall"] / (r["tokens_per_step"] / (1 + r["n"] * c_wall))
@@ -236,31 +391,48 @@ def main(argv=None) -> int:
         "(n+1)-token chain / one-token forward, CPU: "
         + ", ".join(f"k_{n} = {k:.2f}" for n, k in chain_cost.items())
         + f"; jax {jax.__version__} on {jax.default_backend()}"
+        + ("" if args.no_hf else f"; transformers: torch float32, {args.torch_threads} thread(s)")
+    )
+    print(
+        f"level-race fit per node (K = 2, V = {target.vocab_size}, CPU): "
+        + ", ".join(
+            f"{m} {1e3 * t:.2f} ms = {100 * t / t_fwd[0]:.1f}% of the target's one-token forward"
+            for m, t in fits.items()
+        )
     )
     print(
         "| method | K | n | tokens/step | tok/s CPU | tok/s wall | speedup vs AR CPU (wall) "
-        "| ATN/(1+n·c) | efficiency CPU (wall) | ATN/(k_n+(n+1)c) | of that | compile s |"
+        "| vs HF assisted CPU (wall) | ATN/(1+n·c) | efficiency CPU (wall) | ATN/(k_n+(n+1)c) "
+        "| of that | compile s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        extra = (
-            f"{r['speedup']:.2f}x ({r['speedup_wall']:.2f}x) | {r['ideal_speedup']:.2f}x | "
-            f"{r['efficiency']:.2f} ({r['efficiency_wall']:.2f}) | {r['step_bound']:.2f}x | "
-            f"{r['of_step_bound']:.2f}"
-            if "speedup" in r
-            else "– | – | – | – | –"
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows + hf:
+        speedup = f"{r['speedup']:.2f}x ({r['speedup_wall']:.2f}x)" if "speedup" in r else "–"
+        vs_hf = (
+            f"{r['vs_hf_assisted']:.2f}x ({r['vs_hf_assisted_wall']:.2f}x)"
+            if "vs_hf_assisted" in r
+            else "–"
         )
+        extra = (
+            f"{r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} ({r['efficiency_wall']:.2f}) | "
+            f"{r['step_bound']:.2f}x | {r['of_step_bound']:.2f}"
+            if "ideal_speedup" in r
+            else "– | – | – | –"
+        )
+        se = r["tokens_per_step_se"]
+        atn = f"{r['tokens_per_step']:.2f}" + (f" ± {se:.2f}" if se is not None else "")
+        compile_s = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "–"
         print(
-            f"| {r['method']} | {r['K']} | {r['n']} | {r['tokens_per_step']:.2f} ± "
-            f"{r['tokens_per_step_se']:.2f} | {r['tokens_per_cpu_s']:.2f} | "
-            f"{r['tokens_per_s']:.2f} | {extra} | {r['compile_s']:.1f} |"
+            f"| {r['method']} | {r['K']} | {r['n']} | {atn} | {r['tokens_per_cpu_s']:.2f} | "
+            f"{r['tokens_per_s']:.2f} | {speedup} | {vs_hf} | {extra} | {compile_s} |"
         )
     if args.json:
         meta = dict(vars(args), jax=jax.__version__, c_cpu=c_cpu, c_wall=c_wall)
         meta["chain_cost"] = {str(n): k for n, k in chain_cost.items()}
-        meta.update(target_forward_s=t_fwd, draft_forward_s=d_fwd)
+        meta.update(target_forward_s=t_fwd, draft_forward_s=d_fwd, fit_s=fits)
+        meta["checkpoints"] = [str(path) for path in paths]
         with open(args.json, "w") as f:
-            json.dump({"config": meta, "rows": rows}, f, indent=2)
+            json.dump({"config": meta, "rows": rows, "transformers": hf}, f, indent=2)
     return 0
 
 

@@ -236,11 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt text; repeat the flag for several prompts (default: a line of "
         "Romeo and Juliet)",
     )
+    # "optimal" is a reference construction, available from Python (asps_jax.sample, verify_drafts):
+    # its per-node gradient fit costs several decode steps' worth (docs/benchmarks.md).
+    methods = tuple(m for m in METHODS if m != "optimal")
     p.add_argument(
         "--method",
         default="asps",
-        choices=METHODS,
-        help=f"verification method: ar = target alone; {describe(METHODS[1:])} (default asps)",
+        choices=methods,
+        help=f"verification method: ar = target alone; {describe(methods[1:])} (default asps)",
     )
     p.add_argument(
         "--num-draft-tokens",

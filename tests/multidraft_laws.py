@@ -61,6 +61,13 @@ SCHEMES = {
     # The level race (§3.10) on few levels and fit steps (the rates only change efficiency).
     "is_race_j3": lambda vocab: is_law_fn(RuleConfig("level_race", levels=3, fit_steps=4)),
     "is_race_j1": lambda vocab: is_law_fn(RuleConfig("level_race", levels=1, fit_steps=1)),
+    # Two tabulated level laws on log(p / q) (+ the p = 0 and unproposed entries) that tokens mix.
+    "is_race_table2": lambda vocab: is_law_fn(
+        RuleConfig("level_race", levels=3, fit_steps=4, table=2)
+    ),
+    "optimal_table2": lambda vocab: is_law_fn(
+        multi._rule_config("optimal", vocab, {"table": 2, "grad_steps": 5})
+    ),
     # The public "is" defaults (the level race, J = 16, T = 15), as verify_drafts builds them.
     "is_default": lambda vocab: is_law_fn(multi._rule_config("is", vocab, {})),
     # At V = 4 the statistical test's "is" with rule="truncated_lp", lp_iters=60 solves this LP.

@@ -281,3 +281,46 @@ def test_task_templates_follow_the_papers():
     dolly = benchmark.TASKS["dolly"][1]
     assert dolly({"instruction": "Why?", "context": ""}) == "Why?\n"
     assert dolly({"instruction": "Sum up.", "context": "Text."}) == "Sum up.\n\nText.\n"
+
+
+def test_cost_ratio_smoke_beside_transformers(tmp_path, capsys):
+    """scripts/bench_cost_ratio.py --smoke: the pair is written once as HF checkpoints (a second
+    call reuses them), and ours prints beside transformers generate and assisted generation at
+    the same n, with tokens per step, CPU and wall time, and the race's fit beside the forward."""
+    pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location(
+        "bench_cost_ratio_script", SCRIPT.with_name("bench_cost_ratio.py")
+    )
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    root, out_json = tmp_path / "checkpoints", tmp_path / "cost.json"
+    argv = ["--smoke", "--methods", "sps", "--n", "2", "--max-new-tokens", "4", "--repeats", "1"]
+    argv += ["--prompt-tokens", "4", "--checkpoints", str(root), "--json", str(out_json)]
+    assert cost.main(argv) == 0
+    stdout = capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    assert [r["method"] for r in result["rows"]] == ["sps"]
+    assert [(r["method"], r["n"]) for r in result["transformers"]] == [
+        ("hf generate", 0),
+        ("hf assisted", 2),
+    ]
+    for r in result["rows"] + result["transformers"]:
+        assert r["tokens"] == 4  # EOS never stops a run
+        assert 1.0 <= r["tokens_per_step"] <= r["n"] + 1
+        assert r["cpu_s"] > 0 and r["wall_s"] > 0
+        assert r["tokens_per_cpu_s"] == pytest.approx(r["tokens"] / r["cpu_s"])
+        assert f"| {r['method']} | {r['K']} | {r['n']} |" in stdout
+    hf_generate, assisted = result["transformers"]
+    assert hf_generate["tokens_per_step"] == 1.0  # one target call per token
+    sps = result["rows"][0]
+    assert sps["vs_hf_assisted"] == pytest.approx(
+        sps["tokens_per_cpu_s"] / assisted["tokens_per_cpu_s"]
+    )
+    assert set(result["config"]["fit_s"]) == {"is", "optimal"}
+    assert "level-race fit per node" in stdout
+    paths = [Path(p) for p in result["config"]["checkpoints"]]
+    assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in paths)
+    stamps = [(p / "model.safetensors").stat().st_mtime_ns for p in paths]
+    args = (cost.SMOKE_TARGET, cost.SMOKE_DRAFT), 0.2, 0.07, 0, root
+    assert list(cost.checkpoint_pair(*args)) == paths
+    assert [(p / "model.safetensors").stat().st_mtime_ns for p in paths] == stamps

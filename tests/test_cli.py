@@ -209,6 +209,15 @@ def test_help_explains_every_flag(capsys):
         assert action.help
 
 
+def test_optimal_is_python_only(capsys):
+    """ "optimal" (a reference construction, far slower per step) is not a --method choice."""
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--method", "optimal"])
+    assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    assert parser.parse_args(["--method", "is"]).method == "is"
+
+
 def test_tree_methods_are_method_choices():
     parser = cli.build_parser()
     for method in ("tv", "tv_wr", "is_bv"):

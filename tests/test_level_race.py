@@ -63,11 +63,11 @@ def _tuple_probs(qs, xs, alive):
     return probs
 
 
-def _race64(p, qs, alive, levels=3, fit_steps=4, grad_steps=0):
+def _race64(p, qs, alive, levels=3, fit_steps=4, grad_steps=0, table=0):
     with jax.enable_x64(True):
         args = (jnp.asarray(p), jnp.asarray(qs), jnp.asarray(alive))
-        fit = jax.jit(level_race.fit_race, static_argnums=(3, 4, 5))
-        race = fit(*args, levels, fit_steps, grad_steps)
+        fit = jax.jit(level_race.fit_race, static_argnums=(3, 4, 5), static_argnames="table")
+        race = fit(*args, levels, fit_steps, grad_steps, table=table)
         xs = jnp.asarray(_tuples(qs.shape[0], len(p)))
         sel = jax.jit(jax.vmap(lambda x: level_race.race_selection(race, x, args[2])))(xs)
         return jax.tree.map(np.asarray, race), np.asarray(sel)
@@ -101,14 +101,19 @@ def _hard_nodes(rng, num_drafts, vocab):
     ]
 
 
-@pytest.mark.parametrize("num_drafts,vocab,grad_steps", [(2, 4, 0), (3, 4, 5), (4, 3, 0)])
-def test_selection_and_law_match_level_enumeration(num_drafts, vocab, grad_steps):
+@pytest.mark.parametrize(
+    "num_drafts,vocab,grad_steps,table",
+    [(2, 4, 0, 0), (3, 4, 5, 0), (4, 3, 0, 0), (2, 5, 0, 2), (3, 4, 5, 2), (2, 6, 0, 3)],
+)
+def test_selection_and_law_match_level_enumeration(num_drafts, vocab, grad_steps, table):
     """sel and q_I of the library equal the enumeration of all level tuples, for the fitted level
-    laws (any level laws are exact; these are the ones the rule uses)."""
+    laws (any level laws are exact; these are the ones the rule uses), per-token laws and
+    tabulated ones (``table``: each token mixes two of table + 2 laws)."""
     rng = np.random.default_rng(num_drafts)
     for name, p, qs in _hard_nodes(rng, num_drafts, vocab):
         for alive in (np.ones(num_drafts, bool), np.arange(num_drafts) != 1):
-            race, sel = _race64(p, qs, alive, grad_steps=grad_steps)
+            race, sel = _race64(p, qs, alive, grad_steps=grad_steps, table=table)
+            assert race.table.shape[0] == (table + 2 if table else vocab)
             xs = _tuples(num_drafts, vocab)
             if alive.sum() >= 2:
                 np.testing.assert_allclose(race.law.sum(1), 1.0, atol=1e-14)
@@ -123,7 +128,9 @@ def test_selection_and_law_match_level_enumeration(num_drafts, vocab, grad_steps
 
 
 @pytest.mark.parametrize("num_drafts,vocab", [(2, 4), (3, 4), (4, 3)])
-@pytest.mark.parametrize("scheme", ["is_race_j3", "is_default", "is_race_j1"])
+@pytest.mark.parametrize(
+    "scheme", ["is_race_j3", "is_default", "is_race_j1", "is_race_table2", "optimal_table2"]
+)
 def test_node_law_is_exact(num_drafts, vocab, scheme):
     """sum_x Q(x) pi(. | x) == p (float64, <= 1e-10) on the hard nodes, all or some drafts alive;
     and a token with p = 0 is never emitted."""
@@ -158,7 +165,7 @@ def test_acceptance_is_sum_min_p_qsel():
 TREE_CONFIGS = [(2, 3, 2), (2, 4, 2), (3, 3, 2), (3, 4, 1), (4, 3, 1), (4, 3, 2)]
 
 
-@pytest.mark.parametrize("scheme", ["is_race_j3", "is_default"])
+@pytest.mark.parametrize("scheme", ["is_race_j3", "is_default", "is_race_table2"])
 def test_tree_enumeration(scheme):
     """Along K chains (identical and distinct drafts, sparse laws, a chain that ends early): the
     emitted string continued by the target has law p (float64)."""
@@ -227,3 +234,48 @@ def test_single_alive_draft_skips_the_fit():
     race, sel = _race64(p, np.stack([q0, q1]), np.array([False, True]))
     np.testing.assert_array_equal(race.q_sel, q1)
     np.testing.assert_array_equal(sel, np.tile([0.0, 1.0], (25, 1)))
+
+
+def test_tabulated_mixture_mutation_is_caught():
+    """With tabulated laws, q_I is exact only for the mixtures the selection uses: the selection
+    with every token on its lower table entry (theta = 0) is off."""
+    rng = np.random.default_rng(0)
+    p, q = rng.dirichlet(np.full(6, 0.5)), rng.dirichlet(np.full(6, 0.5))
+    qs = np.stack([q] * 2)
+    fit = lambda pj, qj, aj: level_race.fit_race(pj, qj, aj, 3, 4, table=3)  # noqa: E731
+    assert _node_error(p, qs, fit) <= 1e-12
+    race = fit(*(jnp.asarray(a) for a in (p, qs, np.ones(2, bool))))
+    assert 0 < float(np.min(np.where(race.theta > 0, race.theta, 1))) < 1  # tokens do mix
+
+    def lower_only(pj, qj, aj):
+        race = fit(pj, qj, aj)
+        return dataclasses.replace(race, theta=jnp.zeros_like(race.theta))
+
+    assert _node_error(p, qs, lower_only) > 1e-4
+
+
+def test_tabulated_fit_keeps_the_efficiency():
+    """On 64 random nodes (V = 512, K = 2 and 4 identical drafts, flat and peaked laws) the fit on
+    64 tabulated laws reaches within 0.005 of the per-token fit's mean efficiency
+    sum_y min(p, q_I), and never below the single-draft overlap sum_y min(p, q)."""
+    rng = np.random.default_rng(0)
+    vocab, nodes = 512, 64
+    scale = np.where(np.arange(nodes) % 2, 1.0, 3.0)[:, None]
+    lq = scale * rng.standard_normal((nodes, vocab))
+    lp = lq + rng.standard_normal((nodes, vocab))
+    p = np.exp(lp - lp.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    q = np.exp(lq - lq.max(1, keepdims=True))
+    q /= q.sum(1, keepdims=True)
+    for num_drafts in (2, 4):
+        qs = np.repeat(q[:, None], num_drafts, 1)
+        alive = np.ones((nodes, num_drafts), bool)
+
+        def efficiency(table, qs=qs, alive=alive):
+            fn = lambda p, q, a: level_race.fit_race(p, q, a, 16, 15, table=table).q_sel  # noqa: E731
+            q_sel = jax.jit(jax.vmap(fn))(*(jnp.asarray(a, jnp.float32) for a in (p, qs, alive)))
+            return np.minimum(p, np.asarray(q_sel, np.float64)).sum(1)
+
+        tabulated, per_token = efficiency(64), efficiency(0)
+        assert np.mean(tabulated) >= np.mean(per_token) - 0.005, (num_drafts, tabulated.mean())
+        assert np.all(tabulated >= np.minimum(p, q).sum(1) - 1e-4)

@@ -57,7 +57,12 @@ class WrongLawRace(vt.LevelRaceRule):
         return select, jnp.einsum("w,wv->v", weight.astype(q_WV.dtype), q_WV)
 
 
-RACE_RULES = {"is_bv_race": vt.LevelRaceRule(), "race_wrong_law": WrongLawRace()}
+RACE_RULES = {
+    "is_bv_race": vt.LevelRaceRule(),
+    "race_wrong_law": WrongLawRace(),
+    # Two tabulated level laws on log(p / q) that the tokens mix (the default at a real V).
+    "is_bv_race_table": vt.LevelRaceRule(table=2),
+}
 
 
 def _one(tree, method, tokens, lq, lp, valid):
@@ -325,6 +330,16 @@ def test_race_mutation_breaks_exactness():
     assert err <= TOL
     _, err = enumerate_method(tree, "race_wrong_law", draws, target)
     assert err > 1e-3, err
+
+
+def test_race_with_tabulated_laws_is_exact():
+    """IS+BV with the race on tabulated level laws (tokens mix two of four laws) is exact along
+    two chains of distinct sparse laws (V = 4, n = 2)."""
+    target, drafts = _chain_models(11, 2, 4, 2, identical=False, sparse=0.3)
+    tree = trees.chains_token_tree(2, 2)
+    draws = list(ref.chain_draws(target, drafts, 2))
+    _, err = enumerate_method(tree, "is_bv_race_table", draws, target)
+    assert err <= TOL
 
 
 def _sample_chains(rng, target, draft, num_drafts, n, size):

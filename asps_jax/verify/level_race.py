@@ -35,8 +35,13 @@ J levels (``softmax`` of free logits), taking gradient-ascent steps on the exact
 the closed form. On the bundled pair's real laws this closes most of the remaining gap to the
 optimum ``1 + min_S [p(S) - prod_k q_k(S)]`` (docs/algorithms.md §3.5).
 
-Cost per node with two or more alive drafts: O(T J V K) for a fit of T steps on J levels (K is
-small), O(K^2 J) per token tuple; gradient steps cost a small multiple of a fit step each.
+Tokens need not have free laws of their own either: with ``table`` = B the race tabulates B + 2
+level laws and each token mixes the two entries around its own ratio ``log(p / mean q)``
+(``fit_race``); the fit then runs on the table's masses.
+
+Cost per node with two or more alive drafts: O(K V) to map the tokens onto the table and back,
+plus O(T J B K) for a fit of T steps on J levels (O(T J V K) with one law per token, ``table=0``);
+O(K^2 J) per token tuple; gradient steps cost a small multiple of a fit step each.
 """
 
 from __future__ import annotations
@@ -52,11 +57,29 @@ import numpy as np
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LevelRace:
-    """A fitted level race at one node and the exact law of its selected token."""
+    """A fitted level race at one node and the exact law of its selected token.
 
-    law: jax.Array  # [V, J]: F_y(j), each token's level law (rows sum to 1)
+    Token y's level law is a mixture of two tabulated laws:
+    ``F_y = (1 - theta_y) table[lo_y] + theta_y table[hi_y]`` (with one law per token: ``lo = hi
+    = y``, ``theta = 0``).
+    """
+
+    table: jax.Array  # [G, J]: tabulated level laws (rows sum to 1)
+    lo: jax.Array  # int32[V]
+    hi: jax.Array  # int32[V]
+    theta: jax.Array  # [V] in [0, 1]
     q_sel: jax.Array  # [V]: q_I, the law of the selected token
     single: jax.Array  # bool[]: one alive draft (the rule is SpS: select it)
+
+    def token_law(self, x: jax.Array) -> jax.Array:
+        """``F_x [..., J]``: the level laws of tokens ``x``."""
+        theta = self.theta[x][..., None]
+        return (1.0 - theta) * self.table[self.lo[x]] + theta * self.table[self.hi[x]]
+
+    @property
+    def law(self) -> jax.Array:
+        """``[V, J]``: F_y(j), each token's level law (materialised on request only)."""
+        return self.token_law(jnp.arange(self.lo.shape[0]))
 
 
 def level_grid(num_levels: int, num_drafts: int) -> np.ndarray:
@@ -121,19 +144,31 @@ def _after(law: jax.Array) -> jax.Array:
     return law @ _above(law.shape[-1], law.dtype)
 
 
-def race_law_from_levels(law: jax.Array, q: jax.Array, alive: jax.Array) -> jax.Array:
-    """The exact law ``q_I [V]`` of the token the race selects (a sum of non-negative terms), for
-    level laws ``law`` [V, J].
+def _draft_weights(law: jax.Array, q: jax.Array, alive: jax.Array) -> jax.Array:
+    """``w [K, G]``: ``w_k(g) = sum_j F_g(j) c_k(j)``, the chance that draft k wins given that its
+    token has level law ``F_g``, for level laws ``law`` [G, J] and the drafts' group masses ``q``
+    [K, G] (``q_k(g)``: draft k's chance of a token of group g).
 
-    One pass over [V, J] for the level sums: ``a = q @ law`` [K, J] is a draft's chance of level
+    One pass over [G, J] for the level sums: ``a = q @ law`` [K, J] is a draft's chance of level
     j, and its chance of a level above j is ``a @ above`` (the same sums of non-negative terms in
-    another order), so no [V, J] array of P(level > j) is needed.
+    another order), so no [G, J] array of P(level > j) is needed.
     """
     a = q @ law  # [K, J]: a draft's chance of level j
     b = a @ _above(law.shape[-1], law.dtype)  # [K, J]: of a level above j
     win = _win_weights(a, b, alive)  # [K, J]
-    own = jnp.where(alive[:, None], q, 0.0).T @ win  # [V, J]: sum_k q_k(y) c_k(j)
-    return jnp.sum(law * own, axis=1)
+    return win @ law.T  # [K, G]
+
+
+def _selected(q: jax.Array, weights: jax.Array, alive: jax.Array) -> jax.Array:
+    """``sum_k alive_k q_k w_k`` [V]: q_I from the drafts' laws and win weights, both [K, V]."""
+    return jnp.sum(jnp.where(alive[:, None], q * weights, 0.0), axis=0)
+
+
+def race_law_from_levels(law: jax.Array, q: jax.Array, alive: jax.Array) -> jax.Array:
+    """The exact law ``q_I [V]`` of the token the race selects (a sum of non-negative terms), for
+    level laws ``law`` [V, J]. With ``law`` [G, J] one law per group and ``q`` [K, G] the drafts'
+    group masses it is the selected token's chance of each group."""
+    return _selected(q, _draft_weights(law, q, alive), alive)
 
 
 def race_law(rates: jax.Array, q: jax.Array, alive: jax.Array, grid: jax.Array) -> jax.Array:
@@ -141,9 +176,34 @@ def race_law(rates: jax.Array, q: jax.Array, alive: jax.Array, grid: jax.Array) 
     return race_law_from_levels(level_laws(rates, grid)[0], q, alive)
 
 
+RATIO_RANGE = 6.0  # the table's nodes span log(p / q) in [-6, 6]; the ends clip
+
+
+def token_mixtures(p: jax.Array, q_mean: jax.Array, nodes: int):
+    """``(lo int32[V], hi int32[V], theta [V])``: each token's place among ``nodes + 2`` tabulated
+    level laws.
+
+    Nodes 0 .. B-1 sit at equal steps of ``log(p / q_mean)`` on ``[-RATIO_RANGE, RATIO_RANGE]``; a
+    token between two of them mixes their laws linearly in its log ratio (clipped at the ends).
+    Node B holds the tokens with ``p = 0`` that a draft proposes, node B + 1 those no alive draft
+    proposes (``q_mean = 0``; the race never selects them), each with ``theta = 0``. O(V), no sort.
+    """
+    proposed = q_mean > 0
+    ratio = jnp.log(jnp.where(p > 0, p, 1.0)) - jnp.log(jnp.where(proposed, q_mean, 1.0))
+    width = 2.0 * RATIO_RANGE / (nodes - 1)
+    u = jnp.clip((ratio + RATIO_RANGE) / width, 0.0, nodes - 1.0)
+    lo = jnp.clip(jnp.floor(u), 0, nodes - 2).astype(jnp.int32)
+    theta = jnp.clip(u - lo, 0.0, 1.0).astype(p.dtype)
+    special = jnp.where(proposed, nodes, nodes + 1).astype(jnp.int32)
+    mixed = proposed & (p > 0)
+    lo = jnp.where(mixed, lo, special)
+    hi = jnp.where(mixed, lo + 1, special)
+    return lo, hi, jnp.where(mixed, theta, 0.0)
+
+
 def race_selection(race: LevelRace, x: jax.Array, alive: jax.Array) -> jax.Array:
     """``sel [K]``: P(the race selects draft k | tokens ``x`` int32[K])."""
-    law = race.law[x]  # [K, J]
+    law = race.token_law(x)  # [K, J]
     after = _after(law)
     win = _win_weights(law, after, alive)
     sel = jnp.where(alive, jnp.sum(law * win, axis=1), 0.0)
@@ -155,6 +215,18 @@ def _efficiency(p, q_sel):
     return jnp.sum(jnp.minimum(p, q_sel))
 
 
+def _reduced_law(law, q_g, diag, off, alive):
+    """The selected token's mass on each table entry, ``sum_y wt_y(i) q_I(y)`` [G], for the
+    tabulated laws ``law`` [G, J]: with ``wt_y`` each token's mixture weights, ``q_I(y) = sum_k
+    q_k(y) sum_i wt_y(i) w_k(i)``, so it is ``sum_k (M_k w_k)(i)`` with the tridiagonal
+    ``M_k[i, i'] = sum_y q_k(y) wt_y(i) wt_y(i')`` (``diag``, and ``off`` [K, G] for i' = i + 1)."""
+    w = _draft_weights(law, q_g, alive)  # [K, G]
+    zero = jnp.zeros_like(w[:, :1])
+    up = jnp.concatenate([w[:, 1:], zero], axis=1)  # w_k(i + 1)
+    down = jnp.concatenate([zero, (off * w)[:, :-1]], axis=1)  # off_k(i - 1) w_k(i - 1)
+    return jnp.sum(jnp.where(alive[:, None], diag * w + off * up + down, 0.0), axis=0)
+
+
 def fit_race(
     p: jax.Array,
     q: jax.Array,
@@ -164,15 +236,24 @@ def fit_race(
     grad_steps: int = 0,
     step_size: float = 0.3,
     batch_axis: str | None = None,
+    table: int = 0,
 ) -> LevelRace:
     """Fit a level race to p at one node (the fit depends on (p, q, alive) only).
 
     Rates by ``fit_steps`` fixed-point steps ``lam <- lam p / q_I`` from ``lam = p / mean q``
     (the best efficiency kept). With ``grad_steps`` > 0 the level laws are then freed from the
-    exponential-clock form: per-token logits ``F_y = softmax(L_y)``, started at the fitted clocks,
-    take ``grad_steps`` Adam ascent steps on the exact efficiency ``sum_y min(p_y, q_I(y))`` (its
-    gradient through the closed form), again keeping the best. Any level laws are exact; the fit
-    only decides the efficiency.
+    exponential-clock form: logits ``F = softmax(L)``, started at the fitted clocks, take
+    ``grad_steps`` Adam ascent steps on the efficiency ``sum min(p, q_I)`` (its gradient through
+    the closed form), again keeping the best. Any level laws are exact; the fit only decides the
+    efficiency.
+
+    With ``table`` = B >= 2 (and V >= B + 2) the fit does not give each token its own law: it fits
+    B + 2 tabulated laws, B of them at equal steps of ``log(p / mean q)``, and token y's law is the
+    linear mixture of the two entries around its own ratio (:func:`token_mixtures`). For identical
+    drafts the best law of a token depends on its ratio alone, so little efficiency is lost; the fit
+    then runs on the table's masses at O(K J B) per step, and O(K V) in all maps the tokens to it
+    and back (no [V, J] array). The law stays exact: the closed form only needs each token's level
+    law, and a mixture of two level laws is one.
 
     Args:
       p: [V] target; q: [K, V] draft laws; alive: bool[K] (at least one true).
@@ -182,42 +263,64 @@ def fit_race(
         alive draft becomes a select that computes the fit for every row; with the axis named,
         the fit runs (for every row) only when some row needs it, and each row still gets its
         own result (the same as without the name).
+      table: B, 0 or >= 2 (static): the number of tabulated laws (0: one law per token).
     """
     num_drafts, vocab = q.shape
     dtype = p.dtype
     grid = jnp.asarray(level_grid(num_levels, num_drafts), dtype)
     num_alive = jnp.sum(alive)
+    weight = alive.astype(dtype) / jnp.maximum(num_alive, 1).astype(dtype)
+    tabulated = table >= 2 and table + 2 <= vocab
+    num_laws = table + 2 if tabulated else vocab
+
+    def masses():
+        """``(lo, hi, theta, p_g [G], q_g [K, G], diag [K, G], off [K, G])``."""
+        if not tabulated:
+            index = jnp.arange(vocab, dtype=jnp.int32)
+            return index, index, jnp.zeros((vocab,), dtype), p, q, q, jnp.zeros_like(q)
+        lo, hi, theta = token_mixtures(p, weight @ q, table)
+        rest, mix = (1.0 - theta)[:, None], theta[:, None]
+        q_t = q.T  # [V, K]
+        at_lo = jnp.concatenate([p[:, None] * rest, q_t * rest, q_t * rest**2, q_t * rest * mix], 1)
+        at_hi = jnp.concatenate([p[:, None] * mix, q_t * mix, q_t * mix**2], 1)
+        lo_sums = jax.ops.segment_sum(at_lo, lo, num_laws)  # [G, 1 + 3K]
+        hi_sums = jax.ops.segment_sum(at_hi, hi, num_laws)  # [G, 1 + 2K]
+        k = num_drafts
+        p_g = lo_sums[:, 0] + hi_sums[:, 0]
+        q_g = (lo_sums[:, 1 : 1 + k] + hi_sums[:, 1 : 1 + k]).T
+        diag = (lo_sums[:, 1 + k : 1 + 2 * k] + hi_sums[:, 1 + k :]).T
+        off = lo_sums[:, 1 + 2 * k :].T
+        return lo, hi, theta, p_g, q_g, diag, off
 
     def normalise(rates, q_mean):
         scale = jnp.sum(q_mean * rates)
         return rates / jnp.where(scale > 0, scale, 1.0)
 
-    def fixed_point():
-        weight = alive.astype(dtype) / jnp.maximum(num_alive, 1).astype(dtype)
-        q_mean = weight @ q
+    def fixed_point(p_g, q_g, diag, off):
+        q_mean = weight @ q_g
         proposed = q_mean > 0
-        rates0 = normalise(jnp.where(proposed, p / jnp.where(proposed, q_mean, 1.0), 0.0), q_mean)
+        rates0 = normalise(jnp.where(proposed, p_g / jnp.where(proposed, q_mean, 1.0), 0.0), q_mean)
 
         def step(_, carry):
             rates, best_rates, best_value = carry
-            law = race_law(rates, q, alive, grid)
-            value = _efficiency(p, law)
+            law = _reduced_law(level_laws(rates, grid)[0], q_g, diag, off, alive)
+            value = _efficiency(p_g, law)
             better = value > best_value
             best_rates = jnp.where(better, rates, best_rates)
             best_value = jnp.where(better, value, best_value)
-            ratio = jnp.where(law > 0, p / jnp.where(law > 0, law, 1.0), 1.0)
+            ratio = jnp.where(law > 0, p_g / jnp.where(law > 0, law, 1.0), 1.0)
             return normalise(rates * ratio, q_mean), best_rates, best_value
 
         init = (rates0, rates0, jnp.asarray(-1.0, dtype))
         return jax.lax.fori_loop(0, fit_steps, step, init)[1:]
 
-    def ascend(law0, value0):
+    def ascend(law0, value0, p_g, q_g, diag, off):
         tiny = jnp.finfo(dtype).tiny
         logits0 = jnp.log(jnp.maximum(law0, tiny))
 
         def objective(logits):
             law = jax.nn.softmax(logits, axis=-1)
-            return _efficiency(p, race_law_from_levels(law, q, alive))
+            return _efficiency(p_g, _reduced_law(law, q_g, diag, off, alive))
 
         value_and_grad = jax.value_and_grad(objective)
 
@@ -243,23 +346,30 @@ def fit_race(
         return jax.nn.softmax(jnp.where(last > best, logits, best_logits), axis=-1)
 
     def fit(_):
-        rates, value = fixed_point()
+        lo, hi, theta, *reduced = masses()
+        rates, value = fixed_point(*reduced)
         law, _ = level_laws(rates, grid)
         if grad_steps:
-            law = ascend(law, value)
-        return law, race_law_from_levels(law, q, alive)
+            law = ascend(law, value, *reduced)
+        # q_I per token: draft k's win weight at token y is its tabulated weights' mixture.
+        w = _draft_weights(law, reduced[1], alive)  # [K, G]
+        w_y = w[:, lo] if not tabulated else (1.0 - theta)[None] * w[:, lo] + theta[None] * w[:, hi]
+        return law, lo, hi, theta, _selected(q, w_y, alive)
 
     def single(_):
-        return jnp.full((vocab, num_levels), 1.0 / num_levels, dtype), q[jnp.argmax(alive)]
+        law = jnp.full((num_laws, num_levels), 1.0 / num_levels, dtype)
+        index = jnp.minimum(jnp.arange(vocab, dtype=jnp.int32), num_laws - 1)
+        return law, index, index, jnp.zeros((vocab,), dtype), q[jnp.argmax(alive)]
 
     need = num_alive >= 2
     if batch_axis is None:
-        law, q_sel = jax.lax.cond(need, fit, single, None)
+        out = jax.lax.cond(need, fit, single, None)
     else:
 
         def fit_where_needed(_):
             return jax.tree.map(lambda a, b: jnp.where(need, a, b), fit(None), single(None))
 
         any_row = jax.lax.psum(need.astype(jnp.int32), batch_axis) > 0
-        law, q_sel = jax.lax.cond(any_row, fit_where_needed, single, None)
-    return LevelRace(law=law, q_sel=q_sel, single=~need)
+        out = jax.lax.cond(any_row, fit_where_needed, single, None)
+    law, lo, hi, theta, q_sel = out
+    return LevelRace(table=law, lo=lo, hi=hi, theta=theta, q_sel=q_sel, single=~need)

@@ -48,7 +48,7 @@ from asps_jax.verify.tokenlevel import (
 # The options and defaults live in the registry; ``tail`` is a keyword of every verifier here.
 IS_DEFAULTS = {k: v for k, v in REGISTRY["is"].options if k != "tail"}
 OPTIMAL_DEFAULTS = {k: v for k, v in REGISTRY["optimal"].options if k != "tail"}
-RACE_OPTIONS = ("levels", "fit_steps")
+RACE_OPTIONS = ("levels", "fit_steps", "table")
 PAIRWISE_OPTIONS = ("s", "alphabet", "lp_iters", "tol")
 
 
@@ -192,6 +192,13 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+def _table(value) -> int:
+    """``table``: 0 (one level law per token) or B >= 2 tabulated laws."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value == 1:
+        raise ValueError(f"verify_drafts: table must be an int, 0 or >= 2, got {value!r}")
+    return value
+
+
 def _axis_name(value):
     """``batch_axis``: None, or the name of the ``vmap`` axis the call is mapped over."""
     if value is not None and not isinstance(value, str):
@@ -215,6 +222,7 @@ def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
             rule="level_race",
             levels=_positive_int("levels", opts["levels"]),
             fit_steps=_positive_int("fit_steps", opts["fit_steps"]),
+            table=_table(opts["table"]),
             grad_steps=_positive_int("grad_steps", opts["grad_steps"], minimum=0),
             batch_axis=_axis_name(opts["batch_axis"]),
         )
@@ -233,6 +241,7 @@ def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
             rule=rule,
             levels=_positive_int("levels", opts["levels"]),
             fit_steps=_positive_int("fit_steps", opts["fit_steps"]),
+            table=_table(opts["table"]),
             batch_axis=_axis_name(opts["batch_axis"]),
         )
     wrong = sorted(set(options) & set(RACE_OPTIONS))
@@ -304,8 +313,9 @@ def verify_is(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> V
     """IS selection + SpS against the exact induced law (§3.6).
 
     Options: ``rule`` in ``"level_race"`` (default, §3.10: ``levels`` J = 16, ``fit_steps``
-    T = 15), or the pairwise tournaments ``"truncated_lp"`` (``s`` = 5 LP positions),
-    ``"fixed_order"``, ``"sir"`` with ``alphabet`` (40; the SIR block, an upper bound on s),
+    T = 15, ``table`` B = 128 tabulated level laws on log(p / q), 0 = one law per token), or the
+    pairwise tournaments ``"truncated_lp"`` (``s`` = 5 LP positions), ``"fixed_order"``,
+    ``"sir"`` with ``alphabet`` (40; the SIR block, an upper bound on s),
     ``lp_iters`` (300), ``tol`` (1e-5, certified LP gap). ``batch_axis`` (None): when the call
     is ``vmap``-ed with that ``axis_name`` over a batch's rows, the level race fits a node only
     if some row has two alive drafts there (``level_race.fit_race``; the same verdicts).
@@ -325,11 +335,12 @@ def verify_is(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> V
 def verify_optimal(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> Verdict:
     """The level race with free per-token level laws fitted by gradient ascent, then SpS.
 
-    Options: ``levels`` (16), ``fit_steps`` (15, the fixed-point start), ``grad_steps`` (200, Adam
-    steps on the exact ``sum_y min(p, q_I)``). Exact for any fit; measured within 0.001 of
+    Options: ``levels`` (16), ``fit_steps`` (15, the fixed-point start), ``table`` (128, as for
+    :func:`verify_is`), ``grad_steps`` (200, Adam steps on the ``sum min(p, q_I)`` of the table).
+    Exact for any fit; measured within 0.001 of
     :func:`~asps_jax.verify.acceptance.optimal_acceptance` on average on real laws (K = 2..8), not
-    a certified optimum. Cost per node with two or more alive drafts ~ (15 + 3 * 200) evaluations
-    of an O(K J V) closed form. ``batch_axis`` as for :func:`verify_is`.
+    a certified optimum. Cost per node with two or more alive drafts: O(K V) plus ~ (15 + 3 * 200)
+    evaluations of an O(K J B) closed form on the table. ``batch_axis`` as for :func:`verify_is`.
     """
     cfg = _rule_config("optimal", lp.shape[-1], options)
     return verify_tree(

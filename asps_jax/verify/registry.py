@@ -121,7 +121,7 @@ def _resolve(function: str, method: str | None) -> Callable:
 
 
 _TAIL = (("tail", "asps"),)
-_RACE = (("levels", 16), ("fit_steps", 15), ("batch_axis", None))
+_RACE = (("levels", 16), ("fit_steps", 15), ("table", 128), ("batch_axis", None))
 _IID = ("iid",)
 
 

@@ -50,8 +50,8 @@ PAIRWISE_RULES = ("truncated_lp", "fixed_order", "sir")
 class RuleConfig:
     """Static description of a selection rule (hashable: it shapes the traced computation).
 
-    ``"level_race"`` (level_race.py) uses ``levels`` and ``fit_steps`` only; the pairwise rules
-    use the other fields.
+    ``"level_race"`` (level_race.py) uses ``levels``, ``fit_steps`` and ``table`` only; the
+    pairwise rules use the other fields.
     """
 
     rule: str = "truncated_lp"
@@ -61,6 +61,7 @@ class RuleConfig:
     tol: float = 1e-5
     levels: int = 16  # J: levels of the level race
     fit_steps: int = 15  # T: fixed-point evaluations of the level race's law
+    table: int = 128  # B: level laws tabulated on log(p / q) (0: one law per token)
     grad_steps: int = 0  # then gradient steps on free level laws ("optimal")
     batch_axis: str | None = None  # a vmap axis over rows: the race fits only where a row needs it
 

@@ -158,7 +158,14 @@ def importance_sampling_rules(p, q, alive, cfg: RuleConfig):
     (:class:`LevelRace`), or the pairwise tournament's rules (the LP solves)."""
     if cfg.rule == "level_race":
         return fit_race(
-            p, q, alive, cfg.levels, cfg.fit_steps, cfg.grad_steps, batch_axis=cfg.batch_axis
+            p,
+            q,
+            alive,
+            cfg.levels,
+            cfg.fit_steps,
+            cfg.grad_steps,
+            batch_axis=cfg.batch_axis,
+            table=cfg.table,
         )
     return tournament_rules(p, q, alive, cfg)
 

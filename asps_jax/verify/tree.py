@@ -290,10 +290,12 @@ class LevelRaceRule:
 
     levels: int = 16  # J
     fit_steps: int = 15  # T
+    table: int = 128  # B: level laws tabulated on log(p / q) (level_race.fit_race; 0: per token)
     batch_axis: str | None = None  # a vmap axis over rows: fit only when some row needs it
 
     def walkers(self, p, q_WV, tokens_W, alive_W):
-        race = fit_race(p, q_WV, alive_W, self.levels, self.fit_steps, batch_axis=self.batch_axis)
+        options = dict(table=self.table, batch_axis=self.batch_axis)
+        race = fit_race(p, q_WV, alive_W, self.levels, self.fit_steps, **options)
         return race_selection(race, tokens_W, alive_W), race.q_sel
 
     def counted(self, p, q_V, pi_M, tokens_W, alive_W):
