@@ -51,6 +51,7 @@ from asps_jax.models.layers import (
     attention_out,
     axes_of,
     check_inputs,
+    check_rope_decoder_sizes,
     init_from_shapes,
     output_logits,
     project_qkv,
@@ -101,24 +102,7 @@ class DecoderConfig:
     def __post_init__(self):
         if self.head_dim is None and self.num_attention_heads > 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-        ):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        check_rope_decoder_sizes(self)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.layer_types is not None:

@@ -18,6 +18,15 @@ import dataclasses
 from typing import Any
 
 from asps_jax.models import decoder
+from asps_jax.models.decoder import (  # noqa: F401  (the family contract's module-level names)
+    HF_IGNORED,
+    HF_PREFIX,
+    forward,
+    init_params,
+    param_axes,
+    param_shapes,
+    prepare_params,
+)
 from asps_jax.models.gemma2 import gemma_fields, gemma_hf
 
 MODEL_TYPE = "gemma3_text"
@@ -67,11 +76,4 @@ class Gemma3TextConfig(decoder.DecoderConfig):
 
 CONFIG_CLASS = Gemma3TextConfig
 config_from_hf = Gemma3TextConfig.from_hf
-param_shapes = decoder.param_shapes
-param_axes = decoder.param_axes
-init_params = decoder.init_params
-prepare_params = decoder.prepare_params
-forward = decoder.forward
-HF_PREFIX = decoder.HF_PREFIX
 HF_TENSORS = decoder.hf_tensors(Gemma3TextConfig)
-HF_IGNORED = decoder.HF_IGNORED

@@ -274,3 +274,26 @@ def gpt_constant(name: str) -> float | None:
     if name.endswith("_b") or name in ("bq", "bk", "bv", "bo", "b_in", "b_out"):
         return 0.0
     return None
+
+
+def check_rope_decoder_sizes(config) -> None:
+    """The size checks every RoPE decoder config makes (Llama and the families over
+    ``models/decoder.py``): positive sizes, whole KV groups, an even head dim for RoPE."""
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+    ):
+        if int(getattr(config, name)) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({config.num_key_value_heads})"
+        )
+    if config.head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")

@@ -12,6 +12,15 @@ import dataclasses
 from typing import Any
 
 from asps_jax.models import decoder
+from asps_jax.models.decoder import (  # noqa: F401  (the family contract's module-level names)
+    HF_IGNORED,
+    HF_PREFIX,
+    forward,
+    init_params,
+    param_axes,
+    param_shapes,
+    prepare_params,
+)
 
 MODEL_TYPE = "mistral"
 ARCHITECTURE = "MistralForCausalLM"
@@ -39,11 +48,4 @@ class MistralConfig(decoder.DecoderConfig):
 
 CONFIG_CLASS = MistralConfig
 config_from_hf = MistralConfig.from_hf
-param_shapes = decoder.param_shapes
-param_axes = decoder.param_axes
-init_params = decoder.init_params
-prepare_params = decoder.prepare_params
-forward = decoder.forward
-HF_PREFIX = decoder.HF_PREFIX
 HF_TENSORS = decoder.hf_tensors(MistralConfig)
-HF_IGNORED = decoder.HF_IGNORED

@@ -12,6 +12,15 @@ import dataclasses
 from typing import Any
 
 from asps_jax.models import decoder
+from asps_jax.models.decoder import (  # noqa: F401  (the family contract's module-level names)
+    HF_IGNORED,
+    HF_PREFIX,
+    forward,
+    init_params,
+    param_axes,
+    param_shapes,
+    prepare_params,
+)
 from asps_jax.models.qwen2 import sliding_fields, sliding_hf
 
 MODEL_TYPE = "qwen3"
@@ -36,11 +45,4 @@ class Qwen3Config(decoder.DecoderConfig):
 
 CONFIG_CLASS = Qwen3Config
 config_from_hf = Qwen3Config.from_hf
-param_shapes = decoder.param_shapes
-param_axes = decoder.param_axes
-init_params = decoder.init_params
-prepare_params = decoder.prepare_params
-forward = decoder.forward
-HF_PREFIX = decoder.HF_PREFIX
 HF_TENSORS = decoder.hf_tensors(Qwen3Config)
-HF_IGNORED = decoder.HF_IGNORED
