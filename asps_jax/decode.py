@@ -370,6 +370,16 @@ def _first_eos_length(block_BT, num_B, eos_ids):
     return jnp.where(hit, first + 1, num_B), hit
 
 
+def _write_block(row_out, row_new, start, count):
+    """One row: ``row_out[start + j] = row_new[j]`` for ``j < count`` (leading axis; the rest of
+    ``row_out``, and slots ``j >= count``, unchanged)."""
+    width = row_new.shape[0]
+    window = jax.lax.dynamic_slice_in_dim(row_out, start, width)
+    keep = (jnp.arange(width) < count).reshape((width,) + (1,) * (row_new.ndim - 1))
+    window = jnp.where(keep, row_new, window)
+    return jax.lax.dynamic_update_slice_in_dim(row_out, window, start, axis=0)
+
+
 def _emit(
     dec: Decoder, state: DecodeState, block_BT, block_lp_BT, num_B, extra_done_B
 ) -> DecodeState:
@@ -377,15 +387,8 @@ def _emit(
     tokens, ``block_lp``) at its output position; mark finished rows."""
     active_B = ~state.done
     num_B = jnp.where(active_B, num_B, 0)
-    width = block_BT.shape[1]
-
-    def write(row_out, row_new, start, count):
-        window = jax.lax.dynamic_slice(row_out, (start,), (width,))
-        window = jnp.where(jnp.arange(width) < count, row_new, window)
-        return jax.lax.dynamic_update_slice(row_out, window, (start,))
-
-    out = jax.vmap(write)(state.tokens, block_BT, state.num_generated, num_B)
-    out_lp = jax.vmap(write)(state.logprobs, block_lp_BT, state.num_generated, num_B)
+    out = jax.vmap(_write_block)(state.tokens, block_BT, state.num_generated, num_B)
+    out_lp = jax.vmap(_write_block)(state.logprobs, block_lp_BT, state.num_generated, num_B)
     generated_B = state.num_generated + num_B
     last_B = jnp.take_along_axis(block_BT, jnp.maximum(num_B - 1, 0)[:, None], axis=1)[:, 0]
     done_B = state.done | (active_B & (extra_done_B | (generated_B >= dec.spec.max_new_tokens)))
@@ -787,16 +790,10 @@ def _record_top_logprobs(dec: Decoder, state: DecodeState, laws_BTV, num_B) -> D
         return state
     top_lp_BTK, top_ids_BTK = jax.lax.top_k(laws_BTV, dec.top_logprobs)
     num_B = jnp.where(state.done, 0, num_B)
-    width = laws_BTV.shape[1]
-
-    def write(row_out, row_new, start, count):
-        window = jax.lax.dynamic_slice_in_dim(row_out, start, width)
-        window = jnp.where((jnp.arange(width) < count)[:, None], row_new, window)
-        return jax.lax.dynamic_update_slice_in_dim(row_out, window, start, axis=0)
-
     ids, lps = state.top_logprobs
-    ids = jax.vmap(write)(ids, top_ids_BTK.astype(jnp.int32), state.num_generated, num_B)
-    lps = jax.vmap(write)(lps, top_lp_BTK, state.num_generated, num_B)
+    write = jax.vmap(_write_block)
+    ids = write(ids, top_ids_BTK.astype(jnp.int32), state.num_generated, num_B)
+    lps = write(lps, top_lp_BTK, state.num_generated, num_B)
     return dataclasses.replace(state, top_logprobs=(ids, lps))
 
 
