@@ -121,11 +121,6 @@ class DecoderConfig:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
         activation(self.hidden_act)
 
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        eos = self.eos_token_id
-        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-
     def is_sliding(self, i: int) -> bool:
         return self.layer_types is not None and self.layer_types[i] == "sliding_attention"
 

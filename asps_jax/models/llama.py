@@ -67,11 +67,6 @@ class LlamaConfig:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        eos = self.eos_token_id
-        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> LlamaConfig:
         """From ``config.json``: v4 ``rope_theta``/``rope_scaling`` or v5 ``rope_parameters``."""

@@ -81,11 +81,6 @@ class OwnConfig:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        eos = self.eos_token_id
-        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-
     def to_hf(self) -> dict:
         return {"model_type": None, "vocab_size": self.vocab_size}
 
