@@ -1,12 +1,13 @@
 """Test-wide JAX settings: loud rank promotion, CPU only (tests never need an accelerator), one
 on-disk compilation cache per test run, and a bounded number of compiled programs held at once.
 
-Each test leaves the process as it found it (``_process_state_restored``): JAX's configuration, the
-environment, the SIGINT / SIGTERM handlers and the filters on every logger are restored after it,
-so that no test passes or fails by what ran before it in the same worker (``scripts/sample.py``'s
-``main``, run in-process by the CLI tests, turns the compilation cache on for every program and
-filters two loggers). ``isolated_logging`` restores the loggers' handlers, levels and propagation
-as well, for tests that change those.
+Each test and each module leaves the process as it found it (``_process_state_restored``,
+``_module_state_restored``): JAX's configuration, the environment, the SIGINT / SIGTERM handlers
+and the filters on every logger are restored after it, so that no test passes or fails by what ran
+before it in the same worker (``scripts/sample.py``'s ``main``, run in-process by the CLI tests and
+by one module-scoped fixture, turns the compilation cache on for every program and filters two
+loggers). ``isolated_logging`` restores the loggers' handlers, levels and propagation as well, for
+tests that change those.
 """
 
 import gc
@@ -88,14 +89,20 @@ def _made_since(known) -> list[logging.Logger]:
     ]
 
 
-@pytest.fixture(autouse=True)
-def _process_state_restored():
-    config = dict(jax.config.values)
-    environ = dict(os.environ)
-    handlers = {s: signal.getsignal(s) for s in _SIGNALS}
+def _process_state():
+    """What a test or a module's fixtures may change in the process: JAX's configuration, the
+    environment, the SIGINT / SIGTERM handlers and the filters on every logger."""
     loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
-    filters = {lg: list(lg.filters) for lg in loggers if isinstance(lg, logging.Logger)}
-    yield
+    return (
+        dict(jax.config.values),
+        dict(os.environ),
+        {s: signal.getsignal(s) for s in _SIGNALS},
+        {lg: list(lg.filters) for lg in loggers if isinstance(lg, logging.Logger)},
+    )
+
+
+def _restore(state) -> None:
+    config, environ, handlers, filters = state
     for name, value in config.items():
         if jax.config.values.get(name) != value:
             jax.config.update(name, value)
@@ -110,6 +117,22 @@ def _process_state_restored():
         lg.filters[:] = saved
     for lg in _made_since(filters):
         lg.filters[:] = []
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    state = _process_state()
+    yield
+    _restore(state)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_state_restored():
+    """The same around a whole module: its module-scoped fixtures run before any test's snapshot
+    (test_sharding's reference run calls the CLI's main in one)."""
+    state = _process_state()
+    yield
+    _restore(state)
 
 
 @pytest.fixture
