@@ -6,15 +6,21 @@ cache length); it is the static ``self`` of every jitted entry point, and everyt
 call (parameters, prompts, keys, sampling parameters) is an array pytree. One compiled step runs six
 stages, each in its own ``jax.named_scope`` so that a profile reads as the step does:
 
-1. ``draft``: K draft chains per row, or a branching tree with one draft replica per root path
-   (``rollout.py``, ``SpecConfig.widths``);
-2. ``score``: one target forward over the whole token tree (``scoring.py``); a tree method scores
-   the merged tree (siblings that drew one token are one node);
-3. ``verify``: ``verify_chain`` / ``verify_drafts`` on the chains, or ``verify_tree`` on the
-   node-indexed tree for the sequence-level methods (``"tv"``, ``"tv_wr"``, ``"is_bv"``), then
-   EOS and stop-string truncation of the emitted block (``stopping.py``);
+Every stage reads one static tree, ``SpecConfig.tree`` (a :class:`~asps_jax.trees.DraftTree`):
+K chains are the tree of widths ``(K, 1, ..., 1)``, a branching tree its own widths; one draft cache
+replica per root path. The stages see the tree by node:
+
+1. ``draft``: the replicas draw the tree (``rollout.py``), laid out by node: each node's token and
+   the draft law it was drawn from, and each replica's usable length;
+2. ``score``: one target forward over the tree (``scoring.py``), each slot attending to the scored
+   slots of its root path; a verifier that merges equal siblings has each merged node scored
+   once (``verify.step.scored_slots``); the target laws are processed per node from its path;
+3. ``verify``: the method's verifier through its one adapter (``verify.step.verify_step``: chain
+   and multi-draft verifiers read the root paths, tree verifiers the nodes), which returns the
+   verdict, the accepted path as nodes and the replica that drew it; then EOS and stop-string
+   truncation of the emitted block (``stopping.py``);
 4. ``commit``: the accepted path (root, then the accepted nodes) into the target cache, and the
-   draft replicas synced to a chain that carries it;
+   draft replicas synced to the replica that drew it;
 5. ``metrics``: the per-row counters (``statistics.update``);
 6. ``emit``: the emitted tokens, and the target's log-probability of each (gathered from the laws
    the score stage already processed, along the accepted path), into each row's output.
@@ -59,10 +65,10 @@ from asps_jax import (
 from asps_jax.models import forward_for
 from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
-from asps_jax.verify import Verdict, verify_chain, verify_drafts, verify_tree
+from asps_jax.verify import Verdict
 from asps_jax.verify.acceptance import identical_drafts_acceptance
-from asps_jax.verify.api import CHAIN_METHODS, TREE_METHODS
-from asps_jax.verify.tree import LevelRaceRule
+from asps_jax.verify.registry import REGISTRY, Method
+from asps_jax.verify.step import scored_slots, verify_step
 
 __all__ = ["DecodeState", "DecodeStats", "Decoder", "SamplingParams", "SpecConfig"]
 
@@ -76,7 +82,7 @@ _ROWS = "rows"  # the vmap axis over a batch's rows in verification
 class SpecConfig:
     """Static (hashable) description of the decoding method; changing it recompiles."""
 
-    method: str  # "ar" or a verify_chain / verify_drafts / verify_tree method
+    method: str  # "ar" or a registry method (verify/registry.py)
     num_draft_tokens: int  # n (= D, the tree depth)
     num_drafts: int  # K
     max_new_tokens: int
@@ -85,35 +91,17 @@ class SpecConfig:
 
     @property
     def uses_draft(self) -> bool:
-        return self.method != "ar"
+        return self.resolved is not None
 
-    @property
-    def verifies_tree(self) -> bool:
-        """The method verifies the node-indexed tree (``verify_tree``), not chains."""
-        return self.method in TREE_METHODS
+    @functools.cached_property
+    def resolved(self) -> Method | None:
+        """The method's registry entry; None for autoregressive decoding (no draft)."""
+        return REGISTRY.get(self.method)
 
-    @property
-    def tree(self) -> trees.Tree:
-        return trees.build_chain_tree(self.num_drafts, self.num_draft_tokens)
-
-    @property
-    def plan(self) -> trees.BranchingPlan | None:
-        """How a branching draft tree is drawn: siblings without replacement for ``"tv"``,
-        independently for the other tree methods (which need independent draws); None for K
-        independent chains."""
-        return trees.BranchingPlan(self.widths, self.method != "tv") if self.widths else None
-
-    @property
-    def token_tree(self) -> trees.TokenTree:
-        """The node table a tree method verifies: K chains, or the branching tree."""
-        if self.widths:
-            return self.plan.tree
-        return trees.chains_token_tree(self.num_drafts, self.num_draft_tokens)
-
-    @property
-    def layout(self) -> trees.ChainLayout:
-        """The token tree's root paths, one per draft replica."""
-        return trees.chain_layout(self.token_tree)
+    @functools.cached_property
+    def tree(self) -> trees.DraftTree:
+        """The step's one draft tree: K chains, or the branching tree ``widths``."""
+        return self.resolved.draft_tree(self.num_drafts, self.num_draft_tokens, self.widths)
 
 
 @jax.tree_util.register_dataclass
@@ -162,30 +150,34 @@ class DecodeState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Drafts:
-    """What the draft stage of one step hands to the others.
+    """What the draft stage of one step hands to the others: the drawn tree, node-indexed
+    (N nodes of ``SpecConfig.tree``), and per draft replica (L = K root paths) its usable length.
 
     Attributes:
-      cache: the draft cache (batch B * K) with the rollout's D + 1 slots written.
+      cache: the draft cache (batch B * L) with the rollout's D + 1 slots written.
       start_B: int32[B], the draft cache length of each row before the rollout.
-      tokens_BKD: int32[B, K, D], the draft chains.
-      logprobs_BKDV: float32[B, K, D, V], the laws the draft tokens were drawn from.
-      lengths_BK: int32[B, K], the usable length of each chain (cut at ``max_new_tokens``, ended at
-        an EOS, ended before a token drawn from an unusable law or outside its law's support).
-      bad_depth_BK: int32[B, K], the first depth whose draft law was unusable (NaN or ``+inf``
-        logits, or none finite) among the depths the chain would otherwise have used; D + 2 when
-        none was.
-      canonical_BN: int32[B, N], tree methods only: the node of the merged tree that carries each
-        slot (siblings that drew the same token are one node, the first slot), -1 for a slot past
-        its chain's length; None for the other methods.
+      tokens_BN: int32[B, N], each node's token (node 0: the root, the last emitted token).
+      logprobs_BNV: float32[B, N, V], the law each node's token was drawn from (row 0: the law
+        the root's children were drawn from, chain 0's first).
+      lengths_BL: int32[B, L], the usable length of each replica's root path (cut at
+        ``max_new_tokens``, ended at an EOS, ended before a token drawn from an unusable law or
+        outside its law's support); a node is usable iff it lies within the length of the first
+        replica through it (``DraftTree.node_validity``).
+      bad_depth_BL: int32[B, L], the first depth whose draft law was unusable (NaN or ``+inf``
+        logits, or none finite) among the depths the replica would otherwise have used; D + 2
+        when none was.
+      scored_BN: int32[B, N], the slot whose target law stands for each slot, -1 for a slot
+        that holds no usable token (:func:`asps_jax.verify.step.scored_slots`: the merged tree's
+        node for a verifier that merges equal siblings, else the slot itself).
     """
 
     cache: kv_cache.KVCache
     start_B: jax.Array
-    tokens_BKD: jax.Array
-    logprobs_BKDV: jax.Array
-    lengths_BK: jax.Array
-    bad_depth_BK: jax.Array
-    canonical_BN: jax.Array | None = None
+    tokens_BN: jax.Array
+    logprobs_BNV: jax.Array
+    lengths_BL: jax.Array
+    bad_depth_BL: jax.Array
+    scored_BN: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,9 +196,10 @@ class Decoder:
       diagnostics: also measure, every step with K >= 2 drafts, ``optimal_acceptance`` at the
         root (a V-sized sort per row and step); without it that statistic is NaN.
         With one draft it is ``1 - TV(p, q)``, cheap, and always measured.
-      merge_tree: tree methods score only the merged tree's nodes (a slot that repeats an earlier
-        sibling's token is masked out of the target forward, as the verifier never reads it);
-        False scores every slot (the same tokens; kept to compare the two).
+      merge_tree: a verifier that merges equal siblings (the tree methods) has only the merged
+        tree's nodes scored (a slot that repeats an earlier sibling's token is masked out of the
+        target forward, as the verifier never reads it); False scores every slot (the same
+        tokens; kept to compare the two).
       top_logprobs: k, the most likely tokens of each emitted token's law recorded in
         ``DecodeState.top_logprobs`` (0: none).
     """
@@ -472,9 +465,10 @@ def _sync_draft_replicas(cache: kv_cache.KVCache, start_B, winner_B, num_drafts:
 
 
 def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
-    """Stage 1: roll out K chains of n draft tokens per row (draft cache rows b*K + k)."""
-    spec = dec.spec
-    n, k = spec.num_draft_tokens, spec.num_drafts
+    """Stage 1: draw the step's tree (``SpecConfig.tree``), one draft cache replica per root
+    path (cache rows b*L + l), and lay it out by node."""
+    spec, tree = dec.spec, dec.spec.tree
+    n, k = spec.num_draft_tokens, tree.num_chains
     batch = state.root.shape[0]
     draft_keys_B = _step_keys(state, _PURPOSE_DRAFT)
     chain_keys = jax.vmap(
@@ -490,7 +484,7 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
         draft_len=n,
         sampling=sampling.repeat(k),
         mesh=dec.mesh,
-        plan=spec.plan,
+        plan=tree.plan,
         history=state.history.repeat(k),
     )
     vocab = draft_lp.shape[-1]
@@ -511,181 +505,73 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
     # was not drawn, and the chain ends before it (never the case for independent draws).
     drawn_lp_BKD = jnp.take_along_axis(draft_lp_BKDV, tokens_BKD[..., None], axis=-1)[..., 0]
     lengths_BK = jnp.minimum(lengths_BK, _first_false(drawn_lp_BKD > -jnp.inf, n))
-    drafts = Drafts(
+    lengths_BK = jnp.minimum(lengths_BK, bad_BK)
+    # Node i carries the token and draft law of the first replica through it (every replica
+    # through it drew the same token from the same law).
+    tokens_BN = tree.to_nodes(state.root, tokens_BKD)
+    valid_BN = tree.node_validity(lengths_BK)
+    return Drafts(
         cache=d_cache,
         start_B=start_B,
-        tokens_BKD=tokens_BKD,
-        logprobs_BKDV=draft_lp_BKDV,
-        lengths_BK=jnp.minimum(lengths_BK, bad_BK),
-        bad_depth_BK=bad_BK,
+        tokens_BN=tokens_BN,
+        logprobs_BNV=tree.to_nodes(None, draft_lp_BKDV),
+        lengths_BL=lengths_BK,
+        bad_depth_BL=bad_BK,
+        scored_BN=scored_slots(spec.resolved, tree, tokens_BN, valid_BN, dec.merge_tree),
     )
-    if not spec.verifies_tree:
-        return drafts
-    node_tokens_BN, _, valid_BN = _tree_nodes(spec, state.root, drafts)
-    tree = spec.token_tree
-    canonical_BN, _, _ = jax.vmap(lambda x, v: trees.merge_duplicates(tree, x, v))(
-        node_tokens_BN, valid_BN
-    )
-    return dataclasses.replace(drafts, canonical_BN=canonical_BN)
-
-
-def _tree_nodes(spec: SpecConfig, root_B, drafts: Drafts):
-    """The node table of a tree method: ``(node_tokens int32[B, N], draft_lp float32[B, N, V],
-    valid bool[B, N])``. Node i carries the token, draft law and length of the first chain
-    through it (every chain through it drew the same token from the same law); row 0 of
-    ``draft_lp`` (the root, not drawn) is never read."""
-    depth_N = spec.token_tree.depth
-    first_N = spec.layout.first_chain
-    at_N = np.maximum(depth_N - 1, 0)
-    node_tokens_BN = drafts.tokens_BKD[:, first_N, at_N].at[:, 0].set(root_B)
-    draft_lp_BNV = drafts.logprobs_BKDV[:, first_N, at_N]
-    valid_BN = (depth_N == 0)[None, :] | (depth_N[None, :] <= drafts.lengths_BK[:, first_N])
-    return node_tokens_BN, draft_lp_BNV, valid_BN
 
 
 def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
-    """Stage 2: one target forward over the whole tree; returns the processed target log-probs,
-    whether each of those laws is usable (:func:`asps_jax.processors.logits_ok`), the tree's
-    new keys / values, and the number of draft nodes scored per row, int32[B] (a tree method
-    scores each node of the merged tree once).
-
-    A tree method gets the laws node-indexed, float32[B, N, V] and bool[B, N] (node i: the target
-    after node i); the others along each chain's root path, float32[B, K, D + 1, V] and
-    bool[B, K, D + 1].
-    """
-    if dec.spec.verifies_tree:
-        tree = dec.spec.token_tree
-        node_tokens_BN, _, valid_BN = _tree_nodes(dec.spec, state.root, drafts)
-        tree_mask = None
-        if dec.merge_tree:  # a node attends to the merged nodes of its root path
-            valid_BN = drafts.canonical_BN == jnp.arange(tree.num_nodes)[None, :]
-            tree_mask = trees.merged_attention_mask(tree, drafts.canonical_BN)
-    else:
-        tree, tree_mask = dec.spec.tree, None
-        valid_BN = trees.node_validity(tree, drafts.lengths_BK)
-        node_tokens_BN = trees.chain_tokens_to_nodes(state.root, drafts.tokens_BKD)
-    scored_B = jnp.sum(valid_BN, axis=1) - 1
+    """Stage 2: one target forward over the tree's scored slots (``drafts.scored_BN``: a slot
+    attends to the scored slots of its root path); returns the processed target log-probs by
+    node, float32[B, N, V] (node i: the target after node i), whether each of those laws is
+    usable, bool[B, N] (:func:`asps_jax.processors.logits_ok`), the tree's new keys / values,
+    and the number of draft nodes scored per row, int32[B]."""
+    tree = dec.spec.tree.nodes
+    scored_BN = drafts.scored_BN == jnp.arange(tree.num_nodes)[None, :]
     logits_BNV, new_kv = scoring.score_tree(
         forward_for(dec.target_config),
         target_params,
         state.target_cache,
-        node_tokens_BN,
+        drafts.tokens_BN,
         tree,
-        valid_BN,
-        tree_mask,
+        scored_BN,
+        trees.merged_attention_mask(tree, drafts.scored_BN),
     )
     logits_BNV = sharding.constrain(logits_BNV, ("batch", None, "vocab"), dec.mesh)
-    if dec.spec.verifies_tree:  # node i's path: its ancestors' tokens below the root
-        path_BND = node_tokens_BN[:, np.maximum(tree.paths[:, 1:], 0)]
-        lp_BNV, mass_BN = penalties.process(
-            sampling, state.history, logits_BNV, path_BND, tree.depth
-        )
-        return lp_BNV, logits_ok(logits_BNV) & mass_BN, new_kv, scored_B
-    k, d = dec.spec.num_drafts, dec.spec.num_draft_tokens
-    paths_KD = trees.path_nodes(tree, jnp.arange(k))  # [K, D + 1]
-    path_logits_BKDV = logits_BNV[:, paths_KD]
-    path_BXD, depth_X = penalties.chain_paths(drafts.tokens_BKD)
-    batch, vocab = logits_BNV.shape[0], logits_BNV.shape[-1]
-    lp_BXV, mass_BX = penalties.process(
-        sampling, state.history, path_logits_BKDV.reshape(batch, -1, vocab), path_BXD, depth_X
-    )
-    ok_BKD = logits_ok(path_logits_BKDV) & mass_BX.reshape(batch, k, d + 1)
-    return lp_BXV.reshape(path_logits_BKDV.shape), ok_BKD, new_kv, scored_B
+    # Node i's path: its ancestors' tokens below the root.
+    path_BND = drafts.tokens_BN[:, np.maximum(tree.paths[:, 1:], 0)]
+    lp_BNV, mass_BN = penalties.process(sampling, state.history, logits_BNV, path_BND, tree.depth)
+    scored_B = jnp.sum(scored_BN, axis=1) - 1
+    return lp_BNV, logits_ok(logits_BNV) & mass_BN, new_kv, scored_B
 
 
-def _verify(dec: Decoder, state, drafts: Drafts, target_lp) -> tuple[Verdict, jax.Array]:
-    """Stage 3: verification against the target (``target_lp`` as :func:`_score` returns it).
-
-    Returns the :class:`Verdict` and the nodes of the accepted path, int32[B, D + 1]: the root,
-    then one node per accepted draft token (entries from ``num_tokens`` on are never read).
-    """
-    spec = dec.spec
-    verify_keys_B = _step_keys(state, _PURPOSE_VERIFY)
-    if spec.verifies_tree:
-        return _verify_tree(dec, state, drafts, target_lp, verify_keys_B)
-    if spec.method in CHAIN_METHODS and spec.num_drafts == 1:
-        verdict = jax.vmap(
-            lambda key, x, lq, lp, length: verify_chain(
-                key, x, lq, lp, method=spec.method, draft_length=length
-            )
-        )(
-            verify_keys_B,
-            drafts.tokens_BKD[:, 0],
-            drafts.logprobs_BKDV[:, 0],
-            target_lp[:, 0],
-            drafts.lengths_BK[:, 0],
-        )
-    else:
-        options = dict(spec.options)
-        if spec.method in ("is", "optimal"):  # fit the level race only where a row needs it
-            options["batch_axis"] = _ROWS
-        verdict = jax.vmap(
-            lambda key, x, lq, lp, length: verify_drafts(
-                key, x, lq, lp, method=spec.method, draft_length=length, **options
-            ),
-            axis_name=_ROWS,
-        )(verify_keys_B, drafts.tokens_BKD, drafts.logprobs_BKDV, target_lp, drafts.lengths_BK)
-    return verdict, trees.path_nodes(spec.tree, verdict.draft_index)
-
-
-def _verify_tree(dec: Decoder, state, drafts: Drafts, target_lp_BNV, keys_B):
-    """``verify_tree`` on each row's tree (K chains, or a branching tree): node i carries its
-    token, the law it was drawn from and the target law after it; a node is valid iff its depth
-    is within its chain's usable length (:func:`_tree_nodes`).
-
-    ``verify_tree`` merges siblings that drew the same token: the accepted path names canonical
-    nodes, each the first slot with its root-path tokens. So the first chain through the deepest
-    accepted node drew the whole accepted path as its own prefix; it is the Verdict's
-    ``draft_index`` (the draft replica the others sync to, and the chain statistics read).
-    """
-    spec = dec.spec
-    tree = spec.token_tree
-    node_tokens_BN, draft_lp_BNV, valid_BN = _tree_nodes(spec, state.root, drafts)
+def _verify(dec: Decoder, state, drafts: Drafts, target_lp_BNV) -> tuple[Verdict, jax.Array]:
+    """Stage 3: the method's verifier on each row's tree (:func:`asps_jax.verify.step.
+    verify_step`). Returns the :class:`Verdict` (``draft_index``: the replica that drew the
+    accepted path) and the nodes of the accepted path, int32[B, D + 1]: the root, then one node
+    per accepted draft token (entries from ``num_tokens`` on are never read)."""
+    spec, tree = dec.spec, dec.spec.tree
     options = dict(spec.options)
-    if spec.method == "is_bv" and options.get("alive", "walkers") == "walkers":
-        # The level race fits a node only when some row of the batch has two walkers there (most
-        # nodes below the root have one): the same verdicts, far fewer fits.
-        rule = options.get("rule", "level_race")
-        if rule == "level_race":
-            options["rule"] = LevelRaceRule(batch_axis=_ROWS)
-        elif isinstance(rule, LevelRaceRule):
-            options["rule"] = dataclasses.replace(rule, batch_axis=_ROWS)
-    found = jax.vmap(
-        lambda key, x, lq, lp, valid: verify_tree(
-            key, tree, x, lq, lp, valid, method=spec.method, **options
+    return jax.vmap(
+        lambda key, x, lq, lp, valid: verify_step(
+            spec.resolved, tree, key, x, lq, lp, valid, options, _ROWS
         ),
         axis_name=_ROWS,
-    )(keys_B, node_tokens_BN, draft_lp_BNV, target_lp_BNV, valid_BN)
-    deepest_B = jnp.take_along_axis(found.path, (found.num_tokens - 1)[:, None], axis=1)[:, 0]
-    verdict = Verdict(
-        tokens=found.tokens,
-        num_tokens=found.num_tokens,
-        draft_index=jnp.asarray(spec.layout.first_chain)[deepest_B],
-        num_fallbacks=jnp.zeros_like(found.num_tokens),
-    )
-    return verdict, jnp.maximum(found.path, 0)
-
-
-def _path_laws(dec: Decoder, target_lp, target_ok, verdict: Verdict, path_BT):
-    """The target laws along the accepted path, float32[B, D + 1, V] (slot j: the law after the
-    path's node j, i.e. the law of emitted token j), and whether each is usable, bool[B, D + 1]."""
-    if dec.spec.verifies_tree:
-        return (
-            jnp.take_along_axis(target_lp, path_BT[:, :, None], axis=1),
-            jnp.take_along_axis(target_ok, path_BT, axis=1),
-        )
-    chosen_B1 = verdict.draft_index[:, None]
-    return (
-        jnp.take_along_axis(target_lp, chosen_B1[:, :, None, None], axis=1)[:, 0],
-        jnp.take_along_axis(target_ok, chosen_B1[:, :, None], axis=1)[:, 0],
+    )(
+        _step_keys(state, _PURPOSE_VERIFY),
+        drafts.tokens_BN,
+        drafts.logprobs_BNV,
+        target_lp_BNV,
+        tree.node_validity(drafts.lengths_BL),
     )
 
 
 def _commit(dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B) -> DecodeState:
     """Stage 4: commit the first ``num_B`` nodes of the accepted path (the root and the accepted
-    draft tokens) into the target cache; the draft replicas take chain ``chain_B``'s slots (a
-    chain whose prefix is the accepted path)."""
-    n, k = dec.spec.num_draft_tokens, dec.spec.num_drafts
+    draft tokens) into the target cache; the draft replicas take replica ``chain_B``'s slots (a
+    root path whose prefix is the accepted path)."""
+    n, k = dec.spec.num_draft_tokens, dec.spec.tree.num_chains
     row_loop = kv_cache.row_loop_for(dec.mesh)
     t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=row_loop)
     d_cache = drafts.cache
@@ -699,14 +585,13 @@ def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, root_lp_BV) -> jax.Ar
     """The best root acceptance any exact token-level scheme could reach (docs/algorithms.md
     §3.5), float32[B], from the target's root law ``root_lp_BV``; NaN for K >= 2 drafts unless
     ``dec.diagnostics``."""
+    root_draft_BV = drafts.logprobs_BNV[:, 0]  # every root child is drawn from this one law
     if dec.spec.num_drafts == 1:  # 1 - TV(p, q): no sort needed
-        overlap_BV = jnp.minimum(root_lp_BV, drafts.logprobs_BKDV[:, 0, 0])
+        overlap_BV = jnp.minimum(root_lp_BV, root_draft_BV)
         return jnp.exp(jax.nn.logsumexp(overlap_BV, axis=-1))
     if not dec.diagnostics:
         return jnp.full(drafts.start_B.shape, jnp.nan, jnp.float32)
-    # Every root child is drawn from the one draft law at the root (chain 0's).
-    num_root_children = np.unique(dec.spec.layout.first_chain[dec.spec.token_tree.depth == 1]).size
-    return identical_drafts_acceptance(root_lp_BV, drafts.logprobs_BKDV[:, 0, 0], num_root_children)
+    return identical_drafts_acceptance(root_lp_BV, root_draft_BV, dec.spec.tree.widths[0])
 
 
 def _emitted_logprobs(path_lp_BTV, verdict: Verdict) -> jax.Array:
@@ -727,25 +612,27 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         target_lp, target_ok, new_kv, scored_B = _score(dec, target_params, sampling, state, drafts)
         # A chain is verified only up to its first unusable target law: the tokens before it are
         # then decided by usable laws alone (ASpS weighs a whole chain, so an unusable law deeper
-        # down would otherwise change them); a bonus drawn from that law is cut below.
-        chain_ok_BKD = target_ok
-        if dec.spec.verifies_tree:  # a slot's law is its merged node's
-            nodes_BKD = jnp.maximum(drafts.canonical_BN[:, dec.spec.layout.chain_paths], 0)
-            chain_ok_BKD = jax.vmap(lambda ok_N, nodes: ok_N[nodes])(target_ok, nodes_BKD)
+        # down would otherwise change them); a bonus drawn from that law is cut below. A slot's
+        # law is its scored slot's (the root's for an unusable slot, past the chain's length).
+        tree = dec.spec.tree
+        nodes_BKD = jnp.maximum(drafts.scored_BN[:, tree.layout.chain_paths], 0)
+        chain_ok_BKD = jax.vmap(lambda ok_N, nodes: ok_N[nodes])(target_ok, nodes_BKD)
         first_bad_BK = _first_false(chain_ok_BKD, dec.spec.num_draft_tokens + 2)
         drafts = dataclasses.replace(
-            drafts, lengths_BK=jnp.minimum(drafts.lengths_BK, first_bad_BK)
+            drafts, lengths_BL=jnp.minimum(drafts.lengths_BL, first_bad_BK)
         )
     with jax.named_scope("verify"):
         verdict, path_BT = _verify(dec, state, drafts, target_lp)
-        path_lp_BTV, path_ok_BT = _path_laws(dec, target_lp, target_ok, verdict, path_BT)
+        # Slot j of the block: the target law after the path's node j (the law of emitted token j).
+        path_lp_BTV = jnp.take_along_axis(target_lp, path_BT[:, :, None], axis=1)
+        path_ok_BT = jnp.take_along_axis(target_ok, path_BT, axis=1)
         num_B = jnp.where(active_B, verdict.num_tokens, 0)
         # Block slot j comes from the target law after the path's node j, and its draft token
         # (if any) from the accepted chain's draft law at depth j: the first unusable one of
         # either ends the row there, keeping the slots before it.
         bad_target_B = _first_false(path_ok_BT, dec.spec.num_draft_tokens + 2)
         bad_draft_B = jnp.take_along_axis(
-            drafts.bad_depth_BK, verdict.draft_index[:, None], axis=1
+            drafts.bad_depth_BL, verdict.draft_index[:, None], axis=1
         )[:, 0]
         bad_B = jnp.minimum(bad_target_B, bad_draft_B)
         failed_B = active_B & (bad_B < num_B)
@@ -763,15 +650,15 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     with jax.named_scope("commit"):
         new_state = _commit(dec, state, drafts, new_kv, path_BT, verdict.draft_index, num_B)
     with jax.named_scope("metrics"):
-        root_lp_BV = target_lp[:, 0] if dec.spec.verifies_tree else target_lp[:, 0, 0]
+        root_lp_BV = target_lp[:, 0]
         stats = statistics.update(
             state.stats,
             active_B=active_B,
             emitted_B=num_B,
             failed_at_B=jnp.where(failed_B, state.num_generated + num_B, -1),
             verdict=verdict,
-            draft_lengths_BK=drafts.lengths_BK,
-            root_drafts_BK=drafts.tokens_BKD[:, :, 0],
+            draft_lengths_BK=drafts.lengths_BL,
+            root_drafts_BK=drafts.tokens_BN[:, tree.layout.chain_nodes[:, 0]],
             root_optimal_B=_root_optimal_acceptance(dec, drafts, root_lp_BV),
             scored_nodes_B=scored_B,
         )

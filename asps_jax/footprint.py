@@ -148,7 +148,9 @@ def estimate(
             parts["tree masks"] = rows * nodes**2 * (10 + depth + 3 + 17)
             laws += 10 * _F32 * rows * nodes * vocab  # per row: q, p, P, emit, scan copies
         else:
-            parts["tree masks"] = 3 * rows * nodes**2
+            # The attention mask of the scored slots (float32 ancestors, one-hot, reach).
+            parts["tree masks"] = 10 * rows * nodes**2
+            laws += _F32 * rows * nodes * vocab  # the draft laws laid out by node
             laws += 3 * _F32 * rows * k * (n + 1) * vocab  # laws along each chain's root path
         levels = None  # the level race's, where the method runs one
         if method in ("is", "optimal") and k > 1 and options.get("rule") in (None, "level_race"):

@@ -224,11 +224,3 @@ def process(sampling, history: History, logits_BXV, path_BXD, depth_X, *, draft=
         point = jnp.where(jnp.arange(logprobs.shape[-1]) == 0, 0.0, NEG_INF)[None, None, :]
         logprobs = jnp.where(dead_BX[..., None], point, logprobs)
     return logprobs, mass | dead_BX
-
-
-def chain_paths(tokens_BKD):
-    """The path tokens ``[B, K * (D + 1), D]`` and depths ``[K * (D + 1)]`` of the laws along K
-    chains (slot ``k * (D + 1) + j``: chain k after its first j tokens)."""
-    batch, k, d = tokens_BKD.shape
-    path = jnp.broadcast_to(tokens_BKD[:, :, None, :], (batch, k, d + 1, d))
-    return path.reshape(batch, k * (d + 1), d), jnp.tile(jnp.arange(d + 1, dtype=jnp.int32), k)

@@ -84,12 +84,6 @@ def build_chain_tree(num_drafts: int, draft_len: int) -> Tree:
     return Tree(num_drafts, draft_len, parents, depth, ancestors)
 
 
-def chain_tokens_to_nodes(root_B: jax.Array, drafts_BKD: jax.Array) -> jax.Array:
-    """Lay out ``root[B]`` and ``drafts[B, K, n]`` as the node tokens ``[B, 1 + K*n]``."""
-    b = drafts_BKD.shape[0]
-    return jnp.concatenate([root_B[:, None], drafts_BKD.reshape(b, -1)], axis=1)
-
-
 def node_validity(tree: Tree, draft_lengths_BK: jax.Array) -> jax.Array:
     """``bool[B, N]``: the root is always valid; chain ``k`` node ``i`` iff ``i < length[k]``."""
     depth = jnp.asarray(tree.depth)
@@ -445,3 +439,84 @@ class BranchingPlan:
     @property
     def tree(self) -> TokenTree:
         return branching_token_tree(self.widths)
+
+
+DRAWS = ("chains", "iid", "without_replacement")
+"""How a :class:`DraftTree` is drawn: ``"chains"``, K independent chains (widths ``(K, 1, ...,
+1)``; replica k draws its whole root path with its own key); ``"iid"``, every node its children
+independently from its one law with one key; ``"without_replacement"``, every node its children
+without replacement (:class:`BranchingPlan`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    """The one static tree of a decoding step: its shape, how it is drawn, its node table and its
+    root paths (one draft cache replica per leaf). Hashable; a static part of ``SpecConfig``.
+
+    K chains of n tokens are the tree of widths ``(K, 1, ..., 1)`` drawn as ``"chains"``; their
+    nodes are numbered chain by chain (node ``1 + k*n + i`` is token i of chain k), a branching
+    tree's depth by depth (:func:`branching_token_tree`).
+
+    Attributes:
+      widths: children per node at each depth (D = ``len(widths)``, the draft length).
+      draws: one of :data:`DRAWS`.
+    """
+
+    widths: tuple[int, ...]
+    draws: str
+
+    def __post_init__(self):
+        widths = tuple(int(w) for w in self.widths)
+        object.__setattr__(self, "widths", widths)
+        if not widths or min(widths) < 1:
+            raise ValueError(f"DraftTree: widths must be >= 1 at every depth, got {widths}")
+        if self.draws not in DRAWS:
+            raise ValueError(f"DraftTree: draws must be one of {DRAWS}, got {self.draws!r}")
+        if self.draws == "chains" and any(w != 1 for w in widths[1:]):
+            raise ValueError(f"DraftTree: chains have widths (K, 1, ..., 1), got {widths}")
+
+    @classmethod
+    def chains(cls, num_drafts: int, draft_len: int) -> DraftTree:
+        """K independent chains of ``draft_len`` tokens."""
+        return cls((num_drafts,) + (1,) * (draft_len - 1), "chains")
+
+    @property
+    def depth(self) -> int:  # D
+        return len(self.widths)
+
+    @property
+    def num_chains(self) -> int:  # L = K, the leaves, one draft replica each
+        return math.prod(self.widths)
+
+    @functools.cached_property
+    def nodes(self) -> TokenTree:
+        """The node table (N = ``nodes.num_nodes``)."""
+        if self.draws == "chains":
+            return chains_token_tree(self.num_chains, self.depth)
+        return branching_token_tree(self.widths)
+
+    @functools.cached_property
+    def layout(self) -> ChainLayout:
+        """The root path of each leaf, the chain its draft replica feeds."""
+        return chain_layout(self.nodes)
+
+    @property
+    def plan(self) -> BranchingPlan | None:
+        """How the replicas draw a branching tree; None for chains (each replica its own)."""
+        if self.draws == "chains":
+            return None
+        return BranchingPlan(self.widths, self.draws == "iid")
+
+    def node_validity(self, lengths_BL: jax.Array) -> jax.Array:
+        """``bool[B, N]``: the root, and each node within the usable length of the first chain
+        through it (every chain through a node drew the same tokens up to it)."""
+        depth_N = self.nodes.depth
+        lengths_BN = lengths_BL[:, self.layout.first_chain]
+        return (depth_N == 0)[None, :] | (depth_N[None, :] <= lengths_BN)
+
+    def to_nodes(self, root_B: jax.Array, per_chain_BLD: jax.Array) -> jax.Array:
+        """``[B, N, ...]``: each node's entry from the first chain through it, at its depth (the
+        root's row is chain 0's first entry; ``root_B``, when given, replaces it)."""
+        at_N = np.maximum(self.nodes.depth - 1, 0)
+        out = per_chain_BLD[:, self.layout.first_chain, at_N]
+        return out if root_B is None else out.at[:, 0].set(root_B)

@@ -238,11 +238,11 @@ def test_every_node_law_is_processed_from_its_own_path(models, method, shape):
         return drafts, target_lp
 
     drafts, target_lp = laws(args, state)
-    tokens_BKD = np.asarray(drafts.tokens_BKD)
-    lengths_BK = np.asarray(drafts.lengths_BK)
-    draft_lp = np.asarray(drafts.logprobs_BKDV, np.float64)
+    tree = spec.tree.nodes
+    node_tokens_BN = np.asarray(drafts.tokens_BN)
+    scored_BN = np.asarray(drafts.scored_BN)
+    draft_lp = np.asarray(drafts.logprobs_BNV, np.float64)
     target_lp = np.asarray(target_lp, np.float64)
-    d = spec.num_draft_tokens
     checked = 0
 
     def check(hf_model, b, paths, ours, warp):
@@ -256,24 +256,18 @@ def test_every_node_law_is_processed_from_its_own_path(models, method, shape):
             np.testing.assert_allclose(np.exp(lp), expected, atol=2e-5, err_msg=str(path))
             checked += 1
 
+    def path(b, i, last):  # the tokens of node i's root path below the root, up to depth last
+        return node_tokens_BN[b, tree.paths[i, 1 : last + 1]].tolist()
+
     for b in range(len(prompts)):
-        # Every depth's draft law, from the chain's own path.
-        paths = [tokens_BKD[b, k, :j].tolist() for k in range(spec.num_drafts) for j in range(d)]
-        ours = [draft_lp[b, k, j] for k in range(spec.num_drafts) for j in range(d)]
-        check(hf_draft, b, paths, ours, dict(WARP, temperature=1.2))
-        # Every target law the verifier reads.
-        if spec.verifies_tree:
-            tree = spec.token_tree
-            node_tokens = np.asarray(decode._tree_nodes(spec, state.root, drafts)[0][b])
-            canonical = np.asarray(drafts.canonical_BN[b])
-            nodes = [i for i in range(tree.num_nodes) if canonical[i] == i]
-            paths = [node_tokens[tree.paths[i, 1 : tree.depth[i] + 1]].tolist() for i in nodes]
-            ours = [target_lp[b, i] for i in nodes]
-        else:
-            pairs = [(k, j) for k in range(spec.num_drafts) for j in range(lengths_BK[b, k] + 1)]
-            paths = [tokens_BKD[b, k, :j].tolist() for k, j in pairs]
-            ours = [target_lp[b, k, j] for k, j in pairs]
-        check(hf_target, b, paths, ours, WARP)
+        # Every node's draft law, from its own path (its ancestors' tokens).
+        nodes = range(1, tree.num_nodes)
+        paths = [path(b, i, tree.depth[i] - 1) for i in nodes]
+        check(hf_draft, b, paths, [draft_lp[b, i] for i in nodes], dict(WARP, temperature=1.2))
+        # Every target law the verifier reads: the scored slots' (node i: after its path).
+        nodes = [i for i in range(tree.num_nodes) if scored_BN[b, i] == i]
+        paths = [path(b, i, tree.depth[i]) for i in nodes]
+        check(hf_target, b, paths, [target_lp[b, i] for i in nodes], WARP)
     assert checked >= 12
 
 

@@ -6,7 +6,6 @@ and tree options. Expected values come from transformers, as there (its helpers 
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from test_decode import (
 
 import asps_jax
 from asps_jax import decode, sampler
+from asps_jax.verify.step import verify_step
 
 
 @pytest.fixture(scope="module")
@@ -136,16 +136,13 @@ def test_tree_verdict_names_the_chain_that_drew_the_accepted_path(method):
         point = np.log(np.eye(vocab, dtype=np.float32))
     # Node i: the target after slot i (slots 1 + 2k + j); equal prefixes get equal laws.
     target_lp = np.stack([uniform, point[3], uniform, point[3], point[0], uniform, uniform])
-    drafts = decode.Drafts(
-        cache=None,
-        start_B=jnp.zeros(1, jnp.int32),
-        tokens_BKD=jnp.array([[[1, 2], [1, 3], [4, 4]]], jnp.int32),
-        logprobs_BKDV=jnp.broadcast_to(uniform, (1, 3, 2, vocab)),
-        lengths_BK=jnp.full((1, 3), 2, jnp.int32),
-        bad_depth_BK=jnp.full((1, 3), 4, jnp.int32),
+    tokens_N = jnp.array([7, 1, 2, 1, 3, 4, 4], jnp.int32)  # the root, then chain k at 1 + 2k
+    draft_lp = jnp.broadcast_to(uniform, (7, vocab))
+    verify = jax.jit(
+        lambda lp, key: verify_step(
+            spec.resolved, spec.tree, key, tokens_N, draft_lp, lp, jnp.ones(7, bool), {}
+        )
     )
-    dec, state = types.SimpleNamespace(spec=spec), types.SimpleNamespace(root=jnp.array([7]))
-    verify = jax.jit(lambda d, lp, keys: decode._verify_tree(dec, state, d, lp, keys))
-    verdict, path = verify(drafts, target_lp[None], jax.random.key(0)[None])
+    verdict, path = jax.tree.map(lambda a: a[None], verify(target_lp, jax.random.key(0)))
     assert verdict.tokens.tolist() == [[1, 3, 0]] and verdict.num_tokens.tolist() == [3]
     assert path.tolist() == [[0, 1, 4]] and verdict.draft_index.tolist() == [1]

@@ -80,6 +80,24 @@ class Method:
     options: tuple[tuple[str, Any], ...]
     function: str
     _check: Callable[..., None] = dataclasses.field(repr=False, compare=False)
+    branch_draws: str = "iid"
+    rows_option: Callable[[dict, str], dict] | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
+
+    @property
+    def merges_siblings(self) -> bool:
+        """The verifier merges siblings that drew the same token (reads one law per node)."""
+        return self.kind == "tree"
+
+    def draft_tree(self, num_drafts: int, draft_len: int, widths: tuple = ()):
+        """The step's :class:`~asps_jax.trees.DraftTree`: K independent chains, or the branching
+        tree ``widths`` drawn with this method's sibling law (``branch_draws``)."""
+        from asps_jax import trees
+
+        if widths:
+            return trees.DraftTree(widths, self.branch_draws)
+        return trees.DraftTree.chains(num_drafts, draft_len)
 
     @property
     def law(self) -> str:
@@ -120,6 +138,26 @@ def _resolve(function: str, method: str | None) -> Callable:
     return functools.partial(fn, method=method) if method is not None else fn
 
 
+def _race_rows(options: dict, axis: str) -> dict:
+    """The level race of ``"is"`` / ``"optimal"`` fits only where some row needs it."""
+    return {**options, "batch_axis": axis}
+
+
+def _tree_race_rows(options: dict, axis: str) -> dict:
+    """``"is_bv"``: the level race fits a node only when some row of the batch has two walkers
+    there (most nodes below the root have one): the same verdicts, far fewer fits."""
+    from asps_jax.verify.tree import LevelRaceRule
+
+    if options.get("alive", "walkers") != "walkers":
+        return options
+    rule = options.get("rule", "level_race")
+    if rule == "level_race":
+        return {**options, "rule": LevelRaceRule(batch_axis=axis)}
+    if isinstance(rule, LevelRaceRule):
+        return {**options, "rule": dataclasses.replace(rule, batch_axis=axis)}
+    return options
+
+
 _TAIL = (("tail", "asps"),)
 _RACE = (("levels", 16), ("fit_steps", 15), ("table", 128), ("batch_axis", None))
 _IID = ("iid",)
@@ -135,10 +173,11 @@ def _entries():
     yield Method("spectr", "drafts", _IID, _TAIL, multi + "verify_spectr", _drafts_options)
     is_options = (("rule", "level_race"), *_RACE)
     is_options += (("s", 5), ("alphabet", 40), ("lp_iters", 300), ("tol", 1e-5))
-    yield Method("is", "drafts", _IID, _TAIL + is_options, multi + "verify_is", _drafts_options)
+    yield Method("is", "drafts", _IID, _TAIL + is_options, multi + "verify_is", _drafts_options,
+                 rows_option=_race_rows)  # fmt: skip
     optimal_options = _TAIL + _RACE + (("grad_steps", 200),)
     yield Method("optimal", "drafts", _IID, optimal_options, multi + "verify_optimal",
-                 _drafts_options)  # fmt: skip
+                 _drafts_options, rows_option=_race_rows)  # fmt: skip
     yield Method(
         "specinfer_wor",
         "drafts",
@@ -147,9 +186,11 @@ def _entries():
         multi + "verify_specinfer_wor",
         _drafts_options,
     )
-    yield Method("tv", "tree", ("iid", "without_replacement"), (), tree, _tree_options)
+    yield Method("tv", "tree", ("iid", "without_replacement"), (), tree, _tree_options,
+                 branch_draws="without_replacement")  # fmt: skip
     yield Method("tv_wr", "tree", _IID, (), tree, _tree_options)
-    yield Method("is_bv", "tree", _IID, (("alive", "walkers"), ("rule", None)), tree, _tree_options)
+    yield Method("is_bv", "tree", _IID, (("alive", "walkers"), ("rule", None)), tree, _tree_options,
+                 rows_option=_tree_race_rows)  # fmt: skip
 
 
 REGISTRY: dict[str, Method] = {m.name: m for m in _entries()}
