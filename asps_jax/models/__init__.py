@@ -5,10 +5,8 @@ from asps_jax.models.base import (
     FAMILY_MODULES,
     Family,
     Forward,
-    IncompatibleModelsError,
     Model,
     ModelConfig,
-    check_compatible,
     family_for_config,
     family_for_type,
     forward_for,
@@ -26,6 +24,7 @@ from asps_jax.models.opt import OPTConfig
 from asps_jax.models.own import ContractError, OwnConfig, nnx_model, own_model
 from asps_jax.models.qwen2 import Qwen2Config
 from asps_jax.models.qwen3 import Qwen3Config
+from asps_jax.models.vocab import IncompatibleModelsError, check_compatible
 
 __all__ = [
     "FAMILIES",

@@ -191,29 +191,3 @@ class Model:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
-
-
-class IncompatibleModelsError(ValueError):
-    """Target and draft cannot be paired (different vocabularies)."""
-
-
-def check_compatible(target: Model, draft: Model) -> None:
-    """Raise unless the draft proposes tokens in the target's vocabulary with the same meaning.
-
-    Equal tokenizers with different embedding row counts (Qwen2.5-7B's 152064 against
-    Qwen2.5-0.5B's 151936) pair: ``sample`` masks the padding rows out of both laws
-    (``vocab.py``, where the rule is stated).
-    """
-    from asps_jax.models import vocab
-
-    vocab.shared_size(target, draft)  # raises unless the sizes agree or differ only by padding
-    tt, dt = target.tokenizer, draft.tokenizer
-    if tt is None or dt is None:
-        return  # nothing more to compare; equal sizes is all we can check
-    t_vocab, d_vocab = tt.get_vocab(), dt.get_vocab()
-    if t_vocab != d_vocab:
-        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])[:5]
-        raise IncompatibleModelsError(
-            f"target {target.name!r} and draft {draft.name!r} have different tokenizers "
-            f"({len(t_vocab)} vs {len(d_vocab)} entries; first differences: {differ})"
-        )

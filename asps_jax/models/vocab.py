@@ -24,6 +24,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from asps_jax.models.base import family_for_config
+
 
 @dataclasses.dataclass(frozen=True)
 class SharedVocab:
@@ -46,8 +48,6 @@ class SharedVocab:
 
 
 def _inner_family(config: SharedVocab):
-    from asps_jax.models.base import family_for_config
-
     return family_for_config(config.inner)
 
 
@@ -74,6 +74,30 @@ FAMILY = types.SimpleNamespace(
 SharedVocab.FAMILY = FAMILY
 
 
+class IncompatibleModelsError(ValueError):
+    """Target and draft cannot be paired (different vocabularies)."""
+
+
+def check_compatible(target, draft) -> None:
+    """Raise unless the draft proposes tokens in the target's vocabulary with the same meaning.
+
+    Equal tokenizers with different embedding row counts (Qwen2.5-7B's 152064 against
+    Qwen2.5-0.5B's 151936) pair: ``sample`` masks the padding rows out of both laws
+    (``vocab.py``, where the rule is stated).
+    """
+    shared_size(target, draft)  # raises unless the sizes agree or differ only by padding
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is None or dt is None:
+        return  # nothing more to compare; equal sizes is all we can check
+    t_vocab, d_vocab = tt.get_vocab(), dt.get_vocab()
+    if t_vocab != d_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])[:5]
+        raise IncompatibleModelsError(
+            f"target {target.name!r} and draft {draft.name!r} have different tokenizers "
+            f"({len(t_vocab)} vs {len(d_vocab)} entries; first differences: {differ})"
+        )
+
+
 def num_tokens(tokenizer) -> int:
     """Ids a tokenizer can produce: its largest id + 1 (added special tokens included)."""
     return max(tokenizer.get_vocab().values()) + 1
@@ -82,8 +106,6 @@ def num_tokens(tokenizer) -> int:
 def shared_size(target, draft) -> tuple[int, int] | None:
     """``(V', n)`` when the two models' sizes differ and they may still pair (the rule above);
     None when the sizes are equal. Raises ``IncompatibleModelsError`` otherwise."""
-    from asps_jax.models.base import IncompatibleModelsError
-
     tv, dv = target.config.vocab_size, draft.config.vocab_size
     if tv == dv:
         return None
