@@ -82,7 +82,7 @@ _ROWS = "rows"  # the vmap axis over a batch's rows in verification
 class SpecConfig:
     """Static (hashable) description of the decoding method; changing it recompiles."""
 
-    method: str  # "ar" or a registry method (verify/registry.py)
+    method: str  # a registry method (verify/registry.py), or "ar": no draft, plain sampling
     num_draft_tokens: int  # n (= D, the tree depth)
     num_drafts: int  # K
     max_new_tokens: int
@@ -188,7 +188,7 @@ class Decoder:
 
     Attributes:
       target_config: the target model's config (hashable).
-      draft_config: the draft model's config; None for ``"ar"``.
+      draft_config: the draft model's config; None without a draft.
       spec: the method and its static sizes.
       cache_len: S, the KV cache slots per row.
       mesh: the device mesh of a sharded run, for activation sharding constraints

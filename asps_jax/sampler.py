@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import constraints, decode, footprint, sharding, statistics, stopping, trees
+from asps_jax import constraints, decode, footprint, sharding, statistics, stopping
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.models.vocab import align_vocabularies
 from asps_jax.processors import SamplingParams, validate_sampling_args
-from asps_jax.verify.api import CHAIN_METHODS, TREE_METHODS
+from asps_jax.verify.api import TREE_METHODS
 from asps_jax.verify.registry import REGISTRY
 
 # The methods of the registry (verify/registry.py) that the decode loop runs: it draws the K
@@ -381,28 +381,24 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) 
     if draft is None:
         raise ValueError(f"method {method!r} needs a draft model (draft=None is only for 'ar')")
     check_compatible(target, draft)
-    if REGISTRY[method].kind == "drafts":  # chains: below; trees: _check_tree_options
-        REGISTRY[method].validate(options)
-    if method in CHAIN_METHODS:
-        if num_drafts != 1:
-            multi = ", ".join(m for m in METHODS if m in REGISTRY and REGISTRY[m].kind == "drafts")
-            raise ValueError(
-                f"method {method!r} verifies a single draft chain; use num_drafts=1 or a "
-                f"multi-draft method ({multi})"
-            )
-        if options:
-            raise ValueError(f"method {method!r} takes no options, got {sorted(options)}")
+    entry = REGISTRY[method]  # resolved once; the options' one validator is the entry's
+    if entry.kind == "chain" and num_drafts != 1:
+        multi = ", ".join(m for m in METHODS if m in REGISTRY and REGISTRY[m].kind == "drafts")
+        raise ValueError(
+            f"method {method!r} verifies a single draft chain; use num_drafts=1 or a "
+            f"multi-draft method ({multi})"
+        )
+    entry.validate(options)
 
 
 def _check_tree_options(method, num_drafts, num_draft_tokens, options, widths) -> None:
-    """A tree method's options against the tree the decode loop draws (K chains, or branching).
-    Builds that tree: called after :func:`check_memory` has refused trees too big to build."""
-    if method in TREE_METHODS:
-        if widths:
-            tree = trees.branching_token_tree(widths)
-        else:
-            tree = trees.chains_token_tree(num_drafts, num_draft_tokens)
-        REGISTRY[method].validate(options, tree=tree)
+    """The options against the tree the decode loop draws (K chains, or branching), for options
+    that depend on its shape (``alive="count"``). Builds that tree: called after
+    :func:`check_memory` has refused trees too big to build."""
+    if method in REGISTRY:
+        entry = REGISTRY[method]
+        tree = entry.draft_tree(num_drafts, num_draft_tokens, widths).nodes
+        entry.validate(options, tree=tree)
 
 
 def _device_memory_bytes(mesh) -> int:

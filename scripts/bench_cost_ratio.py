@@ -73,7 +73,8 @@ from asps_jax.models.base import run_params
 from asps_jax.models.llama import init_params
 from asps_jax.models.loader import save_checkpoint
 from asps_jax.scoring import score_chain
-from asps_jax.verify import multi, tokenlevel
+from asps_jax.verify import options as verify_options
+from asps_jax.verify import tokenlevel
 from asps_jax.verify.registry import REGISTRY
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -136,7 +137,7 @@ def fit_seconds(vocab: int, method: str, repeats: int) -> float:
     lq = jax.nn.log_softmax(3.0 * jax.random.normal(k_q, (vocab,)))
     p = jax.nn.softmax(lq + jax.random.normal(k_p, (vocab,)))
     qs = jnp.broadcast_to(jnp.exp(lq), (2, vocab))
-    cfg = multi._rule_config(method, vocab, {})
+    cfg = verify_options.rule_config(method, vocab, {})
     alive = jnp.ones((2,), bool)
     fn = jax.jit(lambda p, q: tokenlevel.importance_sampling_rules(p, q, alive, cfg).q_sel)
     for _ in range(2):

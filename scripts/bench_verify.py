@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import asps_jax
-from asps_jax.verify import multi, registry, tokenlevel
+from asps_jax.verify import options as verify_options
+from asps_jax.verify import registry, tokenlevel
 from asps_jax.verify.acceptance import optimal_acceptance
 from asps_jax.verify.selection import PAIRWISE_RULES, RULES
 
@@ -233,7 +234,7 @@ def spectr_accept(p, q, num_drafts: int):
 
 
 def is_accept(p, q, num_drafts: int, method: str, options: dict):
-    cfg = multi._rule_config(method, p.shape[-1], options)
+    cfg = verify_options.rule_config(method, p.shape[-1], options)
     qs = jnp.broadcast_to(q, (num_drafts,) + q.shape)
     prepared = tokenlevel.importance_sampling_rules(p, qs, jnp.ones((num_drafts,), bool), cfg)
     q_sel = prepared.q_sel if hasattr(prepared, "q_sel") else prepared[2]
@@ -257,7 +258,7 @@ def time_rule(vocab: int, method: str = "is", num_drafts: int = 4, repeats: int 
     lq = jax.nn.log_softmax(3.0 * jax.random.normal(k_q, (vocab,)))
     p = jax.nn.softmax(lq + jax.random.normal(k_p, (vocab,)))
     qs = jnp.broadcast_to(jnp.exp(lq), (num_drafts, vocab))
-    cfg = multi._rule_config(method, vocab, {})
+    cfg = verify_options.rule_config(method, vocab, {})
     fn = jax.jit(
         lambda p, q: (
             tokenlevel.importance_sampling_rules(p, q, jnp.ones((num_drafts,), bool), cfg).q_sel

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax.verify import multi, tokenlevel
+from asps_jax.verify import options as verify_options
+from asps_jax.verify import tokenlevel
 from asps_jax.verify.selection import RuleConfig
 
 # Compiling dominates these tests (dozens of small programs) and the programs run in microseconds,
@@ -53,9 +54,9 @@ SCHEMES = {
     # The pairwise LP on 16 tokens (the old "optimal"; LP-optimal for K = 2 when V <= 16).
     "pairwise_lp16": lambda vocab: is_law_fn(is_cfg("truncated_lp", 16, 16)(vocab)),
     # The public "optimal" (gradient-fitted level race) and a cheaper one for the tree grids.
-    "optimal": lambda vocab: is_law_fn(multi._rule_config("optimal", vocab, {})),
+    "optimal": lambda vocab: is_law_fn(verify_options.rule_config("optimal", vocab, {})),
     "optimal_g20": lambda vocab: is_law_fn(
-        multi._rule_config("optimal", vocab, {"grad_steps": 20})
+        verify_options.rule_config("optimal", vocab, {"grad_steps": 20})
     ),
     "is_lp_no_iters": lambda vocab: is_law_fn(is_cfg("truncated_lp", 5, 40, 0)(vocab)),
     # The level race (§3.10) on few levels and fit steps (the rates only change efficiency).
@@ -66,10 +67,10 @@ SCHEMES = {
         RuleConfig("level_race", levels=3, fit_steps=4, table=2)
     ),
     "optimal_table2": lambda vocab: is_law_fn(
-        multi._rule_config("optimal", vocab, {"table": 2, "grad_steps": 5})
+        verify_options.rule_config("optimal", vocab, {"table": 2, "grad_steps": 5})
     ),
     # The public "is" defaults (the level race, J = 16, T = 15), as verify_drafts builds them.
-    "is_default": lambda vocab: is_law_fn(multi._rule_config("is", vocab, {})),
+    "is_default": lambda vocab: is_law_fn(verify_options.rule_config("is", vocab, {})),
     # At V = 4 the statistical test's "is" with rule="truncated_lp", lp_iters=60 solves this LP.
     "stat_lp": lambda vocab: is_law_fn(is_cfg("truncated_lp", 16, 16, 60)(vocab)),
 }

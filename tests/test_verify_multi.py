@@ -23,7 +23,7 @@ from scipy import stats
 
 import asps_jax
 from asps_jax import draws as draws_mod
-from asps_jax.verify import api, multi, registry, tokenlevel
+from asps_jax.verify import api, checks, multi, registry, tokenlevel
 from asps_jax.verify.acceptance import (
     identical_drafts_acceptance,
     optimal_acceptance,
@@ -141,7 +141,7 @@ def _run_statistical(method, options, without_replacement=False):
                 key_verify, tokens, lq, lp, method=method, draft_length=STAT_LENGTHS, **options
             )
         else:  # not (yet) routed by verify_drafts: call the registered verifier directly
-            verdict = multi.METHODS[method](
+            verdict = registry.REGISTRY[method].verifier(
                 key_verify, tokens, lq, lp, jnp.asarray(STAT_LENGTHS), **options
             )
         return verdict, tokens
@@ -763,7 +763,7 @@ def test_specinfer_wor_repeated_root_token():
             jax.random.key(0), np.array([[2], [2]]), lq, lp, method="specinfer_wor"
         )
     # A chain with draft_length 0 does not count as a root draw.
-    api._check_distinct_roots(np.array([[2], [2]]), np.array([1, 0]), "verify_drafts")
+    checks.check_distinct_roots(np.array([[2], [2]]), np.array([1, 0]), "verify_drafts")
     with jax.enable_x64(True):
         out = tokenlevel.specinfer_without_replacement(
             jnp.asarray(p), jnp.asarray(np.stack([q, q])), jnp.asarray([2, 2]), jnp.ones(2, bool)

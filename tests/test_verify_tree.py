@@ -529,9 +529,7 @@ def test_same_key_same_verdict_and_merged_path():
     tokens = jnp.array([0, 1, 2, 1, 3, 4, 4])  # chains (1, 2), (1, 3), (4, 4)
     lq = jnp.log(jnp.full((7, vocab), 1.0 / vocab))
     lp = jnp.log(jnp.full((7, vocab), 1.0 / vocab))
-    run = jax.jit(
-        lambda k: {m: verify_tree(k, tree, tokens, lq, lp, method=m) for m in vt.TREE_METHODS}
-    )
+    run = jax.jit(lambda k: {m: verify_tree(k, tree, tokens, lq, lp, method=m) for m in vt.METHODS})
     a, b = run(jax.random.key(0)), run(jax.random.key(0))
     jax.tree.map(np.testing.assert_array_equal, a, b)
     for method, verdict in a.items():
@@ -601,9 +599,7 @@ def test_traced_out_of_range_ids_end_their_branch():
 
     def run(tokens, valid):
         fn = jax.vmap(
-            lambda k: {
-                m: verify_tree(k, tree, tokens, lq, lp, valid, method=m) for m in vt.TREE_METHODS
-            }
+            lambda k: {m: verify_tree(k, tree, tokens, lq, lp, valid, method=m) for m in vt.METHODS}
         )
         return fn(keys)
 

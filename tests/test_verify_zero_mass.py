@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import asps_jax
-from asps_jax.verify import multi, tokenlevel
+from asps_jax.verify import options as verify_options
+from asps_jax.verify import tokenlevel
 from asps_jax.verify.selection import RuleConfig, build_pairwise
 
 
@@ -32,7 +33,7 @@ def _zero_token_laws(method, options, num_drafts, q_tokens):
     """float32 node laws pi(. | x = (0, .., 0)) when every chain drafted token 0 (p = 0, q tiny),
     one per q in ``q_tokens``, with the rule verify_drafts builds for ``method`` / ``options``."""
     vocab = len(P_ZERO_FIRST)
-    cfg = multi._rule_config(method, vocab, options)
+    cfg = verify_options.rule_config(method, vocab, options)
     x = jnp.zeros((num_drafts,), jnp.int32)
     alive = jnp.ones((num_drafts,), bool)
     p = jnp.asarray(P_ZERO_FIRST, jnp.float32)

@@ -20,8 +20,8 @@ from asps_jax.verify.api import (
     Verdict,
     verify_chain,
     verify_drafts,
+    verify_tree,
 )
-from asps_jax.verify.tree import verify_tree
 
 __all__ = [
     "CHAIN_METHODS",

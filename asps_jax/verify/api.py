@@ -3,53 +3,25 @@ verify/registry.py)."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from asps_jax import trees
 from asps_jax.verify import registry
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """Result of one verification step.
-
-    ``tokens[:num_tokens]`` are emitted: the accepted draft prefix, then one recovered or bonus
-    token; the remaining entries are -1. ``draft_index`` is the chain whose prefix the emitted
-    tokens follow (always 0 for a single chain). ``num_fallbacks`` counts selection solves that did
-    not converge and were replaced by an exact fallback rule (multi-draft LP methods only).
-    """
-
-    tokens: jax.Array  # int32[n+1]
-    num_tokens: jax.Array  # int32[]
-    draft_index: jax.Array  # int32[]
-    num_fallbacks: jax.Array  # int32[]
-
-
-def make_verdict(tokens, num_tokens, draft_index=0, num_fallbacks=0) -> Verdict:
-    """Build a :class:`Verdict`, filling slots at and beyond ``num_tokens`` with -1."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    num_tokens = jnp.asarray(num_tokens, jnp.int32)
-    keep = jnp.arange(tokens.shape[-1]) < num_tokens
-    return Verdict(
-        tokens=jnp.where(keep, tokens, -1),
-        num_tokens=num_tokens,
-        draft_index=jnp.asarray(draft_index, jnp.int32),
-        num_fallbacks=jnp.asarray(num_fallbacks, jnp.int32),
-    )
-
-
-ChainVerifier = Callable[..., Verdict]
-"""``fn(key, draft_tokens[n], draft_logprobs[n, V], target_logprobs[n+1, V], draft_length[])``."""
-
-DraftsVerifier = Callable[..., Verdict]
-"""``fn(key, draft_tokens[K, n], draft_logprobs[K, n, V], target_logprobs[K, n+1, V],
-draft_length[K], **options)``."""
-
+from asps_jax.verify.checks import (
+    check_distinct_roots,
+    check_draft_length,
+    check_dtypes,
+    check_token_range,
+)
+from asps_jax.verify.tree import sample_tree
+from asps_jax.verify.verdict import (  # noqa: F401  (re-exported: the public result types)
+    ChainVerifier,
+    DraftsVerifier,
+    TreeVerdict,
+    Verdict,
+    make_verdict,
+)
 
 # The public lists, derived from the one registry (verify/registry.py). verify_drafts also takes
 # the chain methods (on chain 0 alone), after the multi-draft ones.
@@ -61,74 +33,6 @@ WITHOUT_REPLACEMENT_METHODS: tuple[str, ...] = tuple(
 )
 # Sequence-level verifiers of a whole token tree (verify.tree.verify_tree, docs/algorithms.md §7).
 TREE_METHODS: tuple[str, ...] = registry.names("tree")
-
-
-def _check_method(method: str, known, fn_name: str) -> None:
-    if method not in known:
-        raise ValueError(
-            f"{fn_name}: unknown method {method!r}; choose one of {', '.join(sorted(known))}"
-        )
-
-
-def _check_draft_length(draft_length, n: int, shape: tuple, fn_name: str) -> jax.Array:
-    if draft_length is None:
-        return jnp.full(shape, n, jnp.int32)
-    if not isinstance(draft_length, jax.core.Tracer):
-        arr = np.asarray(draft_length)
-        if arr.shape != shape:
-            raise ValueError(f"{fn_name}: draft_length must have shape {shape}, got {arr.shape}")
-        if np.any(arr < 0) or np.any(arr > n):
-            raise ValueError(f"{fn_name}: draft_length must lie in [0, {n}], got {arr.tolist()}")
-    elif jnp.shape(draft_length) != shape:
-        raise ValueError(
-            f"{fn_name}: draft_length must have shape {shape}, got {jnp.shape(draft_length)}"
-        )
-    return jnp.clip(jnp.asarray(draft_length, jnp.int32), 0, n)
-
-
-def _concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
-def _check_dtypes(
-    draft_tokens, draft_logprobs, target_logprobs, fn_name: str, tokens_name: str = "draft_tokens"
-) -> None:
-    """Token ids must be integers and laws floating point (dtypes are known even when traced)."""
-    if not jnp.issubdtype(draft_tokens.dtype, jnp.integer):
-        raise ValueError(
-            f"{fn_name}: {tokens_name} must be integer ids, got dtype {draft_tokens.dtype}"
-        )
-    for name, arr in (("draft_logprobs", draft_logprobs), ("target_logprobs", target_logprobs)):
-        if not jnp.issubdtype(arr.dtype, jnp.floating):
-            raise ValueError(f"{fn_name}: {name} must be floating point, got dtype {arr.dtype}")
-
-
-def _check_token_range(
-    draft_tokens, vocab: int, fn_name: str, tokens_name: str = "draft token ids"
-) -> None:
-    """Concrete ids must lie in [0, V); traced ones out of range end their chain (never emitted,
-    chain.effective_length) or their branch (verify.tree)."""
-    if draft_tokens.size and _concrete(draft_tokens):
-        arr = np.asarray(draft_tokens)
-        bad = arr[(arr < 0) | (arr >= vocab)]
-        if bad.size:
-            raise ValueError(
-                f"{fn_name}: {tokens_name} must lie in [0, V={vocab}), got {bad[0].item()}"
-            )
-
-
-def _check_distinct_roots(draft_tokens, lengths, fn_name: str) -> None:
-    """Without-replacement drafts: the root tokens of the chains with draft_length > 0 must be
-    distinct (concrete input only; a traced repeat is never accepted)."""
-    if draft_tokens.shape[1] == 0 or not (_concrete(draft_tokens) and _concrete(lengths)):
-        return
-    roots = np.asarray(draft_tokens)[:, 0][np.asarray(lengths) > 0]
-    values, counts = np.unique(roots, return_counts=True)
-    if np.any(counts > 1):
-        raise ValueError(
-            f"{fn_name}: method 'specinfer_wor' needs distinct root tokens (drawn without "
-            f"replacement), but token {values[counts > 1][0].item()} is repeated"
-        )
 
 
 def verify_chain(
@@ -155,7 +59,7 @@ def verify_chain(
     Returns:
       A :class:`Verdict` with ``tokens`` int32[n+1] and ``1 <= num_tokens <= draft_length + 1``.
     """
-    _check_method(method, CHAIN_METHODS, "verify_chain")
+    entry = registry.resolve(method, CHAIN_METHODS, "verify_chain")
     draft_tokens = jnp.asarray(draft_tokens)
     draft_logprobs = jnp.asarray(draft_logprobs)
     target_logprobs = jnp.asarray(target_logprobs)
@@ -174,11 +78,10 @@ def verify_chain(
             f"verify_chain: target_logprobs must be [n+1={n + 1}, V={vocab}] "
             f"(draft vocabulary), got shape {target_logprobs.shape}"
         )
-    _check_dtypes(draft_tokens, draft_logprobs, target_logprobs, "verify_chain")
-    _check_token_range(draft_tokens, vocab, "verify_chain")
-    length = _check_draft_length(draft_length, n, (), "verify_chain")
-    fn = registry.REGISTRY[method].verifier
-    return fn(
+    check_dtypes(draft_tokens, draft_logprobs, target_logprobs, "verify_chain")
+    check_token_range(draft_tokens, vocab, "verify_chain")
+    length = check_draft_length(draft_length, n, (), "verify_chain")
+    return entry.verifier(
         key,
         draft_tokens.astype(jnp.int32),
         draft_logprobs.astype(jnp.float32),
@@ -214,7 +117,7 @@ def verify_drafts(
     Returns:
       A :class:`Verdict`; ``draft_index`` names a chain whose prefix the emitted tokens follow.
     """
-    _check_method(method, DRAFTS_METHODS, "verify_drafts")
+    entry = registry.resolve(method, DRAFTS_METHODS, "verify_drafts")
     draft_tokens = jnp.asarray(draft_tokens)
     draft_logprobs = jnp.asarray(draft_logprobs)
     target_logprobs = jnp.asarray(target_logprobs)
@@ -235,18 +138,97 @@ def verify_drafts(
             f"verify_drafts: target_logprobs must be [K={num_drafts}, n+1={n + 1}, V={vocab}], "
             f"got shape {target_logprobs.shape}"
         )
-    _check_dtypes(draft_tokens, draft_logprobs, target_logprobs, "verify_drafts")
-    _check_token_range(draft_tokens, vocab, "verify_drafts")
-    lengths = _check_draft_length(draft_length, n, (num_drafts,), "verify_drafts")
-    if method in WITHOUT_REPLACEMENT_METHODS:
-        _check_distinct_roots(draft_tokens, lengths, "verify_drafts")
+    check_dtypes(draft_tokens, draft_logprobs, target_logprobs, "verify_drafts")
+    check_token_range(draft_tokens, vocab, "verify_drafts")
+    lengths = check_draft_length(draft_length, n, (num_drafts,), "verify_drafts")
+    if entry.law == "without_replacement":
+        check_distinct_roots(draft_tokens, lengths, "verify_drafts")
     draft_tokens = draft_tokens.astype(jnp.int32)
     draft_logprobs = draft_logprobs.astype(jnp.float32)
     target_logprobs = target_logprobs.astype(jnp.float32)
-    entry = registry.REGISTRY[method]
     entry.validate(options, vocab=vocab)
     if entry.kind == "chain":
         return entry.verifier(
             key, draft_tokens[0], draft_logprobs[0], target_logprobs[0], lengths[0]
         )
     return entry.verifier(key, draft_tokens, draft_logprobs, target_logprobs, lengths, **options)
+
+
+def verify_tree(
+    key: jax.Array,
+    tree: trees.TokenTree | trees.Tree,
+    node_tokens: jax.Array,
+    draft_logprobs: jax.Array,
+    target_logprobs: jax.Array,
+    valid: jax.Array | None = None,
+    *,
+    method: str = "tv_wr",
+    **options,
+) -> TreeVerdict:
+    """Verify a drawn token tree against the target (docs/algorithms.md §7).
+
+    Args:
+      key: a PRNG key.
+      tree: the static tree (a :class:`~asps_jax.trees.TokenTree`, or the chain ``Tree`` of the
+        decode loop); node 0 is the root, the last committed token.
+      node_tokens: int32[N], the token of each slot (entry 0, the root, is not used).
+      draft_logprobs: float32[N, V], row i the law slot i's token was drawn from (row 0 unused).
+      target_logprobs: float32[N, V], row i the target law after slot i (leaves: the bonus law).
+      valid: bool[N], the slots that hold a drawn token (default all); ancestor-closed.
+      method: ``"tv"`` (traversal verification; trees drawn without replacement, or independent
+        draws), ``"tv_wr"`` (its with-replacement rule for independent draws) or ``"is_bv"``
+        (IS path selection + ASpS against the induced laws; independent draws).
+      options: ``"is_bv"`` only: ``alive="walkers"`` (default; laws conditioned on the drafts
+        actually alive) or ``"count"`` (marginal over the number of alive drafts; identical draft
+        models and a tree whose nodes at one depth have equal numbers of children), and
+        ``rule=`` ``"level_race"`` (default with ``alive="walkers"``), ``"fixed_order"``
+        (default and only named rule with ``alive="count"``) or a :class:`SelectionRule`.
+
+    Shapes and dtypes are checked (integer ids, floating laws), and concrete ids must lie in
+    ``[0, V)``, each a one-line ``ValueError``; a traced id outside ``[0, V)``, or one its draft
+    law gives probability 0, ends its branch, so no id outside the vocabulary is ever emitted.
+
+    Returns:
+      A :class:`TreeVerdict` with ``tokens`` and ``path`` int32[D+1].
+    """
+    if isinstance(tree, trees.Tree):
+        tree = trees.token_tree_of(tree)
+    if not isinstance(tree, trees.TokenTree):
+        raise ValueError(f"verify_tree: tree must be a TokenTree, got {type(tree).__name__}")
+    n_nodes = tree.num_nodes
+    node_tokens = jnp.asarray(node_tokens)
+    draft_logprobs = jnp.asarray(draft_logprobs)
+    target_logprobs = jnp.asarray(target_logprobs)
+    if node_tokens.shape != (n_nodes,):
+        raise ValueError(
+            f"verify_tree: node_tokens must be int32[N={n_nodes}], got shape {node_tokens.shape}"
+        )
+    if draft_logprobs.ndim != 2 or draft_logprobs.shape[0] != n_nodes:
+        raise ValueError(
+            f"verify_tree: draft_logprobs must be [N={n_nodes}, V], got shape "
+            f"{draft_logprobs.shape}"
+        )
+    if target_logprobs.shape != draft_logprobs.shape:
+        raise ValueError(
+            f"verify_tree: target_logprobs must be [N={n_nodes}, V={draft_logprobs.shape[1]}], "
+            f"got shape {target_logprobs.shape}"
+        )
+    valid = jnp.ones((n_nodes,), bool) if valid is None else jnp.asarray(valid, bool)
+    if valid.shape != (n_nodes,):
+        raise ValueError(f"verify_tree: valid must be bool[N={n_nodes}], got shape {valid.shape}")
+    # As verify_chain / verify_drafts: dtypes always, ids when concrete (the root's is not used);
+    # traced out-of-range ids end their branch (_in_contract).
+    check_dtypes(node_tokens, draft_logprobs, target_logprobs, "verify_tree", "node_tokens")
+    check_token_range(
+        node_tokens[1:], draft_logprobs.shape[1], "verify_tree", "node_tokens (slots 1..N-1)"
+    )
+    return sample_tree(
+        key,
+        tree,
+        node_tokens.astype(jnp.int32),
+        draft_logprobs.astype(jnp.float32),
+        target_logprobs.astype(jnp.float32),
+        valid,
+        method,
+        **options,
+    )

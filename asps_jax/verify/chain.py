@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from asps_jax.draws import accept_log, draw_categorical
 from asps_jax.logspace import NEG_INF, log_minus_exp, log_normalize
-from asps_jax.verify.api import Verdict, make_verdict
+from asps_jax.verify.verdict import Verdict, make_verdict
 
 # Purposes folded into the caller's key, so the draws of one step are independent.
 _ACCEPT, _RESIDUAL, _BONUS, _OUTCOME = 0, 1, 2, 3

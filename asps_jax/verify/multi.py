@@ -10,7 +10,7 @@ step stops after Y; if the matched chains end (depth n or their ``draft_length``
 drawn from the target at that depth. Conditional on the history the alive drafts' next tokens are
 fresh independent draws, so each node's exact scheme makes the whole step exact.
 
-:data:`METHODS` (the ``"drafts"`` entries of verify/registry.py): ``"specinfer"``, ``"spectr"``,
+The verifiers (the ``"drafts"`` entries of verify/registry.py): ``"specinfer"``, ``"spectr"``,
 ``"is"``, ``"optimal"`` and ``"specinfer_wor"`` (for root drafts drawn *without* replacement by
 :func:`sample_without_replacement`; a different draft law, hence a different name).
 
@@ -28,15 +28,15 @@ tournaments (``rule="truncated_lp"``, ``"fixed_order"``, ``"sir"``) remain as ``
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from asps_jax.draws import draw_from_weights, draw_without_replacement
 from asps_jax.verify import chain
-from asps_jax.verify.api import Verdict, make_verdict
-from asps_jax.verify.registry import REGISTRY, names
-from asps_jax.verify.selection import PAIRWISE_RULES, RULES, RuleConfig
+from asps_jax.verify import options as opts
+from asps_jax.verify.options import check_tail
 from asps_jax.verify.tokenlevel import (
     importance_sampling,
     sample_choice,
@@ -44,24 +44,23 @@ from asps_jax.verify.tokenlevel import (
     specinfer_without_replacement,
     spectr,
 )
-
-# The options and defaults live in the registry; ``tail`` is a keyword of every verifier here.
-IS_DEFAULTS = {k: v for k, v in REGISTRY["is"].options if k != "tail"}
-OPTIMAL_DEFAULTS = {k: v for k, v in REGISTRY["optimal"].options if k != "tail"}
-RACE_OPTIONS = ("levels", "fit_steps", "table")
-PAIRWISE_OPTIONS = ("s", "alphabet", "lp_iters", "tol")
+from asps_jax.verify.verdict import Verdict, make_verdict
 
 
-TAILS = ("asps", "sps")
+class _Walk(NamedTuple):
+    """The state of :func:`walk_chains` from one depth to the next."""
+
+    matched: jax.Array  # bool[K], the chains whose prefix is the emitted one
+    done: jax.Array  # bool[], the walk has stopped (a residual token, a bonus or a handover)
+    index: jax.Array  # int32[], the chain whose prefix the emitted tokens follow
+    emitted: jax.Array  # int32[n + 1], the tokens emitted so far (-1 beyond)
+    final_depth: jax.Array  # int32[], the depth of the last token (drawn after the walk)
+    final_law: jax.Array  # [V], the law the last token is drawn from
+    tail_depth: jax.Array  # int32[], where ASpS takes over the one alive chain (-1: never)
+    fallbacks: jax.Array  # int32[], selection solves replaced by the exact fallback
 
 
-def check_tail(tail) -> None:
-    """``tail`` must be ``"asps"`` (default) or ``"sps"`` (a one-line ValueError otherwise)."""
-    if tail not in TAILS:
-        raise ValueError(f"verify_drafts: tail must be one of {TAILS}, got {tail!r}")
-
-
-def verify_tree(
+def walk_chains(
     node_fn,
     key,
     draft_tokens,
@@ -95,9 +94,8 @@ def verify_tree(
     )
     key_nodes, key_final, key_tail = jax.random.split(key, 3)
 
-    def step(carry, d):
-        matched, done, index, emitted, final_depth, final_law, tail_depth, fallbacks = carry
-        alive = matched & (draft_length > d) & ~done
+    def step(w: _Walk, d):
+        alive = w.matched & (draft_length > d) & ~w.done
         any_alive = jnp.any(alive)
         first_alive = jnp.argmax(alive)
         handover = (jnp.sum(alive) == 1) if tail == "asps" else jnp.array(False)
@@ -113,41 +111,45 @@ def verify_tree(
         choice, outside = sample_choice(jax.random.fold_in(key_nodes, d), outcome, x, alive)
         hit = choice < num_drafts
         y = x[jnp.minimum(choice, num_drafts - 1)]
-        emit = ~done & any_alive & ~handover
-        needs_bonus = ~done & ~any_alive  # the matched chains ended before depth n
+        emit = ~w.done & any_alive & ~handover
+        needs_bonus = ~w.done & ~any_alive  # the matched chains ended before depth n
         stop = emit & ~hit  # a residual token that no alive draft shows: drawn after the loop
-        emitted = emitted.at[d].set(jnp.where(emit & hit, y, emitted[d]))
-        bonus_chain = jnp.argmax(matched)
-        final_law = jnp.where(stop, outside, final_law)
+        bonus_chain = jnp.argmax(w.matched)
+        final_law = jnp.where(stop, outside, w.final_law)
         final_law = jnp.where(needs_bonus, jnp.exp(target_logprobs[bonus_chain, d]), final_law)
-        final_depth = jnp.where(stop | needs_bonus, d, final_depth)
         # On a stop or a handover the first alive chain carries the emitted prefix; on a bonus
         # any matched one.
-        index = jnp.where(stop | handover, first_alive, index)
+        index = jnp.where(stop | handover, first_alive, w.index)
         index = jnp.where(needs_bonus, bonus_chain, index)
-        tail_depth = jnp.where(~done & handover, d, tail_depth)
-        fallbacks = fallbacks + jnp.where(emit, outcome.num_fallbacks, 0)
-        matched = jnp.where(emit & hit, alive & (x == y), matched)
-        done = done | stop | needs_bonus | handover
-        return (matched, done, index, emitted, final_depth, final_law, tail_depth, fallbacks), None
+        new = _Walk(
+            matched=jnp.where(emit & hit, alive & (x == y), w.matched),
+            done=w.done | stop | needs_bonus | handover,
+            index=index,
+            emitted=w.emitted.at[d].set(jnp.where(emit & hit, y, w.emitted[d])),
+            final_depth=jnp.where(stop | needs_bonus, d, w.final_depth),
+            final_law=final_law,
+            tail_depth=jnp.where(~w.done & handover, d, w.tail_depth),
+            fallbacks=w.fallbacks + jnp.where(emit, outcome.num_fallbacks, 0),
+        )
+        return new, None
 
     vocab = target_logprobs.shape[-1]
-    init = (
-        jnp.ones((num_drafts,), bool),
-        jnp.array(False),
-        jnp.zeros((), jnp.int32),
-        jnp.full((n + 1,), -1, jnp.int32),
-        jnp.full((), n, jnp.int32),
-        jnp.zeros((vocab,), target_logprobs.dtype),
-        jnp.full((), -1, jnp.int32),
-        jnp.zeros((), jnp.int32),
+    init = _Walk(
+        matched=jnp.ones((num_drafts,), bool),
+        done=jnp.array(False),
+        index=jnp.zeros((), jnp.int32),
+        emitted=jnp.full((n + 1,), -1, jnp.int32),
+        final_depth=jnp.full((), n, jnp.int32),
+        final_law=jnp.zeros((vocab,), target_logprobs.dtype),
+        tail_depth=jnp.full((), -1, jnp.int32),
+        fallbacks=jnp.zeros((), jnp.int32),
     )
     # n == 0 (no draft tokens) is static: the step is just the bonus token at the root.
-    carry = jax.lax.scan(step, init, jnp.arange(n))[0] if n else init
-    matched, done, index, emitted, final_depth, final_law, tail_depth, fallbacks = carry
+    w = jax.lax.scan(step, init, jnp.arange(n))[0] if n else init
+    emitted, final_depth, tail_depth = w.emitted, w.final_depth, w.tail_depth
     # Never stopped: every surviving chain reached depth n, the bonus comes from its last row.
-    index = jnp.where(done, index, jnp.argmax(matched))
-    final_law = jnp.where(done, final_law, jnp.exp(target_logprobs[index, n]))
+    index = jnp.where(w.done, w.index, jnp.argmax(w.matched))
+    final_law = jnp.where(w.done, w.final_law, jnp.exp(target_logprobs[index, n]))
     last = draw_from_weights(key_final, final_law)
     emitted = jnp.where(jnp.arange(n + 1) == final_depth, last, emitted)
     num_tokens = final_depth + 1
@@ -168,119 +170,13 @@ def verify_tree(
         tailed = tail_depth >= 0
         emitted = jnp.where(tailed & (jnp.arange(n + 1) >= start), shifted, emitted)
         num_tokens = jnp.where(tailed, start + suffix.num_tokens, num_tokens)
-    return make_verdict(emitted, num_tokens, index, fallbacks)
-
-
-def _reject_options(method: str, options: dict) -> None:
-    if options:
-        raise ValueError(f"verify_drafts: method {method!r} takes no options, got {options}")
-
-
-def _pick(method: str, options: dict, defaults: dict) -> dict:
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        raise ValueError(
-            f"verify_drafts: unknown option(s) {unknown} for method {method!r}; "
-            f"allowed: {sorted(defaults)}"
-        )
-    return {**defaults, **options}
-
-
-def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"verify_drafts: {name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _table(value) -> int:
-    """``table``: 0 (one level law per token) or B >= 2 tabulated laws."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value == 1:
-        raise ValueError(f"verify_drafts: table must be an int, 0 or >= 2, got {value!r}")
-    return value
-
-
-def _axis_name(value):
-    """``batch_axis``: None, or the name of the ``vmap`` axis the call is mapped over."""
-    if value is not None and not isinstance(value, str):
-        raise ValueError(
-            f"verify_drafts: batch_axis must be a vmap axis name or None, got {value!r}"
-        )
-    return value
-
-
-def _rule_config(method: str, vocab: int, options: dict) -> RuleConfig:
-    """Validate ``options`` (plain Python values) into a static :class:`RuleConfig`."""
-    if method == "optimal":
-        legacy = sorted(set(options) & set(PAIRWISE_OPTIONS))
-        if legacy:
-            raise ValueError(
-                f"verify_drafts: method 'optimal' is a gradient-fitted level race and takes no "
-                f"LP option {legacy}; the pairwise LP is method='is', rule='truncated_lp'"
-            )
-        opts = _pick(method, options, OPTIMAL_DEFAULTS)
-        return RuleConfig(
-            rule="level_race",
-            levels=_positive_int("levels", opts["levels"]),
-            fit_steps=_positive_int("fit_steps", opts["fit_steps"]),
-            table=_table(opts["table"]),
-            grad_steps=_positive_int("grad_steps", opts["grad_steps"], minimum=0),
-            batch_axis=_axis_name(opts["batch_axis"]),
-        )
-    opts = _pick(method, options, IS_DEFAULTS)
-    rule = opts["rule"]
-    if rule not in RULES:
-        raise ValueError(f"verify_drafts: unknown rule={rule!r}; choose one of {RULES}")
-    if rule == "level_race":
-        wrong = sorted(set(options) & set(PAIRWISE_OPTIONS))
-        if wrong:
-            raise ValueError(
-                f"verify_drafts: option(s) {wrong} apply to the pairwise rules "
-                f"{PAIRWISE_RULES} only, not rule='level_race' (which takes {RACE_OPTIONS})"
-            )
-        return RuleConfig(
-            rule=rule,
-            levels=_positive_int("levels", opts["levels"]),
-            fit_steps=_positive_int("fit_steps", opts["fit_steps"]),
-            table=_table(opts["table"]),
-            batch_axis=_axis_name(opts["batch_axis"]),
-        )
-    wrong = sorted(set(options) & set(RACE_OPTIONS))
-    if wrong:
-        raise ValueError(
-            f"verify_drafts: option(s) {wrong} apply to rule='level_race' only, not {rule!r}"
-        )
-    alphabet = opts["alphabet"]
-    if not isinstance(alphabet, int) or alphabet < 1:
-        raise ValueError(f"verify_drafts: alphabet must be a positive int, got {alphabet!r}")
-    if "alphabet" in options and alphabet > vocab:
-        raise ValueError(
-            f"verify_drafts: alphabet={alphabet} is larger than the vocabulary V={vocab}"
-        )
-    alphabet = min(alphabet, vocab)
-    if rule == "sir":
-        block = alphabet
-    elif rule == "fixed_order":
-        block = 1
-    else:
-        block = opts["s"]
-        if not isinstance(block, int) or block < 1:
-            raise ValueError(f"verify_drafts: s must be a positive int, got {block!r}")
-        if "s" in options and block > alphabet:
-            raise ValueError(f"verify_drafts: s={block} is larger than the alphabet ({alphabet})")
-        block = min(block, alphabet)
-    if "s" in options and rule != "truncated_lp":
-        raise ValueError(f"verify_drafts: s applies to rule='truncated_lp' only, not {rule!r}")
-    if not isinstance(opts["lp_iters"], int) or opts["lp_iters"] < 0:
-        raise ValueError(f"verify_drafts: lp_iters must be an int >= 0, got {opts['lp_iters']!r}")
-    return RuleConfig(
-        rule=rule, block=block, alphabet=alphabet, lp_iters=opts["lp_iters"], tol=float(opts["tol"])
-    )
+    return make_verdict(emitted, num_tokens, index, w.fallbacks)
 
 
 def verify_specinfer(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> Verdict:
     """SpecInfer: recursive rejection sampling with replacement at every node (§3.2)."""
-    _reject_options("specinfer", options)
-    return verify_tree(specinfer, key, tokens, lq, lp, draft_length, tail=tail)
+    opts.NONE.check("specinfer", options)
+    return walk_chains(specinfer, key, tokens, lq, lp, draft_length, tail=tail)
 
 
 def verify_specinfer_wor(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> Verdict:
@@ -290,8 +186,8 @@ def verify_specinfer_wor(key, tokens, lq, lp, draft_length, *, tail="asps", **op
     Root tokens must be distinct among the chains with ``draft_length > 0``: ``verify_drafts``
     raises a ValueError naming a repeated token on concrete input; on traced input a repeated root
     token is never accepted (tokenlevel.specinfer_without_replacement)."""
-    _reject_options("specinfer_wor", options)
-    return verify_tree(
+    opts.NONE.check("specinfer_wor", options)
+    return walk_chains(
         specinfer,
         key,
         tokens,
@@ -305,8 +201,8 @@ def verify_specinfer_wor(key, tokens, lq, lp, draft_length, *, tail="asps", **op
 
 def verify_spectr(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> Verdict:
     """SpecTr k-sequential selection with the smallest feasible division factor (§3.4)."""
-    _reject_options("spectr", options)
-    return verify_tree(spectr, key, tokens, lq, lp, draft_length, tail=tail)
+    opts.NONE.check("spectr", options)
+    return walk_chains(spectr, key, tokens, lq, lp, draft_length, tail=tail)
 
 
 def verify_is(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> Verdict:
@@ -320,8 +216,8 @@ def verify_is(key, tokens, lq, lp, draft_length, *, tail="asps", **options) -> V
     is ``vmap``-ed with that ``axis_name`` over a batch's rows, the level race fits a node only
     if some row has two alive drafts there (``level_race.fit_race``; the same verdicts).
     """
-    cfg = _rule_config("is", lp.shape[-1], options)
-    return verify_tree(
+    cfg = opts.rule_config("is", lp.shape[-1], options)
+    return walk_chains(
         functools.partial(importance_sampling, cfg=cfg),
         key,
         tokens,
@@ -342,8 +238,8 @@ def verify_optimal(key, tokens, lq, lp, draft_length, *, tail="asps", **options)
     a certified optimum. Cost per node with two or more alive drafts: O(K V) plus ~ (15 + 3 * 200)
     evaluations of an O(K J B) closed form on the table. ``batch_axis`` as for :func:`verify_is`.
     """
-    cfg = _rule_config("optimal", lp.shape[-1], options)
-    return verify_tree(
+    cfg = opts.rule_config("optimal", lp.shape[-1], options)
+    return walk_chains(
         functools.partial(importance_sampling, cfg=cfg),
         key,
         tokens,
@@ -371,7 +267,3 @@ def sample_without_replacement(key: jax.Array, draft_logprobs: jax.Array, num_dr
             f"sample_without_replacement: num_drafts must be in [1, V={vocab}], got {num_drafts}"
         )
     return draw_without_replacement(key, draft_logprobs, num_drafts)
-
-
-METHODS = {name: REGISTRY[name].verifier for name in names("drafts")}
-"""The multi-draft verifiers of the registry (verify/registry.py), name -> function."""

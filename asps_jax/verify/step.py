@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import trees
-from asps_jax.verify.api import Verdict, verify_chain, verify_drafts
-from asps_jax.verify.tree import verify_tree
+from asps_jax.verify.api import verify_chain, verify_drafts, verify_tree
+from asps_jax.verify.verdict import Verdict
 
 
 def scored_slots(method, tree: trees.DraftTree, node_tokens_BN, valid_BN, merge: bool):

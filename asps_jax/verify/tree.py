@@ -33,38 +33,21 @@ handled in linear space.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Protocol
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from asps_jax import draws, trees
 from asps_jax.logspace import NEG_INF
-from asps_jax.verify.api import TREE_METHODS, _check_dtypes, _check_token_range
+from asps_jax.verify import options as opts
 from asps_jax.verify.chain import asps_outcome_logweights
-from asps_jax.verify.level_race import fit_race, race_selection
+from asps_jax.verify.tree_rules import FixedOrderRule, LevelRaceRule, SelectionRule
+from asps_jax.verify.verdict import TreeVerdict
 
-ALIVE_MODES = ("walkers", "count")
-TREE_RULES = ("level_race", "fixed_order")  # the named selection rules of "is_bv"
+METHODS = ("tv", "tv_wr", "is_bv")  # the verifiers here (the registry's "tree" entries)
+_OPTIONS = {"tv": opts.TREE_NONE, "tv_wr": opts.TREE_NONE, "is_bv": opts.SELECTION}
+
 _STOP, _TOKEN, _SELECT = 0, 1, 2
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TreeVerdict:
-    """Result of verifying a tree.
-
-    ``tokens[:num_tokens]`` are emitted: the tokens of the accepted root path, then one recovered
-    or bonus token (-1 beyond). ``path[:num_tokens]`` are the nodes to commit: the root, then the
-    accepted nodes (canonical slots of the node table), -1 beyond.
-    """
-
-    tokens: jax.Array  # int32[D+1]
-    num_tokens: jax.Array  # int32[]
-    path: jax.Array  # int32[D+1]
 
 
 def _weight(w_par, p_x, q_x):
@@ -181,127 +164,6 @@ def _traversal_outcome(tree, tokens, q, p, node, parent, real, valid_slot, restr
 # --------------------------------------------------------------------------------------------
 
 
-class SelectionRule(Protocol):
-    """An importance-sampling selection rule for the walkers of one node, with its exact law.
-
-    ``walkers(p, q_WV, tokens_W, alive_W) -> (select_W, q_I [V])``: P(walker w's token is
-    selected | the tokens) for each walker (zero off ``alive_W``, summing to 1), and the law of
-    the selected token when the alive walkers are independent draws from their rows of ``q_WV``
-    (marginal over the tokens and over the rule's own randomness).
-
-    ``counted(p, q_V, pi_M, tokens_W, alive_W) -> (select_W, q_I [V], survivors [W, M])``: the
-    same for m i.i.d. draws from ``q_V`` with m ~ ``pi_M`` (m = 0..M-1); ``survivors[w, j]`` =
-    P(walker w's token is selected and shown by j of the m draws), the law of the number of
-    drafts still alive below the selected node. The pick is drawn from ``select_W`` (one-hot for
-    a deterministic rule).
-    """
-
-    def walkers(self, p, q_WV, tokens_W, alive_W): ...
-
-    def counted(self, p, q_V, pi_M, tokens_W, alive_W): ...
-
-
-@dataclasses.dataclass(frozen=True)
-class FixedOrderRule:
-    """Select the walker token of highest rank, ranking tokens by ``log p - log mean(q)`` (ties:
-    the smaller token id ranks higher). Deterministic given the tokens.
-
-    With ``B_w(z)`` the mass of q_w ranked below z and ``A_w = q_w + B_w``,
-    ``q_I(z) = prod_w A_w(z) - prod_w B_w(z)``, built from the non-negative terms
-    ``sum_k prod_{w<k} B_w(z) q_k(z) prod_{w>k} A_w(z)``; for m i.i.d. draws
-    ``A^m - B^m = q sum_{i<m} A^i B^(m-1-i)`` and P(z selected, j draws show z) =
-    ``C(m, j) q(z)^j B(z)^(m-j)``. One sort of the vocabulary per node.
-    """
-
-    def _ascending(self, p, q_mean):
-        """Tokens from the lowest rank to the highest: ``int32[V]``."""
-        key = jnp.where(q_mean > 0, _log(p) - _log(q_mean), -jnp.inf)
-        vocab = key.shape[0]
-        # Stable sort of the reversed keys: among equal keys the larger token id comes first.
-        return (vocab - 1 - jnp.argsort(jnp.flip(key), stable=True)).astype(jnp.int32)
-
-    def _select(self, order, tokens_W, alive_W):
-        """One-hot ``[W]``: the alive walker whose token ranks highest."""
-        position = (
-            jnp.zeros(order.shape, jnp.int32)
-            .at[order]
-            .set(jnp.arange(order.shape[0], dtype=jnp.int32))
-        )
-        best = jnp.argmax(jnp.where(alive_W, position[tokens_W], -1))
-        return jax.nn.one_hot(best, tokens_W.shape[0])
-
-    def walkers(self, p, q_WV, tokens_W, alive_W):
-        count = jnp.maximum(jnp.sum(alive_W), 1)
-        order = self._ascending(p, jnp.sum(jnp.where(alive_W[:, None], q_WV, 0.0), 0) / count)
-        q_s = q_WV[:, order]  # [W, V] in ascending rank
-        b_s = jnp.cumsum(q_s, axis=1) - q_s
-        b = jnp.where(alive_W[:, None], b_s, 1.0)
-        a = jnp.where(alive_W[:, None], q_s + b_s, 1.0)
-        before = jnp.concatenate([jnp.ones_like(b[:1]), jnp.cumprod(b, axis=0)[:-1]])
-        after = jnp.flip(jnp.cumprod(jnp.flip(a, 0), axis=0), 0)
-        after = jnp.concatenate([after[1:], jnp.ones_like(a[:1])])
-        law_s = jnp.sum(jnp.where(alive_W[:, None], before * q_s * after, 0.0), axis=0)
-        law = jnp.zeros_like(law_s).at[order].set(law_s)
-        return self._select(order, tokens_W, alive_W).astype(law.dtype), law
-
-    def counted(self, p, q_V, pi_M, tokens_W, alive_W):
-        size = pi_M.shape[0]
-        order = self._ascending(p, q_V)
-        q_s = q_V[order]
-        b_s = jnp.cumsum(q_s) - q_s
-        a_s = q_s + b_s
-
-        # G_m = sum_{i<m} A^i B^(m-1-i): G_0 = 0, G_{m+1} = A^m + B G_m.
-        def power(carry, _):
-            g, a_m = carry
-            return (a_m + b_s * g, a_m * a_s), g
-
-        init = (jnp.zeros_like(q_s), jnp.ones_like(q_s))
-        _, g_MV = jax.lax.scan(power, init, None, length=size)
-        law = jnp.zeros_like(q_s).at[order].set(q_s * jnp.einsum("m,mv->v", pi_M, g_MV))
-        b_W = jnp.zeros_like(b_s).at[order].set(b_s)[tokens_W]
-        m = np.arange(size)[:, None]
-        j = np.arange(size)[None, :]
-        binom = np.array(
-            [[math.comb(mm, jj) * (1 <= jj <= mm) for jj in range(size)] for mm in m[:, 0]]
-        )
-        # survivors[w, j] = sum_m pi(m) C(m, j) q(z_w)^j B(z_w)^(m-j).
-        weight = pi_M[:, None] * jnp.asarray(binom, q_V.dtype)  # [m, j]
-        powers = (
-            q_V[tokens_W][:, None, None] ** j[None]
-            * b_W[:, None, None] ** np.maximum(m - j, 0)[None]
-        )  # [W, m, j]
-        surv = jnp.einsum("mj,wmj->wj", weight, powers)
-        return self._select(order, tokens_W, alive_W).astype(law.dtype), law, surv
-
-
-@dataclasses.dataclass(frozen=True)
-class LevelRaceRule:
-    """The level race (level_race.py, docs/algorithms.md §3.10) at each node of the path: every
-    alive walker draws a level from its token's level law, the lowest level wins, ties uniformly.
-    Its induced law is exact for walkers drawn from different laws, and its rates are fitted to
-    the target at the node, so the selected token's law tracks p far better than a fixed order
-    (which over-selects the top-ranked tokens on flat laws). A node with one alive walker selects
-    it (``q_I = q``, no fit). Random: the pick is drawn from ``select_W``.
-
-    Only ``alive="walkers"``: the law of the number of drafts alive below a race's winner has no
-    closed form here (:class:`FixedOrderRule` gives it).
-    """
-
-    levels: int = 16  # J
-    fit_steps: int = 15  # T
-    table: int = 128  # B: level laws tabulated on log(p / q) (level_race.fit_race; 0: per token)
-    batch_axis: str | None = None  # a vmap axis over rows: fit only when some row needs it
-
-    def walkers(self, p, q_WV, tokens_W, alive_W):
-        options = dict(table=self.table, batch_axis=self.batch_axis)
-        race = fit_race(p, q_WV, alive_W, self.levels, self.fit_steps, **options)
-        return race_selection(race, tokens_W, alive_W), race.q_sel
-
-    def counted(self, p, q_V, pi_M, tokens_W, alive_W):
-        raise NotImplementedError('LevelRaceRule supports alive="walkers" only')
-
-
 def _is_bv_outcome(
     tree, tokens, q, p, node, parent, real, valid_slot, rule, alive, select_key, picks=None
 ):
@@ -319,7 +181,7 @@ def _is_bv_outcome(
     # The walkers of one node all sit at one depth: gather at most that many rows.
     max_walkers = int(np.bincount(tree.depth).max()) if max_depth else 1
     if alive == "count":
-        widths = _uniform_widths(tree)
+        widths = opts.uniform_widths(tree)
         size = n_nodes + 1
         pi0 = jnp.zeros((size,), dtype).at[widths[0] if widths else 0].set(1.0)
         next_width = jnp.asarray(widths[1:] + (1,), jnp.int32)
@@ -377,65 +239,6 @@ def _is_bv_outcome(
     return stop, emit, jnp.sum(log_pick_D)
 
 
-def _uniform_widths(tree: trees.TokenTree) -> tuple[int, ...]:
-    """Children per node at each depth; ``alive="count"`` needs them equal within a depth."""
-    widths = []
-    for d in range(tree.max_depth):
-        counts = set(tree.num_children[tree.depth == d].tolist())
-        if len(counts) != 1:
-            raise ValueError(
-                'verify_tree: alive="count" needs a tree whose nodes at one depth all have the '
-                f"same number of children; depth {d} has {sorted(counts)}"
-            )
-        widths.append(counts.pop())
-    return tuple(widths)
-
-
-def _check_options(tree, method: str, options: dict) -> dict:
-    """Validate the options of ``method`` (plain Python values) before anything is traced."""
-    if method not in TREE_METHODS:
-        raise ValueError(
-            f"verify_tree: unknown method {method!r}; choose one of {', '.join(TREE_METHODS)}"
-        )
-    if method != "is_bv":
-        if options:
-            raise ValueError(f"verify_tree: method {method!r} takes no options, got {options}")
-        return {}
-    unknown = sorted(set(options) - {"rule", "alive"})
-    if unknown:
-        raise ValueError(f"verify_tree: unknown option(s) {unknown} for method 'is_bv'")
-    alive = options.get("alive", "walkers")
-    if alive not in ALIVE_MODES:
-        raise ValueError(f"verify_tree: alive must be one of {ALIVE_MODES}, got {alive!r}")
-    if alive == "count":
-        _uniform_widths(tree)
-    # alive="count" needs the law of the number of alive drafts, which the fixed order gives.
-    rule = options.get("rule", "fixed_order" if alive == "count" else "level_race")
-    if isinstance(rule, str):
-        if rule not in TREE_RULES:
-            raise ValueError(
-                f"verify_tree: rule must be one of {TREE_RULES} or a SelectionRule, got {rule!r}"
-            )
-        rule = LevelRaceRule() if rule == "level_race" else FixedOrderRule()
-    elif not all(callable(getattr(rule, name, None)) for name in ("walkers", "counted")):
-        raise ValueError(
-            f"verify_tree: rule must be one of {TREE_RULES} or a SelectionRule (an object with "
-            f"walkers() and counted()), got {type(rule).__name__}"
-        )
-    if alive == "count" and isinstance(rule, LevelRaceRule):
-        raise ValueError(
-            "verify_tree: alive='count' needs rule='fixed_order' (the level race gives no law "
-            "of the number of drafts alive below its winner)"
-        )
-    return {"rule": rule, "alive": alive}
-
-
-def check_options(tree: trees.TokenTree, method: str, **options) -> None:
-    """Raise a one-line ``ValueError`` for an unknown tree method or options it does not take,
-    before anything is traced (what :func:`verify_tree` checks; the sampler calls it)."""
-    _check_options(tree, method, options)
-
-
 def _in_contract(node_tokens, draft_logprobs, valid):
     """``(tokens, valid)``: a slot whose id lies outside ``[0, V)``, or whose draft law gives its
     token probability 0, cannot have been drawn; it ends its branch (it and its subtree count as
@@ -479,7 +282,7 @@ def tree_outcome(
       probability that the step emits the root path of node i and then one token drawn from
       ``emit[i]``; ``stop`` is zero off the merged tree and sums to 1.
     """
-    options = _check_options(tree, method, options)
+    options = check_options(tree, method, options)
     select_key = jax.random.key(0) if select_key is None else select_key
     stop, emit, _, _ = _outcome(
         tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
@@ -490,7 +293,7 @@ def tree_outcome(
 def sample_tree(key, tree, node_tokens, draft_logprobs, target_logprobs, valid, method, **options):
     """One verification step: the outcome law (after the selection draw of ``"is_bv"``), one stop
     draw and one token draw."""
-    options = _check_options(tree, method, options)
+    options = check_options(tree, method, options)
     select_key = jax.random.fold_in(key, _SELECT)
     stop, emit, node, node_tokens = _outcome(
         tree, node_tokens, draft_logprobs, target_logprobs, valid, method, options, select_key
@@ -510,81 +313,14 @@ def sample_tree(key, tree, node_tokens, draft_logprobs, target_logprobs, valid, 
     )
 
 
-def verify_tree(
-    key: jax.Array,
-    tree: trees.TokenTree | trees.Tree,
-    node_tokens: jax.Array,
-    draft_logprobs: jax.Array,
-    target_logprobs: jax.Array,
-    valid: jax.Array | None = None,
-    *,
-    method: str = "tv_wr",
-    **options,
-) -> TreeVerdict:
-    """Verify a drawn token tree against the target (docs/algorithms.md §7).
-
-    Args:
-      key: a PRNG key.
-      tree: the static tree (a :class:`~asps_jax.trees.TokenTree`, or the chain ``Tree`` of the
-        decode loop); node 0 is the root, the last committed token.
-      node_tokens: int32[N], the token of each slot (entry 0, the root, is not used).
-      draft_logprobs: float32[N, V], row i the law slot i's token was drawn from (row 0 unused).
-      target_logprobs: float32[N, V], row i the target law after slot i (leaves: the bonus law).
-      valid: bool[N], the slots that hold a drawn token (default all); ancestor-closed.
-      method: ``"tv"`` (traversal verification; trees drawn without replacement, or independent
-        draws), ``"tv_wr"`` (its with-replacement rule for independent draws) or ``"is_bv"``
-        (IS path selection + ASpS against the induced laws; independent draws).
-      options: ``"is_bv"`` only: ``alive="walkers"`` (default; laws conditioned on the drafts
-        actually alive) or ``"count"`` (marginal over the number of alive drafts; identical draft
-        models and a tree whose nodes at one depth have equal numbers of children), and
-        ``rule=`` ``"level_race"`` (default with ``alive="walkers"``), ``"fixed_order"``
-        (default and only named rule with ``alive="count"``) or a :class:`SelectionRule`.
-
-    Shapes and dtypes are checked (integer ids, floating laws), and concrete ids must lie in
-    ``[0, V)``, each a one-line ``ValueError``; a traced id outside ``[0, V)``, or one its draft
-    law gives probability 0, ends its branch, so no id outside the vocabulary is ever emitted.
-
-    Returns:
-      A :class:`TreeVerdict` with ``tokens`` and ``path`` int32[D+1].
-    """
-    if isinstance(tree, trees.Tree):
-        tree = trees.token_tree_of(tree)
-    if not isinstance(tree, trees.TokenTree):
-        raise ValueError(f"verify_tree: tree must be a TokenTree, got {type(tree).__name__}")
-    n_nodes = tree.num_nodes
-    node_tokens = jnp.asarray(node_tokens)
-    draft_logprobs = jnp.asarray(draft_logprobs)
-    target_logprobs = jnp.asarray(target_logprobs)
-    if node_tokens.shape != (n_nodes,):
+def check_options(tree, method: str, options) -> dict:
+    """``method``'s options resolved (a one-line ``ValueError`` for an unknown tree method or an
+    option it does not take), before anything is traced."""
+    if method not in METHODS:
         raise ValueError(
-            f"verify_tree: node_tokens must be int32[N={n_nodes}], got shape {node_tokens.shape}"
+            f"verify_tree: unknown method {method!r}; choose one of {', '.join(METHODS)}"
         )
-    if draft_logprobs.ndim != 2 or draft_logprobs.shape[0] != n_nodes:
-        raise ValueError(
-            f"verify_tree: draft_logprobs must be [N={n_nodes}, V], got shape "
-            f"{draft_logprobs.shape}"
-        )
-    if target_logprobs.shape != draft_logprobs.shape:
-        raise ValueError(
-            f"verify_tree: target_logprobs must be [N={n_nodes}, V={draft_logprobs.shape[1]}], "
-            f"got shape {target_logprobs.shape}"
-        )
-    valid = jnp.ones((n_nodes,), bool) if valid is None else jnp.asarray(valid, bool)
-    if valid.shape != (n_nodes,):
-        raise ValueError(f"verify_tree: valid must be bool[N={n_nodes}], got shape {valid.shape}")
-    # As verify_chain / verify_drafts: dtypes always, ids when concrete (the root's is not used);
-    # traced out-of-range ids end their branch (_in_contract).
-    _check_dtypes(node_tokens, draft_logprobs, target_logprobs, "verify_tree", "node_tokens")
-    _check_token_range(
-        node_tokens[1:], draft_logprobs.shape[1], "verify_tree", "node_tokens (slots 1..N-1)"
-    )
-    return sample_tree(
-        key,
-        tree,
-        node_tokens.astype(jnp.int32),
-        draft_logprobs.astype(jnp.float32),
-        target_logprobs.astype(jnp.float32),
-        valid,
-        method,
-        **options,
-    )
+    return _OPTIONS[method].check(method, options, tree=tree)
+
+
+__all__ = ["FixedOrderRule", "LevelRaceRule", "SelectionRule", "sample_tree", "tree_outcome"]
