@@ -25,7 +25,7 @@ draft replicas (``B*K``, or ``B*prod(widths)`` for a tree), depth ``D``, vocabul
 * ``outputs``: the emitted tokens and their log-probabilities. :func:`check` adds the weights.
 
 Each part is an upper bound of what XLA keeps live (elementwise chains counted as materialized);
-tests/test_hostile.py compares the total with the measured peak of real runs.
+tests/test_sampler_bad_input.py compares the total with the measured peak of real runs.
 """
 
 from __future__ import annotations

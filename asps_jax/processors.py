@@ -136,6 +136,12 @@ def ngram_window(sizes) -> int:
     return 0 if largest <= 0 else max(4, 1 << (largest - 1).bit_length())
 
 
+def _laid_out(sharding: str):
+    """An array field (no default) with its layout over the batch: ``dataclasses.field``
+    metadata "sharding", in the vocabulary of :func:`asps_jax.sharding.shard_inputs`."""
+    return dataclasses.field(metadata=dict(sharding=sharding))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -166,25 +172,25 @@ class SamplingParams:
     :mod:`asps_jax.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
     """
 
-    temperature: jax.Array
-    draft_temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    eos_ids: jax.Array
-    min_p: jax.Array
-    repetition_penalty: jax.Array
-    presence_penalty: jax.Array
-    frequency_penalty: jax.Array
-    no_repeat_ngram_size: jax.Array
-    logit_bias: jax.Array
-    dfa_next: jax.Array
-    dfa_final: jax.Array
-    dfa_start: jax.Array
+    # Each array field declares its layout (read by :meth:`row_fields` and by
+    # :func:`asps_jax.sharding.shard_inputs`): "rows" = one entry per row (split along the batch,
+    # repeated per draft), "replicated" = one value for all rows.
+    temperature: jax.Array = _laid_out("rows")
+    draft_temperature: jax.Array = _laid_out("rows")
+    top_k: jax.Array = _laid_out("rows")
+    top_p: jax.Array = _laid_out("rows")
+    eos_ids: jax.Array = _laid_out("replicated")
+    min_p: jax.Array = _laid_out("rows")
+    repetition_penalty: jax.Array = _laid_out("rows")
+    presence_penalty: jax.Array = _laid_out("rows")
+    frequency_penalty: jax.Array = _laid_out("rows")
+    no_repeat_ngram_size: jax.Array = _laid_out("rows")
+    logit_bias: jax.Array = _laid_out("rows")
+    dfa_next: jax.Array = _laid_out("replicated")
+    dfa_final: jax.Array = _laid_out("replicated")
+    dfa_start: jax.Array = _laid_out("rows")
     ngram_window: int = dataclasses.field(default=0, metadata=dict(static=True))
     constrained: bool = dataclasses.field(default=False, metadata=dict(static=True))
-
-    SHARED_FIELDS = ("eos_ids", "dfa_next", "dfa_final")
-    """The array fields that are not per row (replicated, never repeated per draft)."""
 
     @classmethod
     def make(
@@ -243,6 +249,12 @@ class SamplingParams:
         """The names of the array fields (the static ``ngram_window`` left out)."""
         return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("static"))
 
+    @classmethod
+    def row_fields(cls) -> tuple[str, ...]:
+        """The names of the per-row array fields (the others hold one value for all rows)."""
+        fields = dataclasses.fields(cls)
+        return tuple(f.name for f in fields if f.metadata.get("sharding") == "rows")
+
     def process(self, logits_BV: jax.Array, *, draft: bool = False) -> jax.Array:
         """Row-wise :func:`process_logits` of ``logits[B, ..., V]`` with each row's parameters
         (temperature, top-k, top-p, min-p; the path-dependent controls come first, see
@@ -269,5 +281,6 @@ class SamplingParams:
     def repeat(self, k: int) -> SamplingParams:
         """The parameters of rows ``b * k + j`` (K draft replicas per row)."""
         rep = functools.partial(jnp.repeat, repeats=k, axis=0)
-        per_row = [name for name in self.array_fields() if name not in self.SHARED_FIELDS]
-        return dataclasses.replace(self, **{name: rep(getattr(self, name)) for name in per_row})
+        return dataclasses.replace(
+            self, **{name: rep(getattr(self, name)) for name in self.row_fields()}
+        )

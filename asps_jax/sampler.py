@@ -455,6 +455,181 @@ def check_memory(
     )
 
 
+def _layout(sharding: str, default=dataclasses.MISSING):
+    """A field with its layout on a mesh (:data:`asps_jax.sharding.LAYOUTS`)."""
+    return dataclasses.field(default=default, metadata=dict(sharding=sharding))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeInputs:
+    """The array arguments of ``Decoder.generate`` (a pytree; ``prefill`` takes all but
+    ``sampling``, ``step`` the parameters and ``sampling``). Each field declares its layout on a
+    mesh, which :func:`asps_jax.sharding.shard_inputs` follows, field by field.
+
+    Attributes:
+      target_params, draft_params: the models' parameters in their run layout (``draft_params``
+        None for ``"ar"``).
+      sampling: the per-row :class:`~asps_jax.processors.SamplingParams`.
+      prompts_BP: int32[B, P], right-padded prompts (``B`` a padded batch).
+      prompt_lengths_B: int32[B]; 0 for the padding rows (they start done).
+      row_keys_B: one PRNG key per row.
+      stop: the call's :class:`~asps_jax.stopping.StopStrings`, or None.
+    """
+
+    target_params: dict = _layout(sharding.PARAMS)
+    draft_params: dict | None = _layout(sharding.PARAMS)
+    sampling: SamplingParams = _layout(sharding.FIELDS)
+    prompts_BP: jax.Array = _layout(sharding.ROWS)
+    prompt_lengths_B: jax.Array = _layout(sharding.ROWS)
+    row_keys_B: jax.Array = _layout(sharding.ROWS)
+    stop: stopping.StopStrings | None = _layout(sharding.FIELDS, None)
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of ``Decoder.generate`` (one level: the fields themselves)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    def prefill_kwargs(self) -> dict:
+        """The keyword arguments of ``Decoder.prefill`` (all but ``sampling``)."""
+        return {name: value for name, value in self.kwargs().items() if name != "sampling"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare` returns: a checked call, ready to run.
+
+    Attributes:
+      decoder: the static :class:`asps_jax.decode.Decoder` (compiled in).
+      inputs: the :class:`DecodeInputs` (placed on the mesh when there is one).
+      batch: the number of prompts; rows from ``batch`` on pad the batch and start done.
+    """
+
+    decoder: decode.Decoder
+    inputs: DecodeInputs
+    batch: int
+
+    def generate(self) -> decode.DecodeState:
+        """Run the whole loop (``Decoder.generate``) on the inputs."""
+        return self.decoder.generate(**self.inputs.kwargs())
+
+
+def _check_spec(target, draft, method, num_drafts, num_draft_tokens, tree, max_new_tokens, options):
+    """The method, its draft tree and sizes checked; returns ``(target, draft, spec)`` with the
+    vocabularies aligned (and no draft for ``"ar"``)."""
+    widths = _check_tree(tree, method, num_drafts, num_draft_tokens)
+    if widths:
+        num_drafts, num_draft_tokens = math.prod(widths), len(widths)
+    num_draft_tokens = _check_int(
+        "num_draft_tokens", 8 if num_draft_tokens is None else num_draft_tokens, 1
+    )
+    num_drafts = _check_int("num_drafts", 1 if num_drafts is None else num_drafts, 1)
+    if method != "ar":  # padded embeddings of one tokenizer: both laws on the shared ids
+        target, draft = align_vocabularies(target, draft)
+    _check_method(method, draft, target, num_drafts, num_draft_tokens, options)
+    if method == "ar":
+        num_draft_tokens, num_drafts, draft = 1, 1, None
+    spec = decode.SpecConfig(
+        method=method,
+        num_draft_tokens=num_draft_tokens,
+        num_drafts=num_drafts,
+        max_new_tokens=max_new_tokens,
+        options=tuple(sorted(options.items())),
+        widths=widths,
+    )
+    return target, draft, spec
+
+
+def _check_fits(target, draft, spec: decode.SpecConfig, batch: int, longest: int, mesh) -> None:
+    """Refuse a call whose prompt, new tokens and draft do not fit the models' context, or whose
+    caches and tree do not fit the device memory; then check a tree method's options against
+    the tree (built only once :func:`check_memory` has passed)."""
+    context = target.config.max_position_embeddings
+    if draft is not None:
+        context = min(context, draft.config.max_position_embeddings)
+    if longest + spec.max_new_tokens > context:
+        raise ValueError(
+            f"prompt of {longest} tokens plus max_new_tokens={spec.max_new_tokens} exceeds the "
+            f"model context of {context} positions; shorten the prompt or lower max_new_tokens"
+        )
+    if draft is not None and spec.num_draft_tokens >= context:
+        raise ValueError(
+            f"num_draft_tokens={spec.num_draft_tokens} does not fit the model context of "
+            f"{context} positions; lower num_draft_tokens"
+        )
+    options = dict(spec.options)
+    check_memory(
+        target,
+        draft,
+        batch=batch,
+        prompt_len=longest,
+        max_new_tokens=spec.max_new_tokens,
+        num_draft_tokens=spec.num_draft_tokens,
+        num_drafts=spec.num_drafts,
+        mesh=mesh,
+        method=spec.method,
+        widths=spec.widths,
+        options=options,
+    )
+    _check_tree_options(spec.method, spec.num_drafts, spec.num_draft_tokens, options, spec.widths)
+
+
+def _sampling_params(target, batch: int, padded: int, sampling: dict) -> SamplingParams:
+    """The :class:`SamplingParams` of the ``padded`` rows from :func:`prepare`'s sampling
+    arguments (``sampling``: their names and values; scalars or one value per prompt)."""
+    top_k = sampling["top_k"]
+    if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32
+        top_k = np.minimum(np.asarray(top_k, np.int64), target.vocab_size)
+    controls = (
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "no_repeat_ngram_size",
+    )
+    constraint = _constraint_rows(target, sampling["regex"], sampling["json_schema"], batch, padded)
+    return SamplingParams.make(
+        padded,
+        _per_row("temperature", sampling["temperature"], batch, padded),
+        _per_row("top_k", top_k, batch, padded),
+        _per_row("top_p", sampling["top_p"], batch, padded),
+        _per_row("draft_temperature", sampling["draft_temperature"], batch, padded),
+        eos_ids=_eos_ids(target, sampling["eos_token_id"]),
+        logit_bias=_logit_bias_rows(sampling["logit_bias"], batch, padded, target.vocab_size),
+        constraint=constraint,
+        **{name: _per_row(name, sampling[name], batch, padded) for name in controls},
+    )
+
+
+def _decoder(target, draft, spec, prompt_width: int, mesh, diagnostics, top_logprobs):
+    """The static :class:`asps_jax.decode.Decoder` of a call (its KV cache length bucketed)."""
+    cache_len = _round_up(
+        prompt_width + spec.max_new_tokens + spec.num_draft_tokens + 2, _CACHE_BUCKET
+    )
+    return decode.Decoder(
+        target_config=target.config,
+        draft_config=None if draft is None else draft.config,
+        spec=spec,
+        cache_len=cache_len,
+        mesh=mesh,
+        diagnostics=bool(diagnostics),
+        top_logprobs=top_logprobs,
+    )
+
+
+def _placed(inputs: DecodeInputs, mesh, target, draft) -> DecodeInputs:
+    """The inputs on the mesh (jit propagates their shardings through the whole loop), the
+    parameters in each model's fast run layout (made once per model)."""
+    if mesh is not None:
+        inputs = sharding.shard_inputs(
+            inputs, mesh, {"target_params": target, "draft_params": draft}
+        )
+    changes = {}
+    for name, model in (("target_params", target), ("draft_params", draft)):
+        if getattr(inputs, name) is not None:
+            changes[name] = run_params(model, getattr(inputs, name))
+    return dataclasses.replace(inputs, **changes)
+
+
 def prepare(
     target,
     draft,
@@ -485,12 +660,12 @@ def prepare(
     regex=None,
     json_schema=None,
     **options,
-):
-    """Validate the arguments of :func:`sample`; returns ``(batch, args)``.
+) -> Prepared:
+    """Validate the arguments of :func:`sample`; returns the :class:`Prepared` call: the static
+    :class:`asps_jax.decode.Decoder`, the :class:`DecodeInputs` (the array pytrees of
+    ``Decoder.generate``) and the number of prompts.
 
-    ``args["decoder"]`` is the static :class:`asps_jax.decode.Decoder`; the other entries are the
-    array pytrees of ``Decoder.generate`` (``target_params``, ``draft_params``, ``sampling``,
-    ``prompts_BP``, ``prompt_lengths_B``, ``row_keys_B``). ``temperature``, ``top_k``, ``top_p``,
+    ``temperature``, ``top_k``, ``top_p``,
     ``draft_temperature``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
     ``frequency_penalty`` and ``no_repeat_ngram_size`` may also be given per prompt, and
     ``logit_bias`` as one ``{token id: bias}`` dict per prompt (docs/api.md: the controls and their
@@ -517,16 +692,9 @@ def prepare(
             "stop: stop strings are matched against the tokens' text, and the target model was "
             "loaded without a tokenizer"
         )
-    widths = _check_tree(tree, method, num_drafts, num_draft_tokens)
-    if widths:
-        num_drafts, num_draft_tokens = math.prod(widths), len(widths)
-    num_draft_tokens = _check_int(
-        "num_draft_tokens", 8 if num_draft_tokens is None else num_draft_tokens, 1
+    target, draft, spec = _check_spec(
+        target, draft, method, num_drafts, num_draft_tokens, tree, max_new_tokens, options
     )
-    num_drafts = _check_int("num_drafts", 1 if num_drafts is None else num_drafts, 1)
-    if method != "ar":  # padded embeddings of one tokenizer: both laws on the shared ids
-        target, draft = align_vocabularies(target, draft)
-    _check_method(method, draft, target, num_drafts, num_draft_tokens, options)
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
     _validate_controls(
         repetition_penalty, presence_penalty, frequency_penalty, no_repeat_ngram_size, min_p
@@ -537,115 +705,64 @@ def prepare(
             f"top_logprobs must be at most the vocabulary size {target.vocab_size}, got "
             f"{top_logprobs}"
         )
-    if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32
-        top_k = np.minimum(np.asarray(top_k, np.int64), target.vocab_size)
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
-    if method == "ar":
-        num_draft_tokens, num_drafts, draft = 1, 1, None
     prompts_bp, lengths_b, batch = _as_prompt_array(prompts, prompt_lengths, target.vocab_size)
-    context = target.config.max_position_embeddings
-    if draft is not None:
-        context = min(context, draft.config.max_position_embeddings)
-    longest = int(lengths_b.max())
-    if longest + max_new_tokens > context:
-        raise ValueError(
-            f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model "
-            f"context of {context} positions; shorten the prompt or lower max_new_tokens"
-        )
-    if draft is not None and num_draft_tokens >= context:
-        raise ValueError(
-            f"num_draft_tokens={num_draft_tokens} does not fit the model context of {context} "
-            "positions; lower num_draft_tokens"
-        )
-    check_memory(
-        target,
-        draft,
-        batch=batch,
-        prompt_len=longest,
-        max_new_tokens=max_new_tokens,
-        num_draft_tokens=num_draft_tokens,
-        num_drafts=num_drafts,
-        mesh=mesh,
-        method=method,
-        widths=widths,
-        options=options,
-    )
-    _check_tree_options(method, num_drafts, num_draft_tokens, options, widths)
+    _check_fits(target, draft, spec, batch, int(lengths_b.max()), mesh)
     if mesh is not None:  # rows of length 0 until the batch splits evenly over "data"
         prompts_bp, lengths_b = sharding.pad_batch(
             prompts_bp, lengths_b, sharding.batch_multiple(mesh)
         )
     padded = prompts_bp.shape[0]
-    spec = decode.SpecConfig(
-        method=method,
-        num_draft_tokens=num_draft_tokens,
-        num_drafts=num_drafts,
-        max_new_tokens=max_new_tokens,
-        options=tuple(sorted(options.items())),
-        widths=widths,
-    )
-    controls = dict(
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        no_repeat_ngram_size=no_repeat_ngram_size,
-    )
-    constraint = _constraint_rows(target, regex, json_schema, batch, padded)
-    sampling = SamplingParams.make(
+    sampling = _sampling_params(
+        target,
+        batch,
         padded,
-        _per_row("temperature", temperature, batch, padded),
-        _per_row("top_k", top_k, batch, padded),
-        _per_row("top_p", top_p, batch, padded),
-        _per_row("draft_temperature", draft_temperature, batch, padded),
-        eos_ids=_eos_ids(target, eos_token_id),
-        logit_bias=_logit_bias_rows(logit_bias, batch, padded, target.vocab_size),
-        constraint=constraint,
-        **{name: _per_row(name, value, batch, padded) for name, value in controls.items()},
+        dict(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            draft_temperature=draft_temperature,
+            eos_token_id=eos_token_id,
+            logit_bias=logit_bias,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            regex=regex,
+            json_schema=json_schema,
+        ),
     )
-    cache_len = _round_up(
-        prompts_bp.shape[1] + max_new_tokens + num_draft_tokens + 2, _CACHE_BUCKET
-    )
-    decoder = decode.Decoder(
-        target_config=target.config,
-        draft_config=None if draft is None else draft.config,
-        spec=spec,
-        cache_len=cache_len,
-        mesh=mesh,
-        diagnostics=bool(diagnostics),
-        top_logprobs=top_logprobs,
-    )
-    args = dict(
-        decoder=decoder,
+    decoder = _decoder(target, draft, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs)
+    row_keys = _row_keys(key, batch, padded)
+    stop_state = None
+    if stop_bytes:
+        table = stopping.cached_table(target.tokenizer, target.vocab_size)
+        stop_state = stopping.stop_strings(table, stop_bytes, padded)
+    inputs = DecodeInputs(
         target_params=target.params,
         draft_params=None if draft is None else draft.params,
         sampling=sampling,
         prompts_BP=jnp.asarray(prompts_bp),
         prompt_lengths_B=jnp.asarray(lengths_b),
-        row_keys_B=_row_keys(key, batch, padded),
-        stop=None,
+        row_keys_B=row_keys,
+        stop=stop_state,
     )
-    if stop_bytes:
-        table = stopping.cached_table(target.tokenizer, target.vocab_size)
-        args["stop"] = stopping.stop_strings(table, stop_bytes, padded)
     # Several processes: each passes the full batch, so row keys follow the global row index.
+    # Every input but the parameters (which the decoder's repr stands for) is compared.
+    per_call = [
+        getattr(inputs, f.name)
+        for f in dataclasses.fields(inputs)
+        if sharding.layout(inputs, f.name) != sharding.PARAMS
+    ]
     sharding.check_same_everywhere(
         mesh,
         "the prompts, key, models, method or sampling arguments",
         np.frombuffer(repr(decoder).encode(), np.uint8),  # models, method, shapes
-        prompts_bp,
-        lengths_b,
-        args["row_keys_B"],
-        *(getattr(sampling, f) for f in sampling.array_fields()),
-        *(() if args["stop"] is None else (args["stop"].strings,)),
+        *jax.tree.leaves(per_call),
     )
-    if mesh is not None:  # jit propagates the input shardings through the whole loop
-        args = sharding.shard_inputs(args, mesh, {"target": target, "draft": draft})
-    for which, model in (("target", target), ("draft", draft)):
-        if args[f"{which}_params"] is not None:  # the forward's fast layout, made once per model
-            args[f"{which}_params"] = run_params(model, args[f"{which}_params"])
-    return batch, args
+    return Prepared(decoder=decoder, inputs=_placed(inputs, mesh, target, draft), batch=batch)
 
 
 def summarize_stats(state: decode.DecodeState, batch: int) -> dict:
@@ -705,10 +822,9 @@ def sample(
     recompile).
     """
     _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
-    batch, args = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
-    decoder = args.pop("decoder")
-    state = decoder.generate(**args)
-    return _finish(state, decoder.spec, batch, return_logprobs, decoder.mesh)
+    call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
+    state = call.generate()
+    return _finish(state, call.decoder.spec, call.batch, return_logprobs, call.decoder.mesh)
 
 
 @contextlib.contextmanager
@@ -747,17 +863,14 @@ class Session:
     ):
         self.return_logprobs = bool(return_logprobs)
         _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
-        self.batch_size, args = prepare(
-            target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs
-        )
-        self.decoder: decode.Decoder = args.pop("decoder")
+        call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
+        self.batch_size = call.batch
+        self.decoder: decode.Decoder = call.decoder
         self.spec: decode.SpecConfig = self.decoder.spec
-        self._params = {k: args[k] for k in ("target_params", "draft_params")}
-        self._prefill_args = {
-            **self._params,
-            **{k: args[k] for k in ("prompts_BP", "prompt_lengths_B", "row_keys_B", "stop")},
-        }
-        self._sampling = args["sampling"]
+        inputs = call.inputs
+        self._params = dict(target_params=inputs.target_params, draft_params=inputs.draft_params)
+        self._prefill_args = inputs.prefill_kwargs()
+        self._sampling = inputs.sampling
         self._prefill = functools.partial(decode.prefill, self.decoder)
         self._step = functools.partial(decode.spec_step, self.decoder)
         self._state: decode.DecodeState | None = None

@@ -275,10 +275,57 @@ def place_model_params(model, mesh: Mesh, rules: ShardingRules = ShardingRules()
     return cached[1]
 
 
+# The layouts a dataclass field of the loop's inputs declares in its ``dataclasses.field``
+# metadata "sharding" (SamplingParams, StopStrings, sampler.DecodeInputs): a field that declares
+# none is refused, so a new field cannot go unplaced.
+ROWS = "rows"  # one entry per row: split along the leading batch axis
+REPLICATED = "replicated"  # one value for all rows: whole on every device
+FIELDS = "fields"  # a dataclass (or None) whose own fields declare their layouts
+PARAMS = "params"  # a model's parameters: by its param_axes (shard_inputs' ``models``)
+LAYOUTS = (ROWS, REPLICATED, FIELDS, PARAMS)
+
+
+def _rows(a, mesh: Mesh, rules: ShardingRules) -> NamedSharding:
+    """Split along the leading (batch) axis; a scalar is replicated."""
+    spec = rules.partition_spec(("batch",), a.shape[:1], dict(mesh.shape)) if a.ndim else ()
+    return NamedSharding(mesh, P(*spec, *([None] * (a.ndim - 1))))
+
+
+def layout(obj, name: str) -> str:
+    """The layout the dataclass field ``name`` of ``obj`` declares (one of :data:`LAYOUTS`)."""
+    field = {f.name: f for f in dataclasses.fields(obj)}[name]
+    value = field.metadata.get("sharding")
+    if value not in LAYOUTS:
+        raise TypeError(
+            f"{type(obj).__name__}.{name} declares no layout: give the field "
+            f"metadata={{'sharding': one of {LAYOUTS}}} so that it is placed on a mesh"
+        )
+    return value
+
+
+def field_shardings(obj, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """``obj`` (a dataclass of arrays, or of their ``eval_shape``) with a ``NamedSharding`` in
+    place of each array, as its fields declare (:data:`LAYOUTS`); a ``"params"`` field is left
+    as it is (placed by :func:`shard_inputs`), a None field stays None."""
+    changes = {}
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if field.metadata.get("static") or value is None:
+            continue
+        how = layout(obj, field.name)
+        if how == ROWS:
+            changes[field.name] = jax.tree.map(lambda a: _rows(a, mesh, rules), value)
+        elif how == REPLICATED:
+            changes[field.name] = jax.tree.map(lambda _: NamedSharding(mesh, P()), value)
+        elif how == FIELDS:
+            changes[field.name] = field_shardings(value, mesh, rules)
+    return dataclasses.replace(obj, **changes)
+
+
 def state_shardings(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """A ``NamedSharding`` per leaf of a decode state (or of its ``eval_shape``): KV caches by
-    ``CACHE_AXES``, the stop strings' tables replicated, every other array along its leading
-    batch axis.
+    ``CACHE_AXES``, the stop strings as their fields declare (:func:`field_shardings`), every
+    other array along its leading batch axis.
 
     The state between two compiled steps needs *one* fixed layout: an ahead-of-time compiled step
     only accepts the shardings it was compiled for, and jit alone may pick a different layout for
@@ -286,21 +333,16 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """
     mesh_shape = dict(mesh.shape)
 
-    def rows(a):
-        spec = rules.partition_spec(("batch",), a.shape[:1], mesh_shape) if a.ndim else ()
-        return NamedSharding(mesh, P(*spec, *([None] * (a.ndim - 1))))
-
     def place(x):
         if isinstance(x, KVCache):
             kv = NamedSharding(mesh, rules.partition_spec(CACHE_AXES, x.shape, mesh_shape))
             if x.per_layer:  # each layer's buffer as the stacked cache's slice
                 kv = NamedSharding(mesh, P(*kv.spec[1:]))
                 kv = (kv,) * x.shape[0]
-            return KVCache(k=kv, v=kv, lengths=rows(x.lengths))
-        if isinstance(x, StopStrings):  # the tables whole on every device, the tails by row
-            whole = jax.tree.map(lambda _: NamedSharding(mesh, P()), x)
-            return dataclasses.replace(whole, tail=rows(x.tail))
-        return rows(x)
+            return KVCache(k=kv, v=kv, lengths=_rows(x.lengths, mesh, rules))
+        if isinstance(x, StopStrings):
+            return field_shardings(x, mesh, rules)
+        return _rows(x, mesh, rules)
 
     return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, KVCache | StopStrings))
 
@@ -332,20 +374,6 @@ def sharded_shapes(state_shape, mesh: Mesh, rules: ShardingRules = ShardingRules
         state_shape,
         state_shardings(state_shape, mesh, rules),
     )
-
-
-def shard_batch(x, mesh: Mesh, rules: ShardingRules = ShardingRules()):
-    """Place an array (or a pytree of arrays) with a leading batch axis split along data."""
-
-    def place(a):
-        spec = rules.partition_spec(("batch",), a.shape[:1], dict(mesh.shape))
-        return put(a, NamedSharding(mesh, P(*spec, *([None] * (a.ndim - 1)))))
-
-    return jax.tree.map(place, x)
-
-
-def replicate(x, mesh: Mesh):
-    return jax.tree.map(lambda a: put(a, NamedSharding(mesh, P())), x)
 
 
 def put(x, sharding: NamedSharding):
@@ -408,33 +436,24 @@ def pad_batch(prompts_BP: np.ndarray, lengths_B: np.ndarray, multiple: int):
     return prompts_BP, np.concatenate([lengths_B, np.zeros(extra, lengths_B.dtype)])
 
 
-def shard_inputs(
-    args: dict, mesh: Mesh, models: dict, rules: ShardingRules = ShardingRules()
-) -> dict:
-    """Place the array arguments of ``Decoder.generate`` / ``prefill`` (as built by
-    ``sampler.prepare``) on ``mesh``: parameters by ``param_axes``, per-row inputs along data.
+def shard_inputs(inputs, mesh: Mesh, models: dict, rules: ShardingRules = ShardingRules()):
+    """Place the array arguments of ``Decoder.generate`` / ``prefill`` (``sampler.DecodeInputs``,
+    or any dataclass whose fields declare their layouts) on ``mesh``, each field as it declares
+    (:data:`LAYOUTS`), nested dataclasses field by field: parameters by ``param_axes``, per-row
+    arrays along data, the rest whole on every device. A field that declares no layout is refused
+    (:func:`layout`), so none goes unplaced.
 
-    ``models``: ``{"target": Model, "draft": Model | None}``, whose ``params`` are in ``args``.
+    ``models``: ``{field name: Model}`` for the ``"params"`` fields (the parameters placed are
+    ``model.params``, remembered per model: :func:`place_model_params`).
     """
-    out = dict(args)
-    for which, model in models.items():
-        if args[f"{which}_params"] is not None:
-            out[f"{which}_params"] = place_model_params(model, mesh, rules)
-    for name in ("prompts_BP", "prompt_lengths_B", "row_keys_B"):
-        out[name] = shard_batch(args[name], mesh, rules)
-    if args.get("stop") is not None:  # the tables whole on every device, the tails by row
-        stop = replicate(args["stop"], mesh)
-        out["stop"] = dataclasses.replace(stop, tail=shard_batch(args["stop"].tail, mesh, rules))
-    sampling = args["sampling"]
-    # Every per-row field along data (derived from the dataclass, so a new field is never left
-    # unsharded); the EOS ids are one list for all rows.
-    out["sampling"] = dataclasses.replace(
-        sampling,
-        **{
-            name: shard_batch(getattr(sampling, name), mesh, rules)
-            for name in sampling.array_fields()
-            if name not in sampling.SHARED_FIELDS
-        },
-        **{name: replicate(getattr(sampling, name), mesh) for name in sampling.SHARED_FIELDS},
-    )
-    return out
+    shardings = field_shardings(inputs, mesh, rules)
+    changes = {}
+    for field in dataclasses.fields(inputs):
+        value = getattr(inputs, field.name)
+        if value is None:
+            continue
+        if layout(inputs, field.name) == PARAMS:
+            changes[field.name] = place_model_params(models[field.name], mesh, rules)
+        else:
+            changes[field.name] = jax.tree.map(put, value, getattr(shardings, field.name))
+    return dataclasses.replace(inputs, **changes)

@@ -202,11 +202,13 @@ class StopStrings:
         before its start.
     """
 
-    token_bytes: jax.Array
-    token_lengths: jax.Array
-    strings: jax.Array
-    string_lengths: jax.Array
-    tail: jax.Array
+    # The layout over the batch (metadata "sharding", read by asps_jax.sharding): the tables
+    # whole on every device, the tails by row.
+    token_bytes: jax.Array = dataclasses.field(metadata=dict(sharding="replicated"))
+    token_lengths: jax.Array = dataclasses.field(metadata=dict(sharding="replicated"))
+    strings: jax.Array = dataclasses.field(metadata=dict(sharding="replicated"))
+    string_lengths: jax.Array = dataclasses.field(metadata=dict(sharding="replicated"))
+    tail: jax.Array = dataclasses.field(metadata=dict(sharding="rows"))
 
 
 def _bucket(x: int, minimum: int) -> int:

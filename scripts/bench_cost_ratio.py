@@ -262,14 +262,15 @@ def run_method(target, draft, prompt, method, n, args) -> dict:
             eos_token_id=-1,
         )
 
-    batch, call = prepare(args.seed)
+    prepared = prepare(args.seed)
+    batch, call = prepared.batch, prepared.inputs.kwargs()
     start = time.perf_counter()
-    decoder = call.pop("decoder")  # static: the compiled program takes the rest
-    compiled = decode.generate.lower(decoder, **call).compile()
+    # The decoder is static: the compiled program takes the inputs.
+    compiled = decode.generate.lower(prepared.decoder, **call).compile()
     compile_s = time.perf_counter() - start
     jax.block_until_ready(compiled(**call))  # warm-up
     # One key per run, so that tokens per step pools independent runs.
-    runs = iter([prepare(args.seed + 1 + i)[1]["row_keys_B"] for i in range(args.repeats)])
+    runs = iter([prepare(args.seed + 1 + i).inputs.row_keys_B for i in range(args.repeats)])
     states = []
 
     def run_once():

@@ -138,7 +138,7 @@ def _ours(model, tokens: np.ndarray, repeats: int) -> dict[str, tuple[float, flo
 
 
 def _ours_ar(model, prompt: np.ndarray, new_tokens: int, repeats: int) -> tuple[float, float]:
-    batch, call = sampler.prepare(
+    prepared = sampler.prepare(
         model,
         None,
         prompt,
@@ -147,8 +147,8 @@ def _ours_ar(model, prompt: np.ndarray, new_tokens: int, repeats: int) -> tuple[
         method="ar",
         eos_token_id=-1,
     )
-    decoder = call.pop("decoder")  # static: the compiled program takes the rest
-    compiled = decode.generate.lower(decoder, **call).compile()
+    call = prepared.inputs.kwargs()  # the decoder is static: the compiled program takes these
+    compiled = decode.generate.lower(prepared.decoder, **call).compile()
 
     def run():
         state = jax.block_until_ready(compiled(**call))

@@ -329,7 +329,7 @@ BENCH_SCHEMA = {
 def run_ours(target, draft, prompts, method, n, k, args, tree=(), controls=None) -> dict:
     sizes = dict(tree=tree) if tree else dict(num_draft_tokens=n, num_drafts=k)
     sizes.update(controls or {})
-    batch, call = sampler.prepare(
+    prepared = sampler.prepare(
         target,
         None if method == "ar" else draft,
         prompts,
@@ -344,11 +344,10 @@ def run_ours(target, draft, prompts, method, n, k, args, tree=(), controls=None)
         eos_token_id=-1,
         diagnostics=True,  # the root optimal-acceptance column
     )
-    decoder = call.pop("decoder")
+    batch, dynamic = prepared.batch, prepared.inputs.kwargs()  # the decoder is compiled in
     start = time.perf_counter()
-    compiled = decode.generate.lower(decoder, **call).compile()
+    compiled = decode.generate.lower(prepared.decoder, **dynamic).compile()
     compile_s = time.perf_counter() - start
-    dynamic = call  # the array pytrees; the decoder is compiled in
     if args.repeats > 0:
         jax.block_until_ready(compiled(**dynamic))  # warm-up: first-call allocations
     times = []

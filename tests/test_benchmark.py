@@ -324,3 +324,18 @@ def test_cost_ratio_smoke_beside_transformers(tmp_path, capsys):
     args = (cost.SMOKE_TARGET, cost.SMOKE_DRAFT), 0.2, 0.07, 0, root
     assert list(cost.checkpoint_pair(*args)) == paths
     assert [(p / "model.safetensors").stat().st_mtime_ns for p in paths] == stamps
+
+
+def test_bench_model_smoke(tmp_path, capsys):
+    """scripts/bench_model.py: ours beside transformers per workload (a Llama checkpoint)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_model.py"
+    spec = importlib.util.spec_from_file_location("bench_model", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    argv = ["--smoke", "--prefix", "12", "--repeats", "1", "--ar-tokens", "4", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["prefill", "decode", "chain9", "ar_token"]
+    assert all(r["ours_tok_s"] > 0 and r["torch_tok_s"] > 0 for r in rows)
+    assert "| chain9 | 9 |" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""scripts/sample.py via main([...]) on the bundled pair, once as a subprocess, and its errors."""
+"""scripts/sample.py via main([...]) on the bundled pair, once as a subprocess (its bad flags and
+faults: test_cli_bad_input.py)."""
 
 from __future__ import annotations
 
@@ -128,64 +129,6 @@ def test_runs_as_a_subprocess_without_network():
     )
     assert proc.returncode == 0, proc.stderr
     assert "--- statistics ---" in proc.stdout and "Traceback" not in proc.stderr
-
-
-@pytest.mark.parametrize(
-    "argv, needle",
-    [
-        (["--method", "nope"], "invalid choice"),
-        (["--num-draft-tokens", "-2"], "positive integer"),
-        (["--top-p", "1.5"], "top-p"),
-        (["--top-p", "0"], "top-p"),
-        (["--temperature", "-1"], ">= 0"),
-        (["--dtype", "f16"], "invalid choice"),
-        (["--tree", "2,x"], "every width >= 1"),
-        (["--tree", "2,0"], "every width >= 1"),
-        (["--method", "tv", "--tree", "2,2", "--num-drafts", "3"], "drop --num-drafts 3"),
-        (["--method", "asps", "--tree", "2,2"], "verifies draft chains (drop --tree)"),
-        (["--method", "ar", "--tree", "2,2"], "uses no draft (drop --tree)"),
-        (["--prompt", "ROMEO\udcff"], "argument --prompt: expected UTF-8 text, got byte 0xff"),
-        (["--prompt", "ok", "--prompt", "\ud800"], "argument --prompt: expected UTF-8 text"),
-        (["--stop", "a", "--stop", ""], "--stop '' is empty"),
-        (["--stop", "x" * 65], "at most 64"),
-        ([arg for i in range(17) for arg in ("--stop", str(i))], "at most 16"),
-        (["--repetition-penalty", "0"], "a finite number > 0"),
-        (["--repetition-penalty", "-1.5"], "a finite number > 0"),
-        (["--presence-penalty", "nan"], "a finite number"),
-        (["--frequency-penalty", "inf"], "a finite number"),
-        (["--no-repeat-ngram-size", "-1"], "an integer >= 0"),
-        (["--min-p", "1.5"], "in [0, 1]"),
-        (["--logit-bias", "5"], "ID=BIAS"),
-        (["--logit-bias", "5=inf"], "ID=BIAS"),
-        (["--logit-bias=-2=1"], "ID=BIAS"),
-        (["--top-logprobs", "2"], "--top-logprobs needs --json"),
-    ],
-)
-def test_bad_flags_exit_with_one_line(capsys, argv, needle):
-    with pytest.raises(SystemExit) as info:
-        cli.main(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
-    if "--tree" in argv and "--num-drafts" not in argv:
-        assert "--num-drafts" not in err  # the flag the user typed is the one blamed
-
-
-@pytest.mark.parametrize(
-    "argv, needle",
-    [
-        (["--target", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
-        (["--target", "no-such-alias"], "no-such-alias"),
-        (["--method", "asps", "--num-drafts", "2"], "single draft chain"),
-        (["--prompt", "x " * 3000], "context"),
-        (["--logit-bias", "99999=1"], "logit_bias: token id 99999 lies outside"),
-        (["--json", "--top-logprobs", "99999"], "top_logprobs must be at most"),
-    ],
-)
-def test_bad_runs_exit_nonzero_with_one_line(capsys, argv, needle):
-    assert cli.main(argv + ["--max-new-tokens", "4"]) != 0
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and needle in err
 
 
 def test_llama7b_without_weights_explains_where_it_looked(capsys, monkeypatch, tmp_path):

@@ -214,30 +214,27 @@ def test_every_node_law_is_processed_from_its_own_path(models, method, shape):
     generated = [[1, 9, 1, 4], [6, 6, 2, 7]]  # committed as if generated (the models' caches
     # hold the prompt only: the logits come from the prompt, the controls from the whole text)
     controls = dict(CONTROLS, no_repeat_ngram_size=[2, 3], repetition_penalty=[1.8, 0.6])
-    _, args = sampler.prepare(
+    call = sampler.prepare(
         target, draft, prompts, key=jax.random.key(3), max_new_tokens=8, method=method,
         eos_token_id=-1, draft_temperature=1.2, **controls, **WARP, **shape,
     )  # fmt: skip
-    dec = args.pop("decoder")
+    dec, inputs = call.decoder, call.inputs
     spec = dec.spec
-    state = decode.prefill(
-        dec, *(args[k] for k in ("target_params", "draft_params", "prompts_BP")),
-        *(args[k] for k in ("prompt_lengths_B", "row_keys_B")),
-    )  # fmt: skip
+    state = decode.prefill(dec, **inputs.prefill_kwargs())
     block = np.full((state.root.shape[0], 4), -1, np.int32)
     block[:2] = generated
     history = state.history.append(jnp.asarray(block), jnp.array([4, 4] + [0] * (len(block) - 2)))
     state = dataclasses.replace(state, history=history)
 
     @jax.jit
-    def laws(args, state):
-        drafts = decode._draft(dec, args["draft_params"], args["sampling"], state)
+    def laws(inputs, state):
+        drafts = decode._draft(dec, inputs.draft_params, inputs.sampling, state)
         target_lp, _, _, _ = decode._score(
-            dec, args["target_params"], args["sampling"], state, drafts
+            dec, inputs.target_params, inputs.sampling, state, drafts
         )
         return drafts, target_lp
 
-    drafts, target_lp = laws(args, state)
+    drafts, target_lp = laws(inputs, state)
     tree = spec.tree.nodes
     node_tokens_BN = np.asarray(drafts.tokens_BN)
     scored_BN = np.asarray(drafts.scored_BN)

@@ -311,46 +311,6 @@ def test_stream_yields_the_same_tokens_as_sample(pair):
     np.testing.assert_array_equal(np.asarray(final.tokens), np.asarray(full.tokens))
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(method="nope"), "unknown method"),
-        (dict(method="asps", num_drafts=2), "single draft chain"),
-        (dict(temperature=-1.0), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-2), "top_k"),
-        (dict(num_draft_tokens=0), "num_draft_tokens"),
-        (dict(max_new_tokens=0), "max_new_tokens"),
-        (dict(prompts=[[]]), "empty"),
-        (dict(prompts=[[1, VOCAB]]), "outside"),
-        (dict(prompts=[list(range(VOCAB)) * 5]), "context"),
-        (dict(draft=None), "needs a draft"),
-    ],
-)
-def test_bad_input_is_a_clear_error(pair, kwargs, match):
-    _, target, draft = pair
-    args = dict(
-        target=target,
-        draft=draft,
-        prompts=[PROMPT],
-        key=jax.random.key(0),
-        max_new_tokens=MAX_NEW,
-        method="asps",
-    )
-    args.update(kwargs)
-    with pytest.raises(ValueError, match=match):
-        asps_jax.sample(**args)
-
-
-def test_mismatched_vocabularies_are_refused(pair, tmp_path):
-    _, target, _ = pair
-    _write_llama(tmp_path / "other", 3, vocab=VOCAB + 4)
-    other = asps_jax.load_model(str(tmp_path / "other"))
-    with pytest.raises(ValueError, match="vocab"):
-        asps_jax.sample(target, other, [PROMPT], key=jax.random.key(0), max_new_tokens=2)
-
-
 def test_nan_logits_raise_and_keep_the_output(pair, tmp_path):
     _, target, _ = pair
     _write_llama(tmp_path / "nan", 4, nan=True)

@@ -58,7 +58,7 @@ def test_merged_tree_scores_fewer_nodes_and_gives_the_same_tokens(pair, method):
     a repeated slot)."""
     _, target, draft = pair
     rows, k = 64, 3
-    batch, args = sampler.prepare(
+    call = sampler.prepare(
         target,
         draft,
         [PROMPT] * rows,
@@ -70,7 +70,7 @@ def test_merged_tree_scores_fewer_nodes_and_gives_the_same_tokens(pair, method):
         draft_temperature=0.7,  # peaked draft laws: chains often repeat each other
         eos_token_id=-1,
     )
-    merged_decoder = args.pop("decoder")
+    merged_decoder, args, batch = call.decoder, call.inputs.kwargs(), call.batch
     assert merged_decoder.merge_tree
     every_slot = dataclasses.replace(merged_decoder, merge_tree=False)
     merged_state = merged_decoder.generate(**args)

@@ -9,6 +9,7 @@ transformers, with the shapes of ``test_decode.py`` (one compile per method in a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -17,18 +18,20 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_checkpoints import write_tiny_llama
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from subprocess_env import xla_flags
 from test_cli import cli
 
 import asps_jax
-from asps_jax import sharding
+from asps_jax import sampler, sharding, stopping
 from asps_jax.kv_cache import KVCache
 from asps_jax.models import LlamaConfig, llama
+from asps_jax.processors import SamplingParams
 from asps_jax.stopping import StopStrings
 
 HERE = Path(__file__).resolve().parent
@@ -201,6 +204,69 @@ def test_state_layout_splits_rows_and_kv_heads():
     assert specs["stop"].token_bytes == P() and specs["stop"].strings == P()
     assert specs["stop"].tail == P("data", None)
     assert shapes["tokens"].shape == (8, 9)
+
+
+def _decode_inputs(rows: int):
+    """A call's inputs without parameters (placed by param_axes, tested above): every other
+    field filled, stop strings included."""
+    table = (np.zeros((12, 8), np.uint8), np.ones(12, np.int32))
+    return sampler.DecodeInputs(
+        target_params=None,
+        draft_params=None,
+        sampling=SamplingParams.make(rows, top_p=0.9, eos_ids=(3,)),
+        prompts_BP=jnp.zeros((rows, 4), jnp.int32),
+        prompt_lengths_B=jnp.ones(rows, jnp.int32),
+        row_keys_B=jax.random.split(jax.random.key(0), rows),
+        stop=stopping.stop_strings(table, (b"ab",), rows),
+    )
+
+
+def test_every_input_field_is_placed_as_it_declares():
+    """Every array field of the loop's inputs (DecodeInputs, SamplingParams, StopStrings) declares
+    a layout, and gets it: per-row fields split along data, the others whole. Derived from the
+    dataclass fields, so a new field without a layout fails here (and in shard_inputs)."""
+    for cls in (sampler.DecodeInputs, SamplingParams, StopStrings):
+        for field in dataclasses.fields(cls):
+            if not field.metadata.get("static"):
+                assert sharding.layout(cls, field.name) in sharding.LAYOUTS, field.name
+    mesh = AbstractMesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    inputs = _decode_inputs(8)
+    specs = sharding.field_shardings(inputs, mesh)
+    row_fields = set(SamplingParams.row_fields())
+    assert row_fields and set(SamplingParams.array_fields()) - row_fields == {
+        "eos_ids", "dfa_next", "dfa_final"
+    }  # fmt: skip
+    for name in SamplingParams.array_fields():
+        spec, value = getattr(specs.sampling, name).spec, getattr(inputs.sampling, name)
+        expected = ("data",) + (None,) * (value.ndim - 1) if name in row_fields else ()
+        assert spec == P(*expected), name
+    for name in ("prompts_BP", "prompt_lengths_B", "row_keys_B"):
+        assert getattr(specs, name).spec[0] == "data", name
+    assert specs.stop.tail.spec == P("data", None) and specs.stop.token_bytes.spec == P()
+    # Every array leaf of the inputs has a sharding (nothing skipped).
+    leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, NamedSharding))
+    assert len(leaves) == len(jax.tree.leaves(inputs))
+    assert all(isinstance(s, NamedSharding) for s in leaves)
+
+
+def test_shard_inputs_places_every_array_on_the_mesh():
+    """On a real (1-device) mesh every array of the placed inputs lives there, values unchanged;
+    a field that declares no layout is refused with its name."""
+    mesh = sharding.make_mesh("data=1,model=1")
+    inputs = _decode_inputs(2)
+    placed = sharding.shard_inputs(inputs, mesh, {})
+    for before, after in zip(jax.tree.leaves(inputs), jax.tree.leaves(placed), strict=True):
+        assert isinstance(after.sharding, NamedSharding) and after.sharding.mesh == mesh
+        if not jax.dtypes.issubdtype(after.dtype, jax.dtypes.prng_key):
+            np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
+
+    @dataclasses.dataclass(frozen=True)
+    class Unplaced:
+        rows: jax.Array = dataclasses.field(metadata=dict(sharding="rows"))
+        extra: jax.Array = None
+
+    with pytest.raises(TypeError, match=r"Unplaced\.extra declares no layout"):
+        sharding.shard_inputs(Unplaced(jnp.zeros(2), jnp.zeros(2)), mesh, {})
 
 
 def test_batch_padding():

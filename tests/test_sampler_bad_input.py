@@ -1,6 +1,6 @@
-"""Hostile but fair input to ``asps_jax.sample``: every bad value is a one-line ``ValueError``
-raised before anything is compiled or allocated, and out-of-range values that have a meaning keep
-it (``top_k`` beyond the vocabulary keeps every token)."""
+"""Bad input to the Python API (``asps_jax.sample``, ``sampler.prepare``): every bad value is a
+one-line ``ValueError`` raised before anything is compiled or allocated, and out-of-range values
+that have a meaning keep it (``top_k`` beyond the vocabulary keeps every token)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,47 @@ def test_bad_input_is_a_one_line_error(pair, kwargs, match):
     with pytest.raises(ValueError, match=match) as info:
         _prepare(pair, **kwargs)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(method="nope"), "unknown method"),
+        (dict(method="asps", num_drafts=2), "single draft chain"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(num_draft_tokens=0), "num_draft_tokens"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(prompts=[[]]), "empty"),
+        (dict(prompts=[[1, VOCAB]]), "outside"),
+        (dict(prompts=[list(range(VOCAB)) * 5]), "context"),
+        (dict(draft=None), "needs a draft"),
+    ],
+)
+def test_bad_input_to_sample_is_a_clear_error(pair, kwargs, match):
+    """Through ``asps_jax.sample`` itself (6 new tokens: the long prompt passes the context)."""
+    target, draft = pair
+    args = dict(
+        target=target,
+        draft=draft,
+        prompts=[PROMPT],
+        key=jax.random.key(0),
+        max_new_tokens=6,
+        method="asps",
+    )
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        asps_jax.sample(**args)
+
+
+def test_mismatched_vocabularies_are_refused(pair, tmp_path):
+    target, _ = pair
+    write_tiny_llama(tmp_path / "other", seed=3, vocab_size=VOCAB + 4)
+    other = asps_jax.load_model(str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="vocab"):
+        asps_jax.sample(target, other, [PROMPT], key=jax.random.key(0), max_new_tokens=2)
 
 
 def test_single_draft_error_names_only_methods_sample_accepts(pair):

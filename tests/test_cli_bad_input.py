@@ -1,7 +1,7 @@
-"""scripts/sample.py against hostile input and faults (issue 15): --seed range, several
---prompt values, sizes refused before anything is built, --num-drafts with --method ar, NaN logits
-(the text before the failure and a one-line error, exit 1) and Ctrl-C (exit 130, the text so far
-and its statistics, no traceback)."""
+"""scripts/sample.py against bad input and faults (issue 15): bad flags and bad runs (one
+line, exit 2 or nonzero), --seed range, several --prompt values, sizes refused before anything is
+built, --num-drafts with --method ar, NaN logits (the text before the failure and a one-line error,
+exit 1) and Ctrl-C (exit 130, the text so far and its statistics, no traceback)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,64 @@ def _one_line_error(capsys, argv, code=2):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     return err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--method", "nope"], "invalid choice"),
+        (["--num-draft-tokens", "-2"], "positive integer"),
+        (["--top-p", "1.5"], "top-p"),
+        (["--top-p", "0"], "top-p"),
+        (["--temperature", "-1"], ">= 0"),
+        (["--dtype", "f16"], "invalid choice"),
+        (["--tree", "2,x"], "every width >= 1"),
+        (["--tree", "2,0"], "every width >= 1"),
+        (["--method", "tv", "--tree", "2,2", "--num-drafts", "3"], "drop --num-drafts 3"),
+        (["--method", "asps", "--tree", "2,2"], "verifies draft chains (drop --tree)"),
+        (["--method", "ar", "--tree", "2,2"], "uses no draft (drop --tree)"),
+        (["--prompt", "ROMEO\udcff"], "argument --prompt: expected UTF-8 text, got byte 0xff"),
+        (["--prompt", "ok", "--prompt", "\ud800"], "argument --prompt: expected UTF-8 text"),
+        (["--stop", "a", "--stop", ""], "--stop '' is empty"),
+        (["--stop", "x" * 65], "at most 64"),
+        ([arg for i in range(17) for arg in ("--stop", str(i))], "at most 16"),
+        (["--repetition-penalty", "0"], "a finite number > 0"),
+        (["--repetition-penalty", "-1.5"], "a finite number > 0"),
+        (["--presence-penalty", "nan"], "a finite number"),
+        (["--frequency-penalty", "inf"], "a finite number"),
+        (["--no-repeat-ngram-size", "-1"], "an integer >= 0"),
+        (["--min-p", "1.5"], "in [0, 1]"),
+        (["--logit-bias", "5"], "ID=BIAS"),
+        (["--logit-bias", "5=inf"], "ID=BIAS"),
+        (["--logit-bias=-2=1"], "ID=BIAS"),
+        (["--top-logprobs", "2"], "--top-logprobs needs --json"),
+    ],
+)
+def test_bad_flags_exit_with_one_line(capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+    if "--tree" in argv and "--num-drafts" not in argv:
+        assert "--num-drafts" not in err  # the flag the user typed is the one blamed
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--target", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
+        (["--target", "no-such-alias"], "no-such-alias"),
+        (["--method", "asps", "--num-drafts", "2"], "single draft chain"),
+        (["--prompt", "x " * 3000], "context"),
+        (["--logit-bias", "99999=1"], "logit_bias: token id 99999 lies outside"),
+        (["--json", "--top-logprobs", "99999"], "top_logprobs must be at most"),
+    ],
+)
+def test_bad_runs_exit_nonzero_with_one_line(capsys, argv, needle):
+    assert cli.main(argv + ["--max-new-tokens", "4"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
 
 
 @pytest.mark.parametrize("seed", [str(2**64), str(2**63), "-1"])
