@@ -16,6 +16,7 @@ import asps_jax
 from asps_jax import sampler, trees
 from asps_jax.verify import api, multi, registry
 from asps_jax.verify import options as verify_options
+from asps_jax.verify import tree as vtree
 from asps_jax.verify.registry import REGISTRY
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -57,6 +58,8 @@ def test_every_public_list_is_derived_from_the_registry():
     # The multi-draft verifiers are multi.py's functions; the option defaults are options.py's.
     for name in registry.names("drafts"):
         assert REGISTRY[name].verifier is getattr(multi, f"verify_{name}")
+    # tree.py's own list (it sits below the registry) names the registry's tree entries.
+    assert vtree.METHODS == registry.names("tree")
     assert verify_options.IS_DEFAULTS == {k: v for k, v in REGISTRY["is"].options if k != "tail"}
     assert verify_options.OPTIMAL_DEFAULTS == {
         "levels": 16,
