@@ -79,7 +79,7 @@ class SpecConfig:
     method: str  # "ar" or a verify_chain / verify_drafts / verify_tree method
     num_draft_tokens: int  # n (= D, the tree depth)
     num_drafts: int  # K
-    max_new_tokens: int
+    max_new_tokens: int  # the output width: every row's budget (DecodeState.budget) is <= this
     options: tuple = ()  # sorted (name, value) pairs passed to verify_drafts
     widths: tuple = ()  # a branching draft tree (tree methods): children per node at each depth
 
@@ -143,6 +143,8 @@ class DecodeState:
         (``Decoder.top_logprobs`` = k; k = 0 records nothing).
       stop: the stop strings and each row's last bytes of text
         (:class:`~asps_jax.stopping.StopStrings`); None without stop strings.
+      budget: int32[B], each row's ``max_new_tokens`` (at most ``SpecConfig.max_new_tokens``,
+        the static output width): a traced value, so budgets within one width share a program.
     """
 
     target_cache: kv_cache.KVCache
@@ -157,6 +159,7 @@ class DecodeState:
     history: penalties.History
     top_logprobs: tuple[jax.Array, jax.Array]
     stop: stopping.StopStrings | None = None
+    budget: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -225,12 +228,27 @@ class Decoder:
 
     @functools.partial(jax.jit, static_argnames="self")
     def prefill(
-        self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop=None
+        self,
+        target_params,
+        draft_params,
+        prompts_BP,
+        prompt_lengths_B,
+        row_keys_B,
+        stop=None,
+        budget_B=None,
     ) -> DecodeState:
         """Build the caches from right-padded prompts; the last prompt token becomes the root.
-        ``stop``: the call's :class:`~asps_jax.stopping.StopStrings` (None: none)."""
+        ``stop``: the call's :class:`~asps_jax.stopping.StopStrings` (None: none); ``budget_B``:
+        int32[B], each row's ``max_new_tokens`` (None: ``spec.max_new_tokens`` for every row)."""
         return _prefill(
-            self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop
+            self,
+            target_params,
+            draft_params,
+            prompts_BP,
+            prompt_lengths_B,
+            row_keys_B,
+            stop,
+            budget_B,
         )
 
     @functools.partial(jax.jit, static_argnames="self", donate_argnames="state")
@@ -248,10 +266,18 @@ class Decoder:
         prompt_lengths_B,
         row_keys_B,
         stop=None,
+        budget_B=None,
     ) -> DecodeState:
         """Prefill and run steps in one ``lax.while_loop`` until every row is done."""
         state = _prefill(
-            self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop
+            self,
+            target_params,
+            draft_params,
+            prompts_BP,
+            prompt_lengths_B,
+            row_keys_B,
+            stop,
+            budget_B,
         )
 
         def cond(state):
@@ -291,7 +317,14 @@ def _per_layer_cache(params) -> bool:
 
 
 def _prefill(
-    dec: Decoder, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop=None
+    dec: Decoder,
+    target_params,
+    draft_params,
+    prompts_BP,
+    prompt_lengths_B,
+    row_keys_B,
+    stop=None,
+    budget_B=None,
 ):
     spec = dec.spec
     batch = prompts_BP.shape[0]
@@ -341,7 +374,102 @@ def _prefill(
         ),
         top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
         stop=stop,
+        budget=_budget(spec, batch, budget_B),
     )
+
+
+def _refill(
+    dec: Decoder,
+    target_params,
+    draft_params,
+    state: DecodeState,
+    take_B,
+    prompts_BP,
+    prompt_lengths_B,
+    row_keys_B,
+    budget_B,
+) -> DecodeState:
+    """Start new prompts in the rows ``take_B`` (bool[B]) of a running state (continuous
+    batching, :mod:`asps_jax.slots`): their cache lengths restart at 0 and take the prompt's
+    committed tokens (one prefill forward for the batch, the other rows writing nothing); every
+    per-row field of theirs (root, outputs, counters, key, statistics, the controls' history,
+    the stop-string tail, the budget) is that of a fresh :func:`_prefill`. The other rows are
+    unchanged. Stale cache slots past a row's new length are masked, as after any rejection."""
+    spec = dec.spec
+    batch = prompts_BP.shape[0]
+    lengths_B = jnp.where(take_B, prompt_lengths_B.astype(jnp.int32), 0)
+    committed_B = jnp.maximum(lengths_B - 1, 0)
+
+    def restart(forward, params, cache, prompts, take, committed):
+        cache = dataclasses.replace(cache, lengths=jnp.where(take, 0, cache.lengths))
+        return _prefill_cache(forward, params, cache, prompts, committed)
+
+    t_cache = restart(
+        forward_for(dec.target_config),
+        target_params,
+        state.target_cache,
+        prompts_BP,
+        take_B,
+        committed_B,
+    )
+    d_cache = None
+    if spec.uses_draft:
+        k = spec.num_drafts
+        d_cache = restart(
+            forward_for(dec.draft_config),
+            draft_params,
+            state.draft_cache,
+            jnp.repeat(prompts_BP, k, axis=0),
+            jnp.repeat(take_B, k),
+            jnp.repeat(committed_B, k),
+        )
+    n = spec.num_draft_tokens if spec.uses_draft else 0
+    out_width = state.tokens.shape[1]
+    top_shape = state.top_logprobs[0].shape
+    stop = state.stop
+    if stop is not None:
+        stop = dataclasses.replace(stop, tail=jnp.full(stop.tail.shape, -1, stop.tail.dtype))
+    fresh = dict(
+        root=jnp.take_along_axis(prompts_BP, committed_B[:, None], axis=1)[:, 0].astype(jnp.int32),
+        tokens=jnp.full((batch, out_width), -1, jnp.int32),
+        logprobs=jnp.zeros((batch, out_width), jnp.float32),
+        num_generated=jnp.zeros((batch,), jnp.int32),
+        done=lengths_B <= 0,
+        row_keys=row_keys_B,
+        stats=DecodeStats.zeros(batch, n),
+        history=penalties.History.init(
+            prompts_BP, lengths_B, dec.target_config.vocab_size, out_width
+        ),
+        top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
+        stop=stop,
+        budget=_budget(spec, batch, budget_B),
+    )
+
+    def pick(new, old):
+        if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
+            data = pick(jax.random.key_data(new), jax.random.key_data(old))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
+        keep = take_B.reshape((batch,) + (1,) * (new.ndim - 1))
+        return jnp.where(keep, new, old)
+
+    merged = {}
+    for name, value in fresh.items():
+        old = getattr(state, name)
+        if name == "stop" and value is not None:  # only the per-row tail
+            merged[name] = dataclasses.replace(old, tail=pick(value.tail, old.tail))
+        elif name == "done":
+            merged[name] = jnp.where(take_B, value, old)
+        else:
+            merged[name] = jax.tree.map(pick, value, old)
+    return dataclasses.replace(state, target_cache=t_cache, draft_cache=d_cache, **merged)
+
+
+def _budget(spec: SpecConfig, batch: int, budget_B) -> jax.Array:
+    """int32[B]: each row's ``max_new_tokens``, clipped to the static output width."""
+    if budget_B is None:
+        return jnp.full((batch,), spec.max_new_tokens, jnp.int32)
+    budget_B = jnp.broadcast_to(jnp.asarray(budget_B, jnp.int32), (batch,))
+    return jnp.clip(budget_B, 1, spec.max_new_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,7 +519,7 @@ def _emit(
     out_lp = jax.vmap(_write_block)(state.logprobs, block_lp_BT, state.num_generated, num_B)
     generated_B = state.num_generated + num_B
     last_B = jnp.take_along_axis(block_BT, jnp.maximum(num_B - 1, 0)[:, None], axis=1)[:, 0]
-    done_B = state.done | (active_B & (extra_done_B | (generated_B >= dec.spec.max_new_tokens)))
+    done_B = state.done | (active_B & (extra_done_B | (generated_B >= state.budget)))
     return dataclasses.replace(
         state,
         tokens=out,
@@ -498,7 +626,7 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
     draft_lp_BKDV = draft_lp.reshape(batch, k, n, vocab)
 
     # Drafts are shortened so that a step never emits past max_new_tokens, and end at an EOS.
-    remaining_B = spec.max_new_tokens - state.num_generated
+    remaining_B = state.budget - state.num_generated
     lengths_BK = jnp.broadcast_to(jnp.clip(remaining_B - 1, 0, n)[:, None], (batch, k))
     is_eos = _is_eos(tokens_BKD, sampling.eos_ids)
     first_eos = jnp.where(jnp.any(is_eos, -1), jnp.argmax(is_eos, -1) + 1, n)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import constraints, decode, footprint, sharding, statistics, stopping, trees
+from asps_jax import constraints, decode, footprint, sharding, slots, statistics, stopping, trees
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.models.vocab import align_vocabularies
@@ -137,6 +137,33 @@ def _as_prompt_array(prompts, prompt_lengths, vocab_size: int):
     for b, row in enumerate(rows):
         out[b, : len(row)] = row
     return out, lengths, len(rows)
+
+
+def budget_bucket(max_new_tokens: int) -> int:
+    """The static output width for budgets up to ``max_new_tokens``: the next power of two
+    (at least 16) up to 512, then the next multiple of 512. Budgets inside one bucket share the
+    compiled program (``max_new_tokens`` itself is a traced per-row value); a power of two at
+    most doubles the small buffers and cache slots of short runs, and past 512 the waste is
+    bounded by 512 slots."""
+    m = max(int(max_new_tokens), 16)
+    if m <= 512:
+        return 1 << (m - 1).bit_length()
+    return _round_up(m, 512)
+
+
+def _budgets(max_new_tokens, batch: int) -> list[int]:
+    """One budget per prompt from an int or a list of them; one-line errors."""
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        values = list(np.asarray(max_new_tokens).reshape(-1).tolist())
+        if len(values) != batch:
+            raise ValueError(
+                f"max_new_tokens: give one budget for all prompts or one per prompt ({batch}), "
+                f"got {len(values)}"
+            )
+        for v in values:
+            _check_int("max_new_tokens", v, 1)
+        return [int(v) for v in values]
+    return [_check_int("max_new_tokens", max_new_tokens, 1)] * batch
 
 
 def _row_keys(key, batch: int, padded: int) -> jax.Array:
@@ -434,6 +461,7 @@ def check_memory(
     method="asps",
     widths=(),
     options=None,
+    num_prompts=None,
 ) -> dict[str, int]:
     """Refuse, before anything is built or allocated, a call that cannot fit the device(s): the
     estimate of :func:`asps_jax.footprint.estimate` from the shapes alone (caches, draft
@@ -456,6 +484,7 @@ def check_memory(
         options=options,
         target_itemsize=np.dtype(dtypes[0]).itemsize,
         draft_itemsize=np.dtype(dtypes[-1]).itemsize,
+        num_prompts=num_prompts,
     )
 
 
@@ -488,9 +517,16 @@ def prepare(
     top_logprobs=0,
     regex=None,
     json_schema=None,
+    batch_size=None,
     **options,
 ):
     """Validate the arguments of :func:`sample`; returns ``(batch, args)``.
+
+    ``max_new_tokens``: an int, or one per prompt; it is a traced per-row value (the static
+    output width is :func:`budget_bucket` of the largest), so budgets within a bucket reuse the
+    compiled program. ``batch_size=B``: continuous batching (:mod:`asps_jax.slots`): ``args``
+    then holds ``prompts`` (a :class:`asps_jax.slots.Prompts`), ``stop`` and ``batch`` (= B
+    slots) for :func:`asps_jax.slots.run` instead of the arrays of ``Decoder.generate``.
 
     ``args["decoder"]`` is the static :class:`asps_jax.decode.Decoder`; the other entries are the
     array pytrees of ``Decoder.generate`` (``target_params``, ``draft_params``, ``sampling``,
@@ -514,7 +550,15 @@ def prepare(
     first token whose text completes an occurrence of one of them in the row's generated text,
     that token kept (:mod:`asps_jax.stopping`). Needs the target's tokenizer.
     """
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    if not isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        _check_int("max_new_tokens", max_new_tokens, 1)
+    if batch_size is not None:
+        batch_size = _check_int("batch_size", batch_size, 1)
+        if mesh is not None:
+            raise ValueError(
+                "batch_size: continuous batching runs on one device for now; omit batch_size "
+                "(or mesh)"
+            )
     stop_bytes = stopping.validate_stop(stop)
     if stop_bytes and getattr(target, "tokenizer", None) is None:
         raise ValueError(
@@ -547,16 +591,24 @@ def prepare(
         mesh = sharding.check_mesh(mesh)
     if method == "ar":
         num_draft_tokens, num_drafts, draft = 1, 1, None
+    if isinstance(prompts, (list, tuple)) and not prompts and prompt_lengths is None:
+        raise ValueError("prompts: the list is empty; give at least one prompt")
     prompts_bp, lengths_b, batch = _as_prompt_array(prompts, prompt_lengths, target.vocab_size)
+    budgets = _budgets(max_new_tokens, batch)
+    max_new_tokens = max(budgets)
     context = target.config.max_position_embeddings
     if draft is not None:
         context = min(context, draft.config.max_position_embeddings)
     longest = int(lengths_b.max())
-    if longest + max_new_tokens > context:
+    over = int(np.argmax(lengths_b[:batch] + np.asarray(budgets)))
+    if lengths_b[over] + budgets[over] > context:
         raise ValueError(
-            f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model "
-            f"context of {context} positions; shorten the prompt or lower max_new_tokens"
+            f"prompt of {lengths_b[over]} tokens plus max_new_tokens={budgets[over]} exceeds the "
+            f"model context of {context} positions; shorten the prompt or lower max_new_tokens"
         )
+    slot_count = None
+    if batch_size is not None:
+        slot_count = min(batch_size, prompts_bp.shape[0])
     if draft is not None and num_draft_tokens >= context:
         raise ValueError(
             f"num_draft_tokens={num_draft_tokens} does not fit the model context of {context} "
@@ -565,9 +617,10 @@ def prepare(
     check_memory(
         target,
         draft,
-        batch=batch,
+        batch=batch if slot_count is None else slot_count,
+        num_prompts=None if slot_count is None else batch,
         prompt_len=longest,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=budget_bucket(max_new_tokens),
         num_draft_tokens=num_draft_tokens,
         num_drafts=num_drafts,
         mesh=mesh,
@@ -585,7 +638,7 @@ def prepare(
         method=method,
         num_draft_tokens=num_draft_tokens,
         num_drafts=num_drafts,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=budget_bucket(max_new_tokens),
         options=tuple(sorted(options.items())),
         widths=widths,
     )
@@ -608,9 +661,12 @@ def prepare(
         constraint=constraint,
         **{name: _per_row(name, value, batch, padded) for name, value in controls.items()},
     )
+    # Prompt width (multiples of 16) plus the budget bucket: a bucket of its own.
     cache_len = _round_up(
-        prompts_bp.shape[1] + max_new_tokens + num_draft_tokens + 2, _CACHE_BUCKET
+        prompts_bp.shape[1] + spec.max_new_tokens + num_draft_tokens + 2, _CACHE_BUCKET
     )
+    budget_b = np.ones(padded, np.int32)
+    budget_b[:batch] = budgets
     decoder = decode.Decoder(
         target_config=target.config,
         draft_config=None if draft is None else draft.config,
@@ -629,10 +685,11 @@ def prepare(
         prompt_lengths_B=jnp.asarray(lengths_b),
         row_keys_B=_row_keys(key, batch, padded),
         stop=None,
+        budget_B=jnp.asarray(budget_b),
     )
     if stop_bytes:
         table = stopping.cached_table(target.tokenizer, target.vocab_size)
-        args["stop"] = stopping.stop_strings(table, stop_bytes, padded)
+        args["stop"] = stopping.stop_strings(table, stop_bytes, slot_count or padded)
     # Several processes: each passes the full batch, so row keys follow the global row index.
     sharding.check_same_everywhere(
         mesh,
@@ -649,6 +706,21 @@ def prepare(
     for which, model in (("target", target), ("draft", draft)):
         if args[f"{which}_params"] is not None:  # the forward's fast layout, made once per model
             args[f"{which}_params"] = run_params(model, args[f"{which}_params"])
+    if slot_count is not None:
+        args = dict(
+            decoder=decoder,
+            target_params=args["target_params"],
+            draft_params=args["draft_params"],
+            prompts=slots.Prompts(
+                tokens=args["prompts_BP"],
+                lengths=args["prompt_lengths_B"],
+                keys=args["row_keys_B"],
+                budget=args["budget_B"],
+                sampling=args["sampling"],
+            ),
+            stop=args["stop"],
+            batch=slot_count,
+        )
     return batch, args
 
 
@@ -658,25 +730,31 @@ def summarize_stats(state: decode.DecodeState, batch: int) -> dict:
     return statistics.summarize(state.stats, state.num_generated, batch)
 
 
+def _output_width(args: dict, batch: int) -> int:
+    """M, the widest budget of the call's prompts (the outputs' width)."""
+    budget = args["prompts"].budget if "prompts" in args else args["budget_B"]
+    return int(np.max(np.asarray(sharding.to_local(budget, None))[:batch]))
+
+
 def _finish(
-    state: decode.DecodeState,
+    state: decode.DecodeState | slots.Results,
     spec: decode.SpecConfig,
     batch: int,
     return_logprobs: bool,
     mesh=None,
+    width: int | None = None,
 ) -> SampleOutput:
+    width = spec.max_new_tokens if width is None else width
     top = None
     if return_logprobs and state.top_logprobs[0].shape[-1]:
-        emitted = (jnp.arange(spec.max_new_tokens)[None, :] < state.num_generated[:batch, None])[
-            ..., None
-        ]
-        ids, lps = (a[:batch, : spec.max_new_tokens] for a in state.top_logprobs)
+        emitted = (jnp.arange(width)[None, :] < state.num_generated[:batch, None])[..., None]
+        ids, lps = (a[:batch, :width] for a in state.top_logprobs)
         top = (jnp.where(emitted, ids, -1), jnp.where(emitted, lps, 0.0))
     fields = dict(
-        tokens=state.tokens[:batch, : spec.max_new_tokens],
+        tokens=state.tokens[:batch, :width],
         lengths=state.num_generated[:batch],
         stats=summarize_stats(state, batch),
-        logprobs=state.logprobs[:batch, : spec.max_new_tokens] if return_logprobs else None,
+        logprobs=state.logprobs[:batch, :width] if return_logprobs else None,
         top_logprobs=top,
     )
     # Several processes: every process gets every row (on its first device).
@@ -710,9 +788,13 @@ def sample(
     """
     _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
     batch, args = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
+    width = _output_width(args, batch)
     decoder = args.pop("decoder")
+    if "prompts" in args:  # batch_size: continuous batching through the slots
+        results = slots.run(decoder, **args)
+        return _finish(results, decoder.spec, batch, return_logprobs, None, width)
     state = decoder.generate(**args)
-    return _finish(state, decoder.spec, batch, return_logprobs, decoder.mesh)
+    return _finish(state, decoder.spec, batch, return_logprobs, decoder.mesh, width)
 
 
 @contextlib.contextmanager

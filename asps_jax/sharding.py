@@ -420,8 +420,9 @@ def shard_inputs(
     for which, model in models.items():
         if args[f"{which}_params"] is not None:
             out[f"{which}_params"] = place_model_params(model, mesh, rules)
-    for name in ("prompts_BP", "prompt_lengths_B", "row_keys_B"):
-        out[name] = shard_batch(args[name], mesh, rules)
+    for name in ("prompts_BP", "prompt_lengths_B", "row_keys_B", "budget_B"):
+        if name in args:
+            out[name] = shard_batch(args[name], mesh, rules)
     if args.get("stop") is not None:  # the tables whole on every device, the tails by row
         stop = replicate(args["stop"], mesh)
         out["stop"] = dataclasses.replace(stop, tail=shard_batch(args["stop"].tail, mesh, rules))
