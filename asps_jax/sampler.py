@@ -836,9 +836,15 @@ class Session:
         self.batch_size, args = prepare(
             target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs
         )
+        self._width = _output_width(args, self.batch_size)
         self.decoder: decode.Decoder = args.pop("decoder")
         self.spec: decode.SpecConfig = self.decoder.spec
         self._params = {k: args[k] for k in ("target_params", "draft_params")}
+        self._slots = args if "prompts" in args else None  # batch_size: continuous batching
+        if self._slots is not None:
+            self._state = None
+            self._mesh = None
+            return
         self._prefill_args = {
             **self._params,
             **{k: args[k] for k in ("prompts_BP", "prompt_lengths_B", "row_keys_B", "stop")},
@@ -857,6 +863,15 @@ class Session:
     def compile(self) -> float:
         """Compile prefill and the step now; returns the wall seconds spent compiling."""
         start = time.perf_counter()
+        if self._slots is not None:
+            a = self._slots
+            first = slots.start.lower(self.decoder, **a).compile()
+            shape = jax.eval_shape(lambda: slots.start(self.decoder, **a))
+            step = slots.advance.lower(
+                self.decoder, **self._params, prompts=a["prompts"], s=shape
+            ).compile()
+            self._slot_fns = (first, step)
+            return time.perf_counter() - start
         prefill = decode.prefill.lower(self.decoder, **self._prefill_args).compile()
         state_shape = jax.eval_shape(lambda: self._prefill(**self._prefill_args))
         if self._mesh is not None:
@@ -874,7 +889,13 @@ class Session:
         Ctrl-C while a step runs (or prefill) is held until the step's state is kept, then raised
         as KeyboardInterrupt from ``next()`` instead of yielding: ``result()`` has every step that
         finished, that one included. Between ``next()`` calls SIGINT is the caller's.
+
+        With ``batch_size`` (continuous batching) it yields ``(prompt_index, new_tokens)`` for
+        every prompt that got tokens in the step instead (a list per prompt, in slot order).
         """
+        if self._slots is not None:
+            yield from self._slot_steps()
+            return
         with _sigint_recorded() as interrupt:
             state = self._place(self._prefill(**self._prefill_args))
         if interrupt.is_set():
@@ -900,14 +921,67 @@ class Session:
             if done:
                 return
 
+    def _slot_steps(self) -> Iterator[tuple[int, list[int]]]:
+        a = self._slots
+        first, step = getattr(self, "_slot_fns", (None, None))
+        if first is None:
+            first = functools.partial(slots.start, self.decoder, batch=a["batch"])
+            step = functools.partial(slots.advance, self.decoder)
+            first_args = {k: v for k, v in a.items() if k != "batch"}
+        else:
+            first_args = {k: v for k, v in a.items() if k != "batch"}
+        with _sigint_recorded() as interrupt:
+            s = first(**first_args)
+        if interrupt.is_set():
+            raise KeyboardInterrupt
+        seen = np.zeros(self.batch_size, np.int64)
+        self.prompts_done = 0
+        while True:
+            prompt_before = np.asarray(s.prompt)
+            with _sigint_recorded() as interrupt:
+                s = step(**self._params, prompts=a["prompts"], s=s)
+                self._state = s
+                prompt = np.asarray(s.prompt)
+                generated = np.asarray(s.state.num_generated)
+                tokens = np.asarray(s.state.tokens)
+                res_len = np.asarray(s.results.num_generated)
+                res_tokens = np.asarray(s.results.tokens)
+            if interrupt.is_set():
+                raise KeyboardInterrupt
+            # A prompt that left its slot in this step: its last tokens are in the results.
+            running = set(prompt[prompt >= 0].tolist())
+            for p in prompt_before[prompt_before >= 0].tolist():
+                self.prompts_done += p not in running
+                if p not in running and res_len[p] > seen[p]:
+                    yield p, res_tokens[p, seen[p] : res_len[p]].tolist()
+                    seen[p] = res_len[p]
+            for slot, p in enumerate(prompt.tolist()):
+                if p >= 0 and generated[slot] > seen[p]:
+                    yield p, tokens[slot, seen[p] : generated[slot]].tolist()
+                    seen[p] = generated[slot]
+            if not running:
+                return
+
     def result(self) -> SampleOutput:
         if self._state is None:
             raise RuntimeError("Session.result(): run steps() to completion first")
-        return _finish(self._state, self.spec, self.batch_size, self.return_logprobs, self._mesh)
+        if self._slots is not None:
+            return _finish(
+                self._state.results,
+                self.spec,
+                self.batch_size,
+                self.return_logprobs,
+                None,
+                self._width,
+            )
+        return _finish(
+            self._state, self.spec, self.batch_size, self.return_logprobs, self._mesh, self._width
+        )
 
 
 def stream(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> Iterator[list[list[int]]]:
-    """Like :func:`sample`, one compiled step at a time: yields each row's new tokens per step.
+    """Like :func:`sample`, one compiled step at a time: yields each row's new tokens per step
+    (with ``batch_size``: ``(prompt_index, new_tokens)`` pairs as they come).
 
     The generator's return value (``StopIteration.value``) is the :class:`SampleOutput`.
     """
