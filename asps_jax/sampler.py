@@ -784,7 +784,9 @@ def sample(
     ``method="ar"``). See :func:`prepare` for the keyword arguments; extra keyword arguments are
     method options (e.g. ``rule="fixed_order"`` for ``method="is"``). ``return_logprobs=True``
     fills :attr:`SampleOutput.logprobs` (measured in the loop either way: no extra forward, no
-    recompile).
+    recompile). ``max_new_tokens`` may be one budget per prompt; ``batch_size=B`` runs the
+    prompts through B slots with continuous batching (:mod:`asps_jax.slots`), each prompt's
+    tokens independent of B (docs/api.md §3).
     """
     _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
     batch, args = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
@@ -825,7 +827,9 @@ class Session:
     ``Session(target, draft, prompts, key=..., max_new_tokens=..., **kwargs)`` takes the arguments
     of :func:`sample`. ``compile()`` compiles prefill and the step ahead of time and returns the
     seconds it took; ``steps()`` yields each row's new tokens after every compiled step;
-    ``result()`` gives the :class:`SampleOutput`.
+    ``result()`` gives the :class:`SampleOutput`. With ``batch_size`` (continuous batching),
+    ``steps()`` yields ``(prompt_index, new_tokens)`` and ``prompts_done`` counts the prompts
+    finished so far.
     """
 
     def __init__(
@@ -841,6 +845,7 @@ class Session:
         self.spec: decode.SpecConfig = self.decoder.spec
         self._params = {k: args[k] for k in ("target_params", "draft_params")}
         self._slots = args if "prompts" in args else None  # batch_size: continuous batching
+        self.prompts_done = 0  # with batch_size: prompts finished so far (steps())
         if self._slots is not None:
             self._state = None
             self._mesh = None
@@ -924,12 +929,10 @@ class Session:
     def _slot_steps(self) -> Iterator[tuple[int, list[int]]]:
         a = self._slots
         first, step = getattr(self, "_slot_fns", (None, None))
-        if first is None:
+        if first is None:  # not compiled ahead: jit on the first call
             first = functools.partial(slots.start, self.decoder, batch=a["batch"])
             step = functools.partial(slots.advance, self.decoder)
-            first_args = {k: v for k, v in a.items() if k != "batch"}
-        else:
-            first_args = {k: v for k, v in a.items() if k != "batch"}
+        first_args = {k: v for k, v in a.items() if k != "batch"}
         with _sigint_recorded() as interrupt:
             s = first(**first_args)
         if interrupt.is_set():

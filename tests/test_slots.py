@@ -64,8 +64,9 @@ def _rows(out):
 
 @pytest.mark.parametrize("method, options", METHODS)
 def test_tokens_do_not_depend_on_the_number_of_slots(pair, method, options):
-    """Each prompt's tokens (and their log-probabilities, bit for bit) are those of the one-batch
-    call, with 2 or 3 slots; budgets are per prompt and each row ends by its EOS or budget."""
+    """Each prompt's tokens (and their log-probabilities, to float32 rounding) are those of the
+    one-batch call, with 2 or 3 slots; budgets are per prompt and each row ends by its EOS or
+    budget."""
     expected = _rows(_sample(pair, method, options))
     for b, (tokens, _) in enumerate(expected):
         assert 1 <= len(tokens) <= BUDGETS[b]
@@ -78,7 +79,10 @@ def test_tokens_do_not_depend_on_the_number_of_slots(pair, method, options):
         assert len(got) == len(expected)
         for b, ((tokens, lps), (want, want_lps)) in enumerate(zip(got, expected)):
             assert tokens == want, (method, batch_size, b)
-            np.testing.assert_array_equal(lps, want_lps)
+            # XLA:CPU's batched attention dot may round the last bit differently for another
+            # batch size (measured: 7e-7 on a [B, 4, 3, 64] einsum), so the laws agree to float32
+            # rounding, not bit for bit; tokens drawn from them agree exactly here.
+            np.testing.assert_allclose(lps, want_lps, rtol=1e-5, atol=1e-6)
 
 
 def test_prompt_order_kept_and_other_prompts_do_not_matter(pair):
@@ -90,7 +94,7 @@ def test_prompt_order_kept_and_other_prompts_do_not_matter(pair):
     others = [[9, 9], [1], [2, 3], PROMPTS[3], [7], [8, 8, 8], [10]]
     got = _rows(_sample(pair, method, options, prompts=others, batch_size=2))
     assert got[3][0] == base[3][0]
-    np.testing.assert_array_equal(got[3][1], base[3][1])
+    np.testing.assert_allclose(got[3][1], base[3][1], rtol=1e-5, atol=1e-6)
 
 
 def test_fewer_prompts_than_slots(pair):
@@ -104,9 +108,8 @@ def test_fewer_prompts_than_slots(pair):
 
 
 def test_eos_heavy_mix_refills_often(pair):
-    """Most prompts end at an EOS after a token or two (greedy on prompts whose next token is
-    likely EOS, and EOS ids covering a third of the vocabulary): all of them still come back in
-    order with the one-batch call's tokens."""
+    """Most prompts end at an EOS after a few tokens (EOS ids cover a third of the vocabulary):
+    all of them still come back in order with the one-batch call's tokens."""
     method, options = METHODS[0]
     prompts = [[b % 11 + 1, (3 * b) % 11 + 1] for b in range(7)]
     target, draft = pair
