@@ -325,7 +325,11 @@ def _prefill(
     row_keys_B,
     stop=None,
     budget_B=None,
+    *,
+    run_forward: bool = True,
 ):
+    """``run_forward=False``: the caches stay empty (continuous batching starts from empty slots
+    and fills them with :func:`_refill`)."""
     spec = dec.spec
     batch = prompts_BP.shape[0]
     n = spec.num_draft_tokens if spec.uses_draft else 0
@@ -335,9 +339,10 @@ def _prefill(
     t_cache = kv_cache.init_cache(
         dec.target_config, batch, dec.cache_len, t_dtype, per_layer=_per_layer_cache(target_params)
     )
-    t_cache = _prefill_cache(
-        forward_for(dec.target_config), target_params, t_cache, prompts_BP, committed_B
-    )
+    if run_forward:
+        t_cache = _prefill_cache(
+            forward_for(dec.target_config), target_params, t_cache, prompts_BP, committed_B
+        )
     d_cache = None
     if spec.uses_draft:
         k = spec.num_drafts
@@ -349,13 +354,14 @@ def _prefill(
             d_dtype,
             per_layer=_per_layer_cache(draft_params),
         )
-        d_cache = _prefill_cache(
-            forward_for(dec.draft_config),
-            draft_params,
-            d_cache,
-            jnp.repeat(prompts_BP, k, axis=0),
-            jnp.repeat(committed_B, k),
-        )
+        if run_forward:
+            d_cache = _prefill_cache(
+                forward_for(dec.draft_config),
+                draft_params,
+                d_cache,
+                jnp.repeat(prompts_BP, k, axis=0),
+                jnp.repeat(committed_B, k),
+            )
     root_B = jnp.take_along_axis(prompts_BP, committed_B[:, None], axis=1)[:, 0]
     out_width = spec.max_new_tokens + n + 1
     top_shape = (batch, out_width, dec.top_logprobs)

@@ -852,7 +852,10 @@ class Session:
             return
         self._prefill_args = {
             **self._params,
-            **{k: args[k] for k in ("prompts_BP", "prompt_lengths_B", "row_keys_B", "stop")},
+            **{
+                k: args[k]
+                for k in ("prompts_BP", "prompt_lengths_B", "row_keys_B", "stop", "budget_B")
+            },
         }
         self._sampling = args["sampling"]
         self._prefill = functools.partial(decode.prefill, self.decoder)
@@ -938,31 +941,35 @@ class Session:
         if interrupt.is_set():
             raise KeyboardInterrupt
         seen = np.zeros(self.batch_size, np.int64)
+        finished = np.zeros(self.batch_size, bool)
         self.prompts_done = 0
         while True:
-            prompt_before = np.asarray(s.prompt)
             with _sigint_recorded() as interrupt:
                 s = step(**self._params, prompts=a["prompts"], s=s)
                 self._state = s
                 prompt = np.asarray(s.prompt)
+                started = int(s.next)
                 generated = np.asarray(s.state.num_generated)
                 tokens = np.asarray(s.state.tokens)
-                res_len = np.asarray(s.results.num_generated)
+                res_len = np.asarray(s.results.num_generated)[: self.batch_size]
                 res_tokens = np.asarray(s.results.tokens)
             if interrupt.is_set():
                 raise KeyboardInterrupt
-            # A prompt that left its slot in this step: its last tokens are in the results.
-            running = set(prompt[prompt >= 0].tolist())
-            for p in prompt_before[prompt_before >= 0].tolist():
-                self.prompts_done += p not in running
-                if p not in running and res_len[p] > seen[p]:
+            running = np.zeros(self.batch_size, bool)
+            running[prompt[prompt >= 0]] = True
+            # Prompts that finished in this step (possibly started in it too): from the results.
+            new_done = ~running & ~finished & (np.arange(self.batch_size) < started)
+            for p in np.flatnonzero(new_done).tolist():
+                if res_len[p] > seen[p]:
                     yield p, res_tokens[p, seen[p] : res_len[p]].tolist()
                     seen[p] = res_len[p]
+            finished |= new_done
+            self.prompts_done = int(finished.sum())
             for slot, p in enumerate(prompt.tolist()):
                 if p >= 0 and generated[slot] > seen[p]:
                     yield p, tokens[slot, seen[p] : generated[slot]].tolist()
                     seen[p] = generated[slot]
-            if not running:
+            if finished.all():
                 return
 
     def result(self) -> SampleOutput:

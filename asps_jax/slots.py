@@ -27,7 +27,7 @@ from asps_jax import decode
 from asps_jax.processors import SamplingParams
 from asps_jax.statistics import DecodeStats
 
-__all__ = ["Prompts", "Results", "SlotState", "advance", "run", "start"]
+__all__ = ["Prompts", "Results", "SlotState", "advance", "run", "running", "start"]
 
 
 @jax.tree_util.register_dataclass
@@ -146,6 +146,7 @@ def _start(dec, target_params, draft_params, prompts: Prompts, stop, batch: int)
         jnp.broadcast_to(prompts.keys[:1], (batch,)),
         stop,
         jnp.ones((batch,), jnp.int32),
+        run_forward=False,
     )
     out_width = state.tokens.shape[1]
     top_shape = (n, out_width, dec.top_logprobs)
@@ -156,20 +157,26 @@ def _start(dec, target_params, draft_params, prompts: Prompts, stop, batch: int)
         stats=DecodeStats.zeros(n, state.stats.emitted_hist.shape[1] - 2),
         top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
     )
-    s = SlotState(
+    return SlotState(
         state=state,
         prompt=jnp.full((batch,), -1, jnp.int32),
         next=jnp.zeros((), jnp.int32),
         results=results,
     )
-    return _refill(dec, target_params, draft_params, prompts, s)
 
 
 def _body(dec, target_params, draft_params, prompts: Prompts, s: SlotState) -> SlotState:
+    """Empty slots take the next prompts, every slot steps, finished slots retire. (One copy of
+    the prefill forward and of the step in the program: the first iteration fills every slot.)"""
+    s = _refill(dec, target_params, draft_params, prompts, s)
     sampling = slot_sampling(prompts.sampling, s.prompt)
     state = decode._step(dec, target_params, draft_params, sampling, s.state)
-    s = _retire(dataclasses.replace(s, state=state))
-    return _refill(dec, target_params, draft_params, prompts, s)
+    return _retire(dataclasses.replace(s, state=state))
+
+
+def _running(prompts: Prompts, s: SlotState) -> jax.Array:
+    """Some slot runs a prompt, or some prompt has not started."""
+    return jnp.any(s.prompt >= 0) | (s.next < jnp.sum(prompts.lengths > 0))
 
 
 @functools.partial(jax.jit, static_argnames=("dec", "batch"))
@@ -177,7 +184,7 @@ def run(dec, target_params, draft_params, prompts: Prompts, stop, batch: int) ->
     """Every prompt through ``batch`` slots in one ``lax.while_loop``; the per-prompt results."""
     s = _start(dec, target_params, draft_params, prompts, stop, batch)
     s = jax.lax.while_loop(
-        lambda s: jnp.any(s.prompt >= 0),
+        functools.partial(_running, prompts),
         functools.partial(_body, dec, target_params, draft_params, prompts),
         s,
     )
@@ -186,11 +193,17 @@ def run(dec, target_params, draft_params, prompts: Prompts, stop, batch: int) ->
 
 @functools.partial(jax.jit, static_argnames=("dec", "batch"))
 def start(dec, target_params, draft_params, prompts: Prompts, stop, batch: int) -> SlotState:
-    """The step-wise entry point (streaming): the slots filled with the first prompts."""
+    """The step-wise entry point (streaming): ``batch`` empty slots (no forward)."""
     return _start(dec, target_params, draft_params, prompts, stop, batch)
 
 
 @functools.partial(jax.jit, static_argnames="dec", donate_argnames="s")
 def advance(dec, target_params, draft_params, prompts: Prompts, s: SlotState) -> SlotState:
-    """One step of every slot, then finished slots retired and empty slots refilled."""
+    """Empty slots refilled, one step of every slot, finished slots retired."""
     return _body(dec, target_params, draft_params, prompts, s)
+
+
+@jax.jit
+def running(prompts: Prompts, s: SlotState) -> jax.Array:
+    """bool[]: the loop has work left (the streaming loop's condition)."""
+    return _running(prompts, s)

@@ -715,7 +715,7 @@ def run(args) -> int:
                 for b in range(lengths.size)
             ]
         summary["texts"] = [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
-        summary["compiles"] = compile_cache.compiles()["programs"]
+        summary.update(_compile_counts(compile_cache))
         print(json.dumps(_strict_json(summary), allow_nan=False), file=out_stream)
     else:
         print(text_stream.flush(), file=out_stream)
@@ -730,6 +730,16 @@ def run(args) -> int:
         )
         return INTERRUPTED
     return 0
+
+
+def _compile_counts(compile_cache) -> dict:
+    """``compiles``: XLA programs this process compiled; ``compile_cache_hits``: programs it
+    loaded from the persistent cache instead (both are jit cache misses: a new shape)."""
+    counts = compile_cache.compiles()
+    return {
+        "compiles": counts["programs"] - counts["cache_hits"],
+        "compile_cache_hits": counts["cache_hits"],
+    }
 
 
 def _read_prompts(path) -> list[tuple[str, int | None]]:
@@ -877,7 +887,7 @@ def _run_prompts(args, target, draft, mesh, load_s, out_stream) -> int:
         "compile_seconds": round(compile_s, 3),
         "run_seconds": round(run_s, 3),
         "tokens_per_second": float(lengths.sum() / run_s) if run_s > 0 else float("nan"),
-        "compiles": compile_cache.compiles()["programs"],
+        **_compile_counts(compile_cache),
     }
     print(json.dumps(_strict_json(pooled), allow_nan=False), file=out_stream)
     if failure is not None:

@@ -38,7 +38,7 @@ def test_prompts_file_gives_json_lines_in_order_with_per_prompt_budgets(tmp_path
     assert pooled["pooled"] is True and pooled["prompts"] == 4 and pooled["batch_size"] == 2
     assert pooled["new_tokens"] == sum(r["new_tokens"] for r in rows)
     assert pooled["target_calls"] == sum(r["target_calls"] for r in rows)
-    assert isinstance(pooled["compiles"], int) and pooled["compiles"] >= 1
+    assert pooled["compiles"] + pooled["compile_cache_hits"] >= 1
     # The library's own call with the same settings: the same tokens per prompt.
     target = asps_jax.load_model("tinyshakespeare-target")
     draft = asps_jax.load_model("tinyshakespeare-draft")
