@@ -785,8 +785,8 @@ def _run_prompts(args, target, draft, mesh, load_s, out_stream) -> int:
     import jax
     import numpy as np
 
-    import asps_jax
-    from asps_jax import compile_cache
+    from asps_jax import compile_cache, sampler
+    from asps_jax import slots as slots_module
     from asps_jax.sampler import NonFiniteLogitsError, Session
 
     records = _read_prompts(args.prompts)
@@ -823,13 +823,13 @@ def _run_prompts(args, target, draft, mesh, load_s, out_stream) -> int:
     )
     if mesh is not None:
         raise ValueError("--prompts: continuous batching runs on one device; drop --mesh")
-    session = Session(target, draft, encoded, **kwargs)
-    _stop_if_interrupted("preparing the batch")
-    compile_s = session.compile()
     progress = sys.stderr.isatty()
-    start = time.perf_counter()
     failure = None
     if progress:  # step by step, to report progress (a host round trip per step)
+        session = Session(target, draft, encoded, **kwargs)
+        _stop_if_interrupted("preparing the batch")
+        compile_s = session.compile()
+        start = time.perf_counter()
         tokens = 0
         for _, new in session.steps():
             tokens += len(new)
@@ -849,11 +849,22 @@ def _run_prompts(args, target, draft, mesh, load_s, out_stream) -> int:
         except NonFiniteLogitsError as err:
             out, failure = err.output, err
     else:  # one compiled call for the whole set
+        kwargs.pop("return_logprobs")
+        count, call = sampler.prepare(target, draft, encoded, **kwargs)
+        width = sampler._output_width(call, count)
+        decoder = call.pop("decoder")
+        _stop_if_interrupted("preparing the batch")
+        start = time.perf_counter()
+        compiled = slots_module.run.lower(decoder, **call).compile()
+        compile_s = time.perf_counter() - start
+        _stop_if_interrupted("compiling")
+        start = time.perf_counter()
+        results = compiled(**{k: v for k, v in call.items() if k != "batch"})
+        jax.block_until_ready(results.tokens)
         try:
-            out = asps_jax.sample(target, draft, encoded, **kwargs)
+            out = sampler._finish(results, decoder.spec, count, False, None, width)
         except NonFiniteLogitsError as err:
             out, failure = err.output, err
-        jax.block_until_ready(out.tokens)
     run_s = time.perf_counter() - start
     stats = {k: np.asarray(v) for k, v in out.stats.items()}
     lengths = np.asarray(out.lengths)
