@@ -396,8 +396,8 @@ def _refill(
     budget_B,
 ) -> DecodeState:
     """Start new prompts in the rows ``take_B`` (bool[B]) of a running state (continuous
-    batching, :mod:`asps_jax.slots`): their cache lengths restart at 0 and take the prompt's
-    committed tokens (one prefill forward for the batch, the other rows writing nothing); every
+    batching, :mod:`asps_jax.slots`): their caches take the prompt's committed tokens (one
+    single-row prefill forward per row filled, over the prompt width only); every
     per-row field of theirs (root, outputs, counters, key, statistics, the controls' history,
     the stop-string tail, the budget) is that of a fresh :func:`_prefill`. The other rows are
     unchanged. Stale cache slots past a row's new length are masked, as after any rejection."""
@@ -406,28 +406,56 @@ def _refill(
     lengths_B = jnp.where(take_B, prompt_lengths_B.astype(jnp.int32), 0)
     committed_B = jnp.maximum(lengths_B - 1, 0)
 
-    def restart(forward, params, cache, prompts, take, committed):
-        cache = dataclasses.replace(cache, lengths=jnp.where(take, 0, cache.lengths))
-        return _prefill_cache(forward, params, cache, prompts, committed)
+    width = prompts_BP.shape[1]
+    k = spec.num_drafts if spec.uses_draft else 1
+    # The slots to fill, in slot order (entries past their count unused).
+    (slots_R,) = jnp.nonzero(take_B, size=batch, fill_value=0)
 
-    t_cache = restart(
-        forward_for(dec.target_config),
-        target_params,
-        state.target_cache,
-        prompts_BP,
-        take_B,
-        committed_B,
+    def prefill_row(config, params, prompt_1P, committed_1, cache):
+        """One prompt's keys / values in a 1-row cache of the prompt's width only (no attention
+        over the long cache), in ``cache``'s layout and dtype."""
+        dtype = jax.tree.leaves(cache.k)[0].dtype
+        row = kv_cache.init_cache(config, 1, width, dtype, per_layer=cache.per_layer)
+        return _prefill_cache(forward_for(config), params, row, prompt_1P, committed_1)
+
+    def write_rows(cache, row, first, count):
+        """Rows ``first .. first + count - 1`` of ``cache`` take ``row``'s slots ``0 .. P - 1``."""
+
+        def put(a, r):  # a: [L', B', KVH, S, H], r: [L', 1, KVH, P, H]
+            r = jnp.broadcast_to(r, (r.shape[0], count) + r.shape[2:])
+            return jax.lax.dynamic_update_slice(a, r.astype(a.dtype), (0, first, 0, 0, 0))
+
+        if cache.per_layer:
+            rk = tuple(x[None] for x in row.k)
+            rv = tuple(x[None] for x in row.v)
+            ks = tuple(put(a[None], r)[0] for a, r in zip(cache.k, rk))
+            vs = tuple(put(a[None], r)[0] for a, r in zip(cache.v, rv))
+        else:
+            ks, vs = put(cache.k, row.k), put(cache.v, row.v)
+        return dataclasses.replace(cache, k=ks, v=vs)
+
+    def fill(i, caches):
+        t_cache, d_cache = caches
+        b = slots_R[i]
+        prompt_1P = jax.lax.dynamic_slice_in_dim(prompts_BP, b, 1)
+        committed_1 = jax.lax.dynamic_slice_in_dim(committed_B, b, 1)
+        row = prefill_row(dec.target_config, target_params, prompt_1P, committed_1, t_cache)
+        t_cache = write_rows(t_cache, row, b, 1)
+        if d_cache is not None:  # the K replicas of the slot all start from the prompt
+            row = prefill_row(dec.draft_config, draft_params, prompt_1P, committed_1, d_cache)
+            d_cache = write_rows(d_cache, row, b * k, k)
+        return t_cache, d_cache
+
+    # One single-row prefill per slot filled: the work of a refill is its prompts' tokens,
+    # whatever the number of slots.
+    t_cache, d_cache = jax.lax.fori_loop(
+        0, jnp.sum(take_B), fill, (state.target_cache, state.draft_cache)
     )
-    d_cache = None
-    if spec.uses_draft:
-        k = spec.num_drafts
-        d_cache = restart(
-            forward_for(dec.draft_config),
-            draft_params,
-            state.draft_cache,
-            jnp.repeat(prompts_BP, k, axis=0),
-            jnp.repeat(take_B, k),
-            jnp.repeat(committed_B, k),
+    t_cache = dataclasses.replace(t_cache, lengths=jnp.where(take_B, committed_B, t_cache.lengths))
+    if d_cache is not None:
+        d_cache = dataclasses.replace(
+            d_cache,
+            lengths=jnp.where(jnp.repeat(take_B, k), jnp.repeat(committed_B, k), d_cache.lengths),
         )
     n = spec.num_draft_tokens if spec.uses_draft else 0
     out_width = state.tokens.shape[1]
