@@ -40,8 +40,9 @@ def test_prompts_file_gives_json_lines_in_order_with_per_prompt_budgets(tmp_path
     assert pooled["target_calls"] == sum(r["target_calls"] for r in rows)
     assert pooled["compiles"] + pooled["compile_cache_hits"] >= 1
     # The library's own call with the same settings: the same tokens per prompt.
-    target = asps_jax.load_model("tinyshakespeare-target")
-    draft = asps_jax.load_model("tinyshakespeare-draft")
+    # The CLI's default dtype, f32 (the bundled checkpoints are stored bf16, load_model's default)
+    target = asps_jax.load_model("tinyshakespeare-target", dtype="float32")
+    draft = asps_jax.load_model("tinyshakespeare-draft", dtype="float32")
     encoded = [target.tokenizer.encode(r["prompt"], verbose=False) for r in rows]
     out = asps_jax.sample(
         target,
