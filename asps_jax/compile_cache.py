@@ -79,3 +79,40 @@ def enable(path: str | os.PathLike | None = None, notify=None) -> Path | None:
         # runs sharing the directory never read an entry the other is still writing.
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return directory
+
+
+# --------------------------------------------------------------------------------------------
+# Counting compiles
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_counts = {"programs": 0, "cache_hits": 0}
+_listening = False
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event == _BACKEND_COMPILE:
+        _counts["programs"] += 1
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == _CACHE_HIT:
+        _counts["cache_hits"] += 1
+
+
+def count_compiles() -> None:
+    """Start counting XLA programs (idempotent): :func:`compiles` then reports them."""
+    global _listening
+    if not _listening:
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        jax.monitoring.register_event_listener(_on_event)
+        _listening = True
+
+
+def compiles() -> dict[str, int]:
+    """``{"programs": n, "cache_hits": h}`` since :func:`count_compiles`: ``n`` XLA programs
+    built for a new shape or static argument (a jit cache miss), ``h`` of them loaded from the
+    persistent cache instead of compiled; ``n - h`` were compiled."""
+    return dict(_counts)

@@ -85,7 +85,7 @@ class SpecConfig:
     method: str  # a registry method (verify/registry.py), or "ar": no draft, plain sampling
     num_draft_tokens: int  # n (= D, the tree depth)
     num_drafts: int  # K
-    max_new_tokens: int
+    max_new_tokens: int  # the output width: every row's budget (DecodeState.budget) is <= this
     options: tuple = ()  # sorted (name, value) pairs passed to verify_drafts
     widths: tuple = ()  # a branching draft tree (tree methods): children per node at each depth
 
@@ -131,6 +131,8 @@ class DecodeState:
         (``Decoder.top_logprobs`` = k; k = 0 records nothing).
       stop: the stop strings and each row's last bytes of text
         (:class:`~asps_jax.stopping.StopStrings`); None without stop strings.
+      budget: int32[B], each row's ``max_new_tokens`` (at most ``SpecConfig.max_new_tokens``,
+        the static output width): a traced value, so budgets within one width share a program.
     """
 
     target_cache: kv_cache.KVCache
@@ -145,6 +147,7 @@ class DecodeState:
     history: penalties.History
     top_logprobs: tuple[jax.Array, jax.Array]
     stop: stopping.StopStrings | None = None
+    budget: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -218,12 +221,27 @@ class Decoder:
 
     @functools.partial(jax.jit, static_argnames="self")
     def prefill(
-        self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop=None
+        self,
+        target_params,
+        draft_params,
+        prompts_BP,
+        prompt_lengths_B,
+        row_keys_B,
+        stop=None,
+        budget_B=None,
     ) -> DecodeState:
         """Build the caches from right-padded prompts; the last prompt token becomes the root.
-        ``stop``: the call's :class:`~asps_jax.stopping.StopStrings` (None: none)."""
+        ``stop``: the call's :class:`~asps_jax.stopping.StopStrings` (None: none); ``budget_B``:
+        int32[B], each row's ``max_new_tokens`` (None: ``spec.max_new_tokens`` for every row)."""
         return _prefill(
-            self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop
+            self,
+            target_params,
+            draft_params,
+            prompts_BP,
+            prompt_lengths_B,
+            row_keys_B,
+            stop,
+            budget_B,
         )
 
     @functools.partial(jax.jit, static_argnames="self", donate_argnames="state")
@@ -241,10 +259,18 @@ class Decoder:
         prompt_lengths_B,
         row_keys_B,
         stop=None,
+        budget_B=None,
     ) -> DecodeState:
         """Prefill and run steps in one ``lax.while_loop`` until every row is done."""
         state = _prefill(
-            self, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop
+            self,
+            target_params,
+            draft_params,
+            prompts_BP,
+            prompt_lengths_B,
+            row_keys_B,
+            stop,
+            budget_B,
         )
 
         def cond(state):
@@ -284,8 +310,19 @@ def _per_layer_cache(params) -> bool:
 
 
 def _prefill(
-    dec: Decoder, target_params, draft_params, prompts_BP, prompt_lengths_B, row_keys_B, stop=None
+    dec: Decoder,
+    target_params,
+    draft_params,
+    prompts_BP,
+    prompt_lengths_B,
+    row_keys_B,
+    stop=None,
+    budget_B=None,
+    *,
+    run_forward: bool = True,
 ):
+    """``run_forward=False``: the caches stay empty (continuous batching starts from empty slots
+    and fills them with :func:`_refill`)."""
     spec = dec.spec
     batch = prompts_BP.shape[0]
     n = spec.num_draft_tokens if spec.uses_draft else 0
@@ -295,9 +332,10 @@ def _prefill(
     t_cache = kv_cache.init_cache(
         dec.target_config, batch, dec.cache_len, t_dtype, per_layer=_per_layer_cache(target_params)
     )
-    t_cache = _prefill_cache(
-        forward_for(dec.target_config), target_params, t_cache, prompts_BP, committed_B
-    )
+    if run_forward:
+        t_cache = _prefill_cache(
+            forward_for(dec.target_config), target_params, t_cache, prompts_BP, committed_B
+        )
     d_cache = None
     if spec.uses_draft:
         k = spec.num_drafts
@@ -309,13 +347,14 @@ def _prefill(
             d_dtype,
             per_layer=_per_layer_cache(draft_params),
         )
-        d_cache = _prefill_cache(
-            forward_for(dec.draft_config),
-            draft_params,
-            d_cache,
-            jnp.repeat(prompts_BP, k, axis=0),
-            jnp.repeat(committed_B, k),
-        )
+        if run_forward:
+            d_cache = _prefill_cache(
+                forward_for(dec.draft_config),
+                draft_params,
+                d_cache,
+                jnp.repeat(prompts_BP, k, axis=0),
+                jnp.repeat(committed_B, k),
+            )
     root_B = jnp.take_along_axis(prompts_BP, committed_B[:, None], axis=1)[:, 0]
     out_width = spec.max_new_tokens + n + 1
     top_shape = (batch, out_width, dec.top_logprobs)
@@ -334,7 +373,130 @@ def _prefill(
         ),
         top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
         stop=stop,
+        budget=_budget(spec, batch, budget_B),
     )
+
+
+def _refill(
+    dec: Decoder,
+    target_params,
+    draft_params,
+    state: DecodeState,
+    take_B,
+    prompts_BP,
+    prompt_lengths_B,
+    row_keys_B,
+    budget_B,
+) -> DecodeState:
+    """Start new prompts in the rows ``take_B`` (bool[B]) of a running state (continuous
+    batching, :mod:`asps_jax.slots`): their caches take the prompt's committed tokens (one
+    single-row prefill forward per row filled, over the prompt width only); every
+    per-row field of theirs (root, outputs, counters, key, statistics, the controls' history,
+    the stop-string tail, the budget) is that of a fresh :func:`_prefill`. The other rows are
+    unchanged. Stale cache slots past a row's new length are masked, as after any rejection."""
+    spec = dec.spec
+    batch = prompts_BP.shape[0]
+    lengths_B = jnp.where(take_B, prompt_lengths_B.astype(jnp.int32), 0)
+    committed_B = jnp.maximum(lengths_B - 1, 0)
+
+    width = prompts_BP.shape[1]
+    k = spec.num_drafts if spec.uses_draft else 1
+    # The slots to fill, in slot order (entries past their count unused).
+    (slots_R,) = jnp.nonzero(take_B, size=batch, fill_value=0)
+
+    def prefill_row(config, params, prompt_1P, committed_1, cache):
+        """One prompt's keys / values in a 1-row cache of the prompt's width only (no attention
+        over the long cache), in ``cache``'s layout and dtype."""
+        dtype = jax.tree.leaves(cache.k)[0].dtype
+        row = kv_cache.init_cache(config, 1, width, dtype, per_layer=cache.per_layer)
+        return _prefill_cache(forward_for(config), params, row, prompt_1P, committed_1)
+
+    def write_rows(cache, row, first, count):
+        """Rows ``first .. first + count - 1`` of ``cache`` take ``row``'s slots ``0 .. P - 1``."""
+
+        def put(a, r):  # a: [L', B', KVH, S, H], r: [L', 1, KVH, P, H]
+            r = jnp.broadcast_to(r, (r.shape[0], count) + r.shape[2:])
+            return jax.lax.dynamic_update_slice(a, r.astype(a.dtype), (0, first, 0, 0, 0))
+
+        if cache.per_layer:
+            rk = tuple(x[None] for x in row.k)
+            rv = tuple(x[None] for x in row.v)
+            ks = tuple(put(a[None], r)[0] for a, r in zip(cache.k, rk))
+            vs = tuple(put(a[None], r)[0] for a, r in zip(cache.v, rv))
+        else:
+            ks, vs = put(cache.k, row.k), put(cache.v, row.v)
+        return dataclasses.replace(cache, k=ks, v=vs)
+
+    def fill(i, caches):
+        t_cache, d_cache = caches
+        b = slots_R[i]
+        prompt_1P = jax.lax.dynamic_slice_in_dim(prompts_BP, b, 1)
+        committed_1 = jax.lax.dynamic_slice_in_dim(committed_B, b, 1)
+        row = prefill_row(dec.target_config, target_params, prompt_1P, committed_1, t_cache)
+        t_cache = write_rows(t_cache, row, b, 1)
+        if d_cache is not None:  # the K replicas of the slot all start from the prompt
+            row = prefill_row(dec.draft_config, draft_params, prompt_1P, committed_1, d_cache)
+            d_cache = write_rows(d_cache, row, b * k, k)
+        return t_cache, d_cache
+
+    # One single-row prefill per slot filled: the work of a refill is its prompts' tokens,
+    # whatever the number of slots.
+    t_cache, d_cache = jax.lax.fori_loop(
+        0, jnp.sum(take_B), fill, (state.target_cache, state.draft_cache)
+    )
+    t_cache = dataclasses.replace(t_cache, lengths=jnp.where(take_B, committed_B, t_cache.lengths))
+    if d_cache is not None:
+        d_cache = dataclasses.replace(
+            d_cache,
+            lengths=jnp.where(jnp.repeat(take_B, k), jnp.repeat(committed_B, k), d_cache.lengths),
+        )
+    n = spec.num_draft_tokens if spec.uses_draft else 0
+    out_width = state.tokens.shape[1]
+    top_shape = state.top_logprobs[0].shape
+    stop = state.stop
+    if stop is not None:
+        stop = dataclasses.replace(stop, tail=jnp.full(stop.tail.shape, -1, stop.tail.dtype))
+    fresh = dict(
+        root=jnp.take_along_axis(prompts_BP, committed_B[:, None], axis=1)[:, 0].astype(jnp.int32),
+        tokens=jnp.full((batch, out_width), -1, jnp.int32),
+        logprobs=jnp.zeros((batch, out_width), jnp.float32),
+        num_generated=jnp.zeros((batch,), jnp.int32),
+        done=lengths_B <= 0,
+        row_keys=row_keys_B,
+        stats=DecodeStats.zeros(batch, n),
+        history=penalties.History.init(
+            prompts_BP, lengths_B, dec.target_config.vocab_size, out_width
+        ),
+        top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
+        stop=stop,
+        budget=_budget(spec, batch, budget_B),
+    )
+
+    def pick(new, old):
+        if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
+            data = pick(jax.random.key_data(new), jax.random.key_data(old))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
+        keep = take_B.reshape((batch,) + (1,) * (new.ndim - 1))
+        return jnp.where(keep, new, old)
+
+    merged = {}
+    for name, value in fresh.items():
+        old = getattr(state, name)
+        if name == "stop" and value is not None:  # only the per-row tail
+            merged[name] = dataclasses.replace(old, tail=pick(value.tail, old.tail))
+        elif name == "done":
+            merged[name] = jnp.where(take_B, value, old)
+        else:
+            merged[name] = jax.tree.map(pick, value, old)
+    return dataclasses.replace(state, target_cache=t_cache, draft_cache=d_cache, **merged)
+
+
+def _budget(spec: SpecConfig, batch: int, budget_B) -> jax.Array:
+    """int32[B]: each row's ``max_new_tokens``, clipped to the static output width."""
+    if budget_B is None:
+        return jnp.full((batch,), spec.max_new_tokens, jnp.int32)
+    budget_B = jnp.broadcast_to(jnp.asarray(budget_B, jnp.int32), (batch,))
+    return jnp.clip(budget_B, 1, spec.max_new_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,7 +546,7 @@ def _emit(
     out_lp = jax.vmap(_write_block)(state.logprobs, block_lp_BT, state.num_generated, num_B)
     generated_B = state.num_generated + num_B
     last_B = jnp.take_along_axis(block_BT, jnp.maximum(num_B - 1, 0)[:, None], axis=1)[:, 0]
-    done_B = state.done | (active_B & (extra_done_B | (generated_B >= dec.spec.max_new_tokens)))
+    done_B = state.done | (active_B & (extra_done_B | (generated_B >= state.budget)))
     return dataclasses.replace(
         state,
         tokens=out,
@@ -492,7 +654,7 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
     draft_lp_BKDV = draft_lp.reshape(batch, k, n, vocab)
 
     # Drafts are shortened so that a step never emits past max_new_tokens, and end at an EOS.
-    remaining_B = spec.max_new_tokens - state.num_generated
+    remaining_B = state.budget - state.num_generated
     lengths_BK = jnp.broadcast_to(jnp.clip(remaining_B - 1, 0, n)[:, None], (batch, k))
     is_eos = _is_eos(tokens_BKD, sampling.eos_ids)
     first_eos = jnp.where(jnp.any(is_eos, -1), jnp.argmax(is_eos, -1) + 1, n)

@@ -95,8 +95,13 @@ def estimate(
     options=None,
     target_itemsize: int = 4,
     draft_itemsize: int = 4,
+    num_prompts: int | None = None,
 ) -> dict[str, int]:
     """Bytes per part (see the module docstring) of one sampling call, from its shapes alone.
+
+    ``num_prompts``: continuous batching (:mod:`asps_jax.slots`): ``batch`` is then the number
+    of slots (the rows of the caches and of every per-step buffer), and the prompt set and its
+    per-prompt outputs, ``num_prompts`` rows each, are on device too.
 
     ``draft_config`` is None for ``method="ar"``; ``widths`` a branching tree (tree methods);
     ``options`` the method options (``levels``, ``alive``, ``rule`` change the selection's size).
@@ -119,7 +124,13 @@ def estimate(
     draft_rows = rows * replicas
     parts = {
         "kv caches": rows * slots * t["kv_slot"] * target_itemsize,
-        "outputs": 2 * _F32 * rows * (max_new_tokens + n + 1),
+        "outputs": 2 * _F32 * rows * (max_new_tokens + n + 1)
+        + (
+            0
+            if num_prompts is None
+            else _round_up(num_prompts, _BATCH_BUCKET)
+            * (2 * _F32 * (max_new_tokens + n + 1) + _F32 * prompt)
+        ),
         "tree tables": 0,
         "tree masks": 0,
         "target forward": max(

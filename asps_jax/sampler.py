@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import constraints, decode, footprint, sharding, statistics, stopping
+from asps_jax import constraints, decode, footprint, sharding, slots, statistics, stopping
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.models.vocab import align_vocabularies
@@ -137,6 +137,33 @@ def _as_prompt_array(prompts, prompt_lengths, vocab_size: int):
     for b, row in enumerate(rows):
         out[b, : len(row)] = row
     return out, lengths, len(rows)
+
+
+def budget_bucket(max_new_tokens: int) -> int:
+    """The static output width for budgets up to ``max_new_tokens``: the next power of two
+    (at least 16) up to 512, then the next multiple of 512. Budgets inside one bucket share the
+    compiled program (``max_new_tokens`` itself is a traced per-row value); a power of two at
+    most doubles the small buffers and cache slots of short runs, and past 512 the waste is
+    bounded by 512 slots."""
+    m = max(int(max_new_tokens), 16)
+    if m <= 512:
+        return 1 << (m - 1).bit_length()
+    return _round_up(m, 512)
+
+
+def _budgets(max_new_tokens, batch: int) -> list[int]:
+    """One budget per prompt from an int or a list of them; one-line errors."""
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        values = list(np.asarray(max_new_tokens).reshape(-1).tolist())
+        if len(values) != batch:
+            raise ValueError(
+                f"max_new_tokens: give one budget for all prompts or one per prompt ({batch}), "
+                f"got {len(values)}"
+            )
+        for v in values:
+            _check_int("max_new_tokens", v, 1)
+        return [int(v) for v in values]
+    return [_check_int("max_new_tokens", max_new_tokens, 1)] * batch
 
 
 def _row_keys(key, batch: int, padded: int) -> jax.Array:
@@ -430,6 +457,7 @@ def check_memory(
     method="asps",
     widths=(),
     options=None,
+    num_prompts=None,
 ) -> dict[str, int]:
     """Refuse, before anything is built or allocated, a call that cannot fit the device(s): the
     estimate of :func:`asps_jax.footprint.estimate` from the shapes alone (caches, draft
@@ -452,6 +480,7 @@ def check_memory(
         options=options,
         target_itemsize=np.dtype(dtypes[0]).itemsize,
         draft_itemsize=np.dtype(dtypes[-1]).itemsize,
+        num_prompts=num_prompts,
     )
 
 
@@ -474,7 +503,10 @@ class DecodeInputs:
       prompts_BP: int32[B, P], right-padded prompts (``B`` a padded batch).
       prompt_lengths_B: int32[B]; 0 for the padding rows (they start done).
       row_keys_B: one PRNG key per row.
-      stop: the call's :class:`~asps_jax.stopping.StopStrings`, or None.
+      stop: the call's :class:`~asps_jax.stopping.StopStrings`, or None (with
+        :attr:`Prepared.slots`, one tail per slot).
+      budget_B: int32[B], each row's ``max_new_tokens`` (a traced value, at most the static
+        ``SpecConfig.max_new_tokens``); 1 for the padding rows.
     """
 
     target_params: dict = _layout(sharding.PARAMS)
@@ -484,6 +516,7 @@ class DecodeInputs:
     prompt_lengths_B: jax.Array = _layout(sharding.ROWS)
     row_keys_B: jax.Array = _layout(sharding.ROWS)
     stop: stopping.StopStrings | None = _layout(sharding.FIELDS, None)
+    budget_B: jax.Array | None = _layout(sharding.ROWS, None)
 
     def kwargs(self) -> dict:
         """The keyword arguments of ``Decoder.generate`` (one level: the fields themselves)."""
@@ -502,15 +535,52 @@ class Prepared:
       decoder: the static :class:`asps_jax.decode.Decoder` (compiled in).
       inputs: the :class:`DecodeInputs` (placed on the mesh when there is one).
       batch: the number of prompts; rows from ``batch`` on pad the batch and start done.
+      slots: with ``batch_size``, the number of slots of continuous batching
+        (:mod:`asps_jax.slots`; the inputs' rows are then the prompts, not the loop's rows);
+        None runs every row at once (``Decoder.generate``).
     """
 
     decoder: decode.Decoder
     inputs: DecodeInputs
     batch: int
+    slots: int | None = None
 
     def generate(self) -> decode.DecodeState:
         """Run the whole loop (``Decoder.generate``) on the inputs."""
         return self.decoder.generate(**self.inputs.kwargs())
+
+    def prompts(self) -> slots.Prompts:
+        """The inputs' rows as the :class:`asps_jax.slots.Prompts` the slots draw from."""
+        i = self.inputs
+        return slots.Prompts(
+            tokens=i.prompts_BP,
+            lengths=i.prompt_lengths_B,
+            keys=i.row_keys_B,
+            budget=i.budget_B,
+            sampling=i.sampling,
+        )
+
+    def slot_kwargs(self) -> dict:
+        """The keyword arguments of :func:`asps_jax.slots.run` / ``start`` (after the decoder)."""
+        i = self.inputs
+        return dict(
+            target_params=i.target_params,
+            draft_params=i.draft_params,
+            prompts=self.prompts(),
+            stop=i.stop,
+            batch=self.slots,
+        )
+
+    def run(self) -> decode.DecodeState | slots.Results:
+        """Run the call: every row at once, or through the slots (:attr:`slots`)."""
+        if self.slots is None:
+            return self.generate()
+        return slots.run(self.decoder, **self.slot_kwargs())
+
+    def output_width(self) -> int:
+        """M, the widest budget of the call's prompts (the outputs' width)."""
+        budget = sharding.to_local(self.inputs.budget_B, None)
+        return int(np.max(np.asarray(budget)[: self.batch]))
 
 
 def _check_spec(target, draft, method, num_drafts, num_draft_tokens, tree, max_new_tokens, options):
@@ -539,16 +609,21 @@ def _check_spec(target, draft, method, num_drafts, num_draft_tokens, tree, max_n
     return target, draft, spec
 
 
-def _check_fits(target, draft, spec: decode.SpecConfig, batch: int, longest: int, mesh) -> None:
+def _check_fits(
+    target, draft, spec: decode.SpecConfig, lengths_b, budgets, mesh, slot_count=None
+) -> None:
     """Refuse a call whose prompt, new tokens and draft do not fit the models' context, or whose
-    caches and tree do not fit the device memory; then check a tree method's options against
-    the tree (built only once :func:`check_memory` has passed)."""
+    caches and tree do not fit the device memory (``slot_count``: the loop's rows with
+    continuous batching); then check a tree method's options against the tree (built only once
+    :func:`check_memory` has passed). ``lengths_b`` / ``budgets``: each prompt's length and
+    ``max_new_tokens``."""
     context = target.config.max_position_embeddings
     if draft is not None:
         context = min(context, draft.config.max_position_embeddings)
-    if longest + spec.max_new_tokens > context:
+    over = int(np.argmax(np.asarray(lengths_b) + np.asarray(budgets)))
+    if lengths_b[over] + budgets[over] > context:
         raise ValueError(
-            f"prompt of {longest} tokens plus max_new_tokens={spec.max_new_tokens} exceeds the "
+            f"prompt of {lengths_b[over]} tokens plus max_new_tokens={budgets[over]} exceeds the "
             f"model context of {context} positions; shorten the prompt or lower max_new_tokens"
         )
     if draft is not None and spec.num_draft_tokens >= context:
@@ -557,11 +632,13 @@ def _check_fits(target, draft, spec: decode.SpecConfig, batch: int, longest: int
             f"{context} positions; lower num_draft_tokens"
         )
     options = dict(spec.options)
+    batch = len(budgets)
     check_memory(
         target,
         draft,
-        batch=batch,
-        prompt_len=longest,
+        batch=batch if slot_count is None else slot_count,
+        num_prompts=None if slot_count is None else batch,
+        prompt_len=int(np.max(lengths_b)),
         max_new_tokens=spec.max_new_tokens,
         num_draft_tokens=spec.num_draft_tokens,
         num_drafts=spec.num_drafts,
@@ -659,11 +736,18 @@ def prepare(
     top_logprobs=0,
     regex=None,
     json_schema=None,
+    batch_size=None,
     **options,
 ) -> Prepared:
     """Validate the arguments of :func:`sample`; returns the :class:`Prepared` call: the static
     :class:`asps_jax.decode.Decoder`, the :class:`DecodeInputs` (the array pytrees of
     ``Decoder.generate``) and the number of prompts.
+
+    ``max_new_tokens``: an int, or one per prompt; it is a traced per-row value
+    (``DecodeInputs.budget_B``; the static output width is :func:`budget_bucket` of the largest),
+    so budgets within a bucket reuse the compiled program. ``batch_size=B``: continuous batching
+    (:mod:`asps_jax.slots`): ``Prepared.slots`` is then B and :meth:`Prepared.run` runs the
+    prompts through B slots (:func:`asps_jax.slots.run`) instead of ``Decoder.generate``.
 
     ``temperature``, ``top_k``, ``top_p``,
     ``draft_temperature``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
@@ -685,15 +769,25 @@ def prepare(
     first token whose text completes an occurrence of one of them in the row's generated text,
     that token kept (:mod:`asps_jax.stopping`). Needs the target's tokenizer.
     """
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    if not isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        _check_int("max_new_tokens", max_new_tokens, 1)
+    if batch_size is not None:
+        batch_size = _check_int("batch_size", batch_size, 1)
+        if mesh is not None:
+            raise ValueError(
+                "batch_size: continuous batching runs on one device for now; omit batch_size "
+                "(or mesh)"
+            )
     stop_bytes = stopping.validate_stop(stop)
     if stop_bytes and getattr(target, "tokenizer", None) is None:
         raise ValueError(
             "stop: stop strings are matched against the tokens' text, and the target model was "
             "loaded without a tokenizer"
         )
+    many = isinstance(max_new_tokens, (list, tuple, np.ndarray))
+    largest = max(_budgets(max_new_tokens, len(max_new_tokens) if many else 1))
     target, draft, spec = _check_spec(
-        target, draft, method, num_drafts, num_draft_tokens, tree, max_new_tokens, options
+        target, draft, method, num_drafts, num_draft_tokens, tree, budget_bucket(largest), options
     )
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
     _validate_controls(
@@ -707,8 +801,12 @@ def prepare(
         )
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
+    if isinstance(prompts, (list, tuple)) and not prompts and prompt_lengths is None:
+        raise ValueError("prompts: the list is empty; give at least one prompt")
     prompts_bp, lengths_b, batch = _as_prompt_array(prompts, prompt_lengths, target.vocab_size)
-    _check_fits(target, draft, spec, batch, int(lengths_b.max()), mesh)
+    budgets = _budgets(max_new_tokens, batch)
+    slot_count = None if batch_size is None else min(batch_size, prompts_bp.shape[0])
+    _check_fits(target, draft, spec, lengths_b[:batch], budgets, mesh, slot_count)
     if mesh is not None:  # rows of length 0 until the batch splits evenly over "data"
         prompts_bp, lengths_b = sharding.pad_batch(
             prompts_bp, lengths_b, sharding.batch_multiple(mesh)
@@ -736,10 +834,12 @@ def prepare(
     )
     decoder = _decoder(target, draft, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs)
     row_keys = _row_keys(key, batch, padded)
+    budget_b = np.ones(padded, np.int32)  # the padding rows start done
+    budget_b[:batch] = budgets
     stop_state = None
-    if stop_bytes:
+    if stop_bytes:  # one tail per row of the loop: per slot with batch_size
         table = stopping.cached_table(target.tokenizer, target.vocab_size)
-        stop_state = stopping.stop_strings(table, stop_bytes, padded)
+        stop_state = stopping.stop_strings(table, stop_bytes, slot_count or padded)
     inputs = DecodeInputs(
         target_params=target.params,
         draft_params=None if draft is None else draft.params,
@@ -748,6 +848,7 @@ def prepare(
         prompt_lengths_B=jnp.asarray(lengths_b),
         row_keys_B=row_keys,
         stop=stop_state,
+        budget_B=jnp.asarray(budget_b),
     )
     # Several processes: each passes the full batch, so row keys follow the global row index.
     # Every input but the parameters (which the decoder's repr stands for) is compared.
@@ -762,7 +863,12 @@ def prepare(
         np.frombuffer(repr(decoder).encode(), np.uint8),  # models, method, shapes
         *jax.tree.leaves(per_call),
     )
-    return Prepared(decoder=decoder, inputs=_placed(inputs, mesh, target, draft), batch=batch)
+    return Prepared(
+        decoder=decoder,
+        inputs=_placed(inputs, mesh, target, draft),
+        batch=batch,
+        slots=slot_count,
+    )
 
 
 def summarize_stats(state: decode.DecodeState, batch: int) -> dict:
@@ -772,24 +878,24 @@ def summarize_stats(state: decode.DecodeState, batch: int) -> dict:
 
 
 def _finish(
-    state: decode.DecodeState,
+    state: decode.DecodeState | slots.Results,
     spec: decode.SpecConfig,
     batch: int,
     return_logprobs: bool,
     mesh=None,
+    width: int | None = None,
 ) -> SampleOutput:
+    width = spec.max_new_tokens if width is None else width
     top = None
     if return_logprobs and state.top_logprobs[0].shape[-1]:
-        emitted = (jnp.arange(spec.max_new_tokens)[None, :] < state.num_generated[:batch, None])[
-            ..., None
-        ]
-        ids, lps = (a[:batch, : spec.max_new_tokens] for a in state.top_logprobs)
+        emitted = (jnp.arange(width)[None, :] < state.num_generated[:batch, None])[..., None]
+        ids, lps = (a[:batch, :width] for a in state.top_logprobs)
         top = (jnp.where(emitted, ids, -1), jnp.where(emitted, lps, 0.0))
     fields = dict(
-        tokens=state.tokens[:batch, : spec.max_new_tokens],
+        tokens=state.tokens[:batch, :width],
         lengths=state.num_generated[:batch],
         stats=summarize_stats(state, batch),
-        logprobs=state.logprobs[:batch, : spec.max_new_tokens] if return_logprobs else None,
+        logprobs=state.logprobs[:batch, :width] if return_logprobs else None,
         top_logprobs=top,
     )
     # Several processes: every process gets every row (on its first device).
@@ -819,12 +925,15 @@ def sample(
     ``method="ar"``). See :func:`prepare` for the keyword arguments; extra keyword arguments are
     method options (e.g. ``rule="fixed_order"`` for ``method="is"``). ``return_logprobs=True``
     fills :attr:`SampleOutput.logprobs` (measured in the loop either way: no extra forward, no
-    recompile).
+    recompile). ``max_new_tokens`` may be one budget per prompt; ``batch_size=B`` runs the
+    prompts through B slots with continuous batching (:mod:`asps_jax.slots`), each prompt's
+    tokens independent of B (docs/api.md §3).
     """
     _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
     call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
-    state = call.generate()
-    return _finish(state, call.decoder.spec, call.batch, return_logprobs, call.decoder.mesh)
+    mesh = None if call.slots is not None else call.decoder.mesh
+    width = call.output_width()
+    return _finish(call.run(), call.decoder.spec, call.batch, return_logprobs, mesh, width)
 
 
 @contextlib.contextmanager
@@ -855,7 +964,9 @@ class Session:
     ``Session(target, draft, prompts, key=..., max_new_tokens=..., **kwargs)`` takes the arguments
     of :func:`sample`. ``compile()`` compiles prefill and the step ahead of time and returns the
     seconds it took; ``steps()`` yields each row's new tokens after every compiled step;
-    ``result()`` gives the :class:`SampleOutput`.
+    ``result()`` gives the :class:`SampleOutput`. With ``batch_size`` (continuous batching),
+    ``steps()`` yields ``(prompt_index, new_tokens)`` and ``prompts_done`` counts the prompts
+    finished so far.
     """
 
     def __init__(
@@ -865,10 +976,18 @@ class Session:
         _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
         call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
         self.batch_size = call.batch
+        self._width = call.output_width()
         self.decoder: decode.Decoder = call.decoder
         self.spec: decode.SpecConfig = self.decoder.spec
         inputs = call.inputs
         self._params = dict(target_params=inputs.target_params, draft_params=inputs.draft_params)
+        # batch_size: continuous batching (the keyword arguments of slots.start)
+        self._slots = None if call.slots is None else call.slot_kwargs()
+        self.prompts_done = 0  # with batch_size: prompts finished so far (steps())
+        if self._slots is not None:
+            self._state = None
+            self._mesh = None
+            return
         self._prefill_args = inputs.prefill_kwargs()
         self._sampling = inputs.sampling
         self._prefill = functools.partial(decode.prefill, self.decoder)
@@ -884,6 +1003,15 @@ class Session:
     def compile(self) -> float:
         """Compile prefill and the step now; returns the wall seconds spent compiling."""
         start = time.perf_counter()
+        if self._slots is not None:
+            a = self._slots
+            first = slots.start.lower(self.decoder, **a).compile()
+            shape = jax.eval_shape(lambda: slots.start(self.decoder, **a))
+            step = slots.advance.lower(
+                self.decoder, **self._params, prompts=a["prompts"], s=shape
+            ).compile()
+            self._slot_fns = (first, step)
+            return time.perf_counter() - start
         prefill = decode.prefill.lower(self.decoder, **self._prefill_args).compile()
         state_shape = jax.eval_shape(lambda: self._prefill(**self._prefill_args))
         if self._mesh is not None:
@@ -901,7 +1029,13 @@ class Session:
         Ctrl-C while a step runs (or prefill) is held until the step's state is kept, then raised
         as KeyboardInterrupt from ``next()`` instead of yielding: ``result()`` has every step that
         finished, that one included. Between ``next()`` calls SIGINT is the caller's.
+
+        With ``batch_size`` (continuous batching) it yields ``(prompt_index, new_tokens)`` for
+        every prompt that got tokens in the step instead (a list per prompt, in slot order).
         """
+        if self._slots is not None:
+            yield from self._slot_steps()
+            return
         with _sigint_recorded() as interrupt:
             state = self._place(self._prefill(**self._prefill_args))
         if interrupt.is_set():
@@ -927,14 +1061,69 @@ class Session:
             if done:
                 return
 
+    def _slot_steps(self) -> Iterator[tuple[int, list[int]]]:
+        a = self._slots
+        first, step = getattr(self, "_slot_fns", (None, None))
+        if first is None:  # not compiled ahead: jit on the first call
+            first = functools.partial(slots.start, self.decoder, batch=a["batch"])
+            step = functools.partial(slots.advance, self.decoder)
+        first_args = {k: v for k, v in a.items() if k != "batch"}
+        with _sigint_recorded() as interrupt:
+            s = first(**first_args)
+        if interrupt.is_set():
+            raise KeyboardInterrupt
+        seen = np.zeros(self.batch_size, np.int64)
+        finished = np.zeros(self.batch_size, bool)
+        self.prompts_done = 0
+        while True:
+            with _sigint_recorded() as interrupt:
+                s = step(**self._params, prompts=a["prompts"], s=s)
+                self._state = s
+                prompt = np.asarray(s.prompt)
+                started = int(s.next)
+                generated = np.asarray(s.state.num_generated)
+                tokens = np.asarray(s.state.tokens)
+                res_len = np.asarray(s.results.num_generated)[: self.batch_size]
+                res_tokens = np.asarray(s.results.tokens)
+            if interrupt.is_set():
+                raise KeyboardInterrupt
+            running = np.zeros(self.batch_size, bool)
+            running[prompt[prompt >= 0]] = True
+            # Prompts that finished in this step (possibly started in it too): from the results.
+            new_done = ~running & ~finished & (np.arange(self.batch_size) < started)
+            for p in np.flatnonzero(new_done).tolist():
+                if res_len[p] > seen[p]:
+                    yield p, res_tokens[p, seen[p] : res_len[p]].tolist()
+                    seen[p] = res_len[p]
+            finished |= new_done
+            self.prompts_done = int(finished.sum())
+            for slot, p in enumerate(prompt.tolist()):
+                if p >= 0 and generated[slot] > seen[p]:
+                    yield p, tokens[slot, seen[p] : generated[slot]].tolist()
+                    seen[p] = generated[slot]
+            if finished.all():
+                return
+
     def result(self) -> SampleOutput:
         if self._state is None:
             raise RuntimeError("Session.result(): run steps() to completion first")
-        return _finish(self._state, self.spec, self.batch_size, self.return_logprobs, self._mesh)
+        if self._slots is not None:
+            return _finish(
+                self._state.results,
+                self.spec,
+                self.batch_size,
+                self.return_logprobs,
+                None,
+                self._width,
+            )
+        return _finish(
+            self._state, self.spec, self.batch_size, self.return_logprobs, self._mesh, self._width
+        )
 
 
 def stream(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> Iterator[list[list[int]]]:
-    """Like :func:`sample`, one compiled step at a time: yields each row's new tokens per step.
+    """Like :func:`sample`, one compiled step at a time: yields each row's new tokens per step
+    (with ``batch_size``: ``(prompt_index, new_tokens)`` pairs as they come).
 
     The generator's return value (``StopIteration.value``) is the :class:`SampleOutput`.
     """

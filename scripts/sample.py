@@ -360,6 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
         "generated position (default: off)",
     )
     p.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help='a prompt set: one prompt per line, or JSON lines with "prompt" and an optional '
+        '"max_new_tokens"; sampled through --batch-size slots (default 8) with continuous '
+        "batching, printed as JSON lines in prompt order (per prompt, then the pooled statistics)",
+    )
+    p.add_argument(
         "--max-new-tokens",
         type=_positive_int,
         default=200,
@@ -586,6 +594,7 @@ def run(args) -> int:
             args.mesh = f"data={jax.device_count()}"
     if not args.no_compile_cache:
         compile_cache.enable(notify=lambda m: print(f"sample.py: note: {m}", file=sys.stderr))
+    compile_cache.count_compiles()
 
     # Built before loading the models: a mesh that does not fit the devices fails fast.
     mesh = None if args.mesh is None else make_mesh(args.mesh)
@@ -603,6 +612,8 @@ def run(args) -> int:
         raise FileNotFoundError(f"{args.target}: no tokenizer files next to the checkpoint")
     load_s = time.perf_counter() - start
 
+    if args.prompts is not None:
+        return _run_prompts(args, target, draft, mesh, load_s, stdout if primary else io.StringIO())
     texts = args.prompt or [DEFAULT_PROMPT]
     # verbose=False: the length check below gives the error; no tokenizer warning first.
     encoded = [tokenizer.encode(t, verbose=False) for t in texts]
@@ -704,6 +715,7 @@ def run(args) -> int:
                 for b in range(lengths.size)
             ]
         summary["texts"] = [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
+        summary.update(_compile_counts(compile_cache))
         print(json.dumps(_strict_json(summary), allow_nan=False), file=out_stream)
     else:
         print(text_stream.flush(), file=out_stream)
@@ -717,6 +729,182 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return INTERRUPTED
+    return 0
+
+
+def _compile_counts(compile_cache) -> dict:
+    """``compiles``: XLA programs this process compiled; ``compile_cache_hits``: programs it
+    loaded from the persistent cache instead (both are jit cache misses: a new shape)."""
+    counts = compile_cache.compiles()
+    return {
+        "compiles": counts["programs"] - counts["cache_hits"],
+        "compile_cache_hits": counts["cache_hits"],
+    }
+
+
+def _read_prompts(path) -> list[tuple[str, int | None]]:
+    """``--prompts FILE``: ``(text, max_new_tokens or None)`` per non-empty line; a line that
+    starts with ``{`` is a JSON object with ``prompt`` and an optional ``max_new_tokens``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+        raise ValueError(f"--prompts: cannot read {path} ({why})") from None
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not line.lstrip().startswith("{"):
+            out.append((line, None))
+            continue
+        where = f"--prompts: {path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not a JSON object ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f'{where}: a JSON line needs a "prompt" string')
+        budget = record.get("max_new_tokens")
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 1
+        ):
+            raise ValueError(f'{where}: "max_new_tokens" must be an integer >= 1, got {budget!r}')
+        unknown = sorted(set(record) - {"prompt", "max_new_tokens"})
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown} (prompt, max_new_tokens)")
+        out.append((record["prompt"], budget))
+    if not out:
+        raise ValueError(f"--prompts: {path} holds no prompts")
+    return out
+
+
+def _run_prompts(args, target, draft, mesh, load_s, out_stream) -> int:
+    """``--prompts FILE``: every prompt through ``--batch-size`` slots (continuous batching);
+    JSON lines in prompt order, then one line of pooled statistics."""
+    import jax
+    import numpy as np
+
+    from asps_jax import compile_cache, sampler
+    from asps_jax import slots as slots_module
+    from asps_jax.sampler import NonFiniteLogitsError, Session
+
+    records = _read_prompts(args.prompts)
+    tokenizer = target.tokenizer
+    texts = [t for t, _ in records]
+    encoded = [tokenizer.encode(t, verbose=False) for t in texts]
+    for i, e in enumerate(encoded):
+        if not e:
+            raise ValueError(f"--prompts: prompt {i} encodes to no tokens")
+    budgets = [args.max_new_tokens if b is None else b for _, b in records]
+    slots = args.batch_size or 8
+    kwargs = dict(
+        key=jax.random.key(args.seed),
+        max_new_tokens=budgets,
+        method=args.method,
+        num_draft_tokens=args.num_draft_tokens,
+        num_drafts=args.num_drafts,
+        tree=args.tree,
+        temperature=args.temperature,
+        draft_temperature=args.draft_temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop=args.stop,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
+        regex=args.regex,
+        json_schema=_read_schema(args.json_schema),
+        batch_size=slots,
+        return_logprobs=True,
+    )
+    if mesh is not None:
+        raise ValueError("--prompts: continuous batching runs on one device; drop --mesh")
+    progress = sys.stderr.isatty()
+    failure = None
+    if progress:  # step by step, to report progress (a host round trip per step)
+        session = Session(target, draft, encoded, **kwargs)
+        _stop_if_interrupted("preparing the batch")
+        compile_s = session.compile()
+        start = time.perf_counter()
+        tokens = 0
+        for _, new in session.steps():
+            tokens += len(new)
+            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            print(
+                f"\r[{session.prompts_done}/{len(records)} prompts, {tokens} tokens, "
+                f"{rate:.1f} tokens/s]",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+            if _CtrlC.requested:
+                break
+        print(file=sys.stderr)
+        try:
+            out = session.result()
+        except NonFiniteLogitsError as err:
+            out, failure = err.output, err
+    else:  # one compiled call for the whole set
+        kwargs.pop("return_logprobs")
+        call = sampler.prepare(target, draft, encoded, **kwargs)
+        width = call.output_width()
+        decoder = call.decoder
+        slot_args = call.slot_kwargs()
+        _stop_if_interrupted("preparing the batch")
+        start = time.perf_counter()
+        compiled = slots_module.run.lower(decoder, **slot_args).compile()
+        compile_s = time.perf_counter() - start
+        _stop_if_interrupted("compiling")
+        start = time.perf_counter()
+        results = compiled(**{k: v for k, v in slot_args.items() if k != "batch"})
+        jax.block_until_ready(results.tokens)
+        try:
+            out = sampler._finish(results, decoder.spec, call.batch, False, None, width)
+        except NonFiniteLogitsError as err:
+            out, failure = err.output, err
+    run_s = time.perf_counter() - start
+    stats = {k: np.asarray(v) for k, v in out.stats.items()}
+    lengths = np.asarray(out.lengths)
+    tokens = np.asarray(out.tokens)
+    for i in range(lengths.size):
+        row = tokens[i, : lengths[i]].tolist()
+        line = {
+            "index": i,
+            "prompt": texts[i],
+            "text": tokenizer.decode(row, skip_special_tokens=True),
+            "tokens": row,
+            "new_tokens": int(lengths[i]),
+            "max_new_tokens": budgets[i],
+            "target_calls": int(stats["target_calls"][i]),
+            "tokens_per_step": float(stats["tokens_per_step"][i]),
+            "acceptance": float(stats["acceptance"][i]),
+            "failed_at": int(stats["failed_at"][i]),
+        }
+        print(json.dumps(_strict_json(line), allow_nan=False), file=out_stream)
+    calls = int(stats["target_calls"].sum())
+    pooled = {
+        "pooled": True,
+        "method": args.method,
+        "prompts": int(lengths.size),
+        "batch_size": slots,
+        "new_tokens": int(lengths.sum()),
+        "target_calls": calls,
+        "tokens_per_step": float(lengths.sum() / max(calls, 1)),
+        "acceptance": float(stats["accepted"].sum() / max(stats["decisions"].sum(), 1)),
+        "load_seconds": round(load_s, 3),
+        "compile_seconds": round(compile_s, 3),
+        "run_seconds": round(run_s, 3),
+        "tokens_per_second": float(lengths.sum() / run_s) if run_s > 0 else float("nan"),
+        **_compile_counts(compile_cache),
+    }
+    print(json.dumps(_strict_json(pooled), allow_nan=False), file=out_stream)
+    if failure is not None:
+        print(f"sample.py: error: {_nonfinite_message(failure)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -773,8 +961,12 @@ def _main(argv) -> int:
         parser.error("--regex and --json-schema: give at most one constraint")
     if args.top_logprobs and not args.json:
         parser.error("--top-logprobs needs --json (the log-probabilities are in its output)")
+    if args.prompts is not None and args.prompt:
+        parser.error("--prompts and --prompt: give the prompts one way")
+    if args.prompts is not None and args.top_logprobs:
+        parser.error("--top-logprobs: not with --prompts (per-prompt lines carry no log-probs)")
     prompts = len(args.prompt or [DEFAULT_PROMPT])
-    if args.batch_size is not None and args.batch_size < prompts:
+    if args.prompts is None and args.batch_size is not None and args.batch_size < prompts:
         parser.error(
             f"--batch-size {args.batch_size} is smaller than the {prompts} prompts given; raise "
             "it or drop it (default: one row per prompt)"
