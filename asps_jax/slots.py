@@ -78,8 +78,9 @@ class SlotState:
 def slot_sampling(sampling: SamplingParams, prompt_B) -> SamplingParams:
     """The sampling parameters of the prompts the slots run (an empty slot reads prompt 0's)."""
     idx = jnp.maximum(prompt_B, 0)
-    per_row = [f for f in sampling.array_fields() if f not in SamplingParams.SHARED_FIELDS]
-    return dataclasses.replace(sampling, **{f: getattr(sampling, f)[idx] for f in per_row})
+    return dataclasses.replace(
+        sampling, **{f: getattr(sampling, f)[idx] for f in SamplingParams.row_fields()}
+    )
 
 
 def _refill(dec, target_params, draft_params, prompts: Prompts, s: SlotState) -> SlotState:
