@@ -369,6 +369,71 @@ def _check_tree(tree, method, num_drafts, num_draft_tokens) -> tuple[int, ...]:
     return widths
 
 
+DRAFTERS = ("lookup",)
+"""The drafters named by a string ``draft`` argument (a model object is the draft model)."""
+
+
+def parse_draft(draft):
+    """The one place that reads the ``draft`` argument: ``(drafter, model)``.
+
+    A :class:`~asps_jax.models.Model` (or None, for ``method="ar"``) is ``("model", draft)``;
+    ``"lookup"`` is prompt-lookup drafting (``("lookup", None)``, :mod:`asps_jax.lookup`).
+    """
+    if isinstance(draft, str):
+        if draft in DRAFTERS:
+            return draft, None
+        raise ValueError(
+            f"draft: unknown drafter {draft!r}; give a draft model, one of "
+            f"{', '.join(map(repr, DRAFTERS))}, or None (method 'ar')"
+        )
+    return "model", draft
+
+
+def _check_drafter(drafter, method, widths, lookup_ngram, lookup_max, draft_stop):
+    """The drafter's own options: ``(lookup_ngram, lookup_max, draft_stop τ or None)``."""
+    if drafter != "lookup":
+        for name, value in (("lookup_ngram", lookup_ngram), ("lookup_max", lookup_max)):
+            if value is not None:
+                raise ValueError(f"{name} is an option of draft='lookup', not of a draft model")
+    tau = None
+    if draft_stop is not None:
+        tau = _parse_draft_stop(draft_stop)
+        if drafter == "lookup":
+            raise ValueError(
+                "draft_stop: a lookup draft has no draft law to be unsure of (its chains end "
+                "where the match ends); drop draft_stop"
+            )
+        if widths:
+            raise ValueError("draft_stop: confidence-stopped chains need K chains, not tree=")
+    ngram = _check_int("lookup_ngram", 3 if lookup_ngram is None else lookup_ngram, 1)
+    cap = 0 if lookup_max is None else _check_int("lookup_max", lookup_max, 1)
+    if drafter == "lookup" and method in TREE_METHODS:
+        raise ValueError(
+            f"draft='lookup': method {method!r} verifies a tree of draws from one law per node; "
+            "lookup chains are point masses per chain: use a chain method (sps, asps) or a "
+            "multi-draft one (specinfer, spectr, is, optimal)"
+        )
+    return ngram, cap, tau
+
+
+def _parse_draft_stop(draft_stop) -> float:
+    """``"confidence:τ"`` (or the number τ) -> τ in [0, 1]."""
+    text = draft_stop
+    if isinstance(draft_stop, str):
+        kind, _, text = draft_stop.partition(":")
+        if kind != "confidence" or not text:
+            raise ValueError(
+                f"draft_stop must be 'confidence:τ' with τ in [0, 1], got {draft_stop!r}"
+            )
+    try:
+        tau = float(text)
+    except (TypeError, ValueError):
+        tau = np.nan
+    if isinstance(draft_stop, bool) or not 0.0 <= tau <= 1.0:
+        raise ValueError(f"draft_stop must be 'confidence:τ' with τ in [0, 1], got {draft_stop!r}")
+    return tau
+
+
 def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) -> None:
     if method not in METHODS:
         raise ValueError(f"method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -379,8 +444,11 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) 
             raise ValueError(f"method 'ar' uses no draft; num_drafts must be 1, got {num_drafts}")
         return
     if draft is None:
-        raise ValueError(f"method {method!r} needs a draft model (draft=None is only for 'ar')")
-    check_compatible(target, draft)
+        raise ValueError(
+            f"method {method!r} needs a draft model or draft='lookup' (draft=None is only for 'ar')"
+        )
+    if draft != "lookup":
+        check_compatible(target, draft)
     if REGISTRY[method].kind == "drafts":  # chains: below; trees: _check_tree_options
         REGISTRY[method].validate(options)
     if method in CHAIN_METHODS:
@@ -488,6 +556,9 @@ def prepare(
     top_logprobs=0,
     regex=None,
     json_schema=None,
+    lookup_ngram=None,
+    lookup_max=None,
+    draft_stop=None,
     **options,
 ):
     """Validate the arguments of :func:`sample`; returns ``(batch, args)``.
@@ -521,16 +592,29 @@ def prepare(
             "stop: stop strings are matched against the tokens' text, and the target model was "
             "loaded without a tokenizer"
         )
+    drafter, draft = parse_draft(draft)
     widths = _check_tree(tree, method, num_drafts, num_draft_tokens)
+    lookup_ngram, lookup_max, tau = _check_drafter(
+        drafter, method, widths, lookup_ngram, lookup_max, draft_stop
+    )
+    if drafter == "lookup" and num_draft_tokens is None and lookup_max:
+        num_draft_tokens = lookup_max  # the lookup's chains are at most lookup_max long
     if widths:
         num_drafts, num_draft_tokens = math.prod(widths), len(widths)
     num_draft_tokens = _check_int(
         "num_draft_tokens", 8 if num_draft_tokens is None else num_draft_tokens, 1
     )
     num_drafts = _check_int("num_drafts", 1 if num_drafts is None else num_drafts, 1)
-    if method != "ar":  # padded embeddings of one tokenizer: both laws on the shared ids
+    if method != "ar" and drafter == "model":  # padded embeddings of one tokenizer
         target, draft = align_vocabularies(target, draft)
-    _check_method(method, draft, target, num_drafts, num_draft_tokens, options)
+    _check_method(
+        method,
+        "lookup" if drafter == "lookup" else draft,
+        target,
+        num_drafts,
+        num_draft_tokens,
+        options,
+    )
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
     _validate_controls(
         repetition_penalty, presence_penalty, frequency_penalty, no_repeat_ngram_size, min_p
@@ -588,6 +672,10 @@ def prepare(
         max_new_tokens=max_new_tokens,
         options=tuple(sorted(options.items())),
         widths=widths,
+        drafter=drafter if method != "ar" else "model",
+        lookup_ngram=lookup_ngram,
+        lookup_max=min(lookup_max, num_draft_tokens),
+        draft_stop=tau is not None and method != "ar",
     )
     controls = dict(
         min_p=min_p,
@@ -606,6 +694,7 @@ def prepare(
         eos_ids=_eos_ids(target, eos_token_id),
         logit_bias=_logit_bias_rows(logit_bias, batch, padded, target.vocab_size),
         constraint=constraint,
+        draft_stop=tau,
         **{name: _per_row(name, value, batch, padded) for name, value in controls.items()},
     )
     cache_len = _round_up(
