@@ -86,4 +86,5 @@ def lookup_drafts(history, *, ngram: int, cap: int, num_chains: int, draft_len: 
 
 def point_mass_laws(tokens, vocab: int) -> jax.Array:
     """float32[..., V]: log-prob 0 at each token, ``-inf`` elsewhere."""
-    return jnp.where(jnp.arange(vocab) == tokens[..., None], 0.0, NEG_INF).astype(jnp.float32)
+    ids = jnp.arange(vocab).reshape((1,) * tokens.ndim + (vocab,))
+    return jnp.where(ids == tokens[..., None], 0.0, NEG_INF).astype(jnp.float32)
