@@ -798,10 +798,40 @@ def sample(
     recompile).
     """
     _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+    calibration = _resolve_auto(target, draft, prompts, key, kwargs)
     batch, args = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
     decoder = args.pop("decoder")
     state = decoder.generate(**args)
-    return _finish(state, decoder.spec, batch, return_logprobs, decoder.mesh)
+    out = _finish(state, decoder.spec, batch, return_logprobs, decoder.mesh)
+    if calibration is not None:
+        out.stats["calibration"] = calibration
+    return out
+
+
+def _resolve_auto(target, draft, prompts, key, kwargs):
+    """``num_draft_tokens="auto"``: calibrate (:mod:`asps_jax.autotune`) and put the chosen n into
+    ``kwargs``; returns the :class:`~asps_jax.autotune.Calibration` (None without "auto")."""
+    if not (isinstance(kwargs.get("num_draft_tokens"), str)):
+        return None
+    if kwargs["num_draft_tokens"] != "auto":
+        raise ValueError(
+            "num_draft_tokens must be an integer >= 1 or 'auto', got "
+            f"{kwargs['num_draft_tokens']!r}"
+        )
+    if kwargs.get("method", "asps") == "ar" or kwargs.get("tree") is not None:
+        raise ValueError(
+            "num_draft_tokens='auto' chooses the length of draft chains: not for method 'ar' or "
+            "a tree="
+        )
+    from asps_jax import autotune
+
+    max_n = kwargs.get("lookup_max") or 8
+    probe = {k: v for k, v in kwargs.items() if k != "num_draft_tokens"}
+    # One-line errors for the call's own arguments before anything is measured.
+    prepare(target, draft, prompts, key=key, max_new_tokens=1, num_draft_tokens=max_n, **probe)
+    calibration = autotune.calibrate(target, draft, prompts, key=key, max_n=max_n, **probe)
+    kwargs["num_draft_tokens"] = calibration.num_draft_tokens
+    return calibration
 
 
 @contextlib.contextmanager
@@ -840,6 +870,8 @@ class Session:
     ):
         self.return_logprobs = bool(return_logprobs)
         _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+        # num_draft_tokens="auto": the autotune.Calibration that chose n (else None).
+        self.calibration = _resolve_auto(target, draft, prompts, key, kwargs)
         self.batch_size, args = prepare(
             target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs
         )
