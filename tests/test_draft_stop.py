@@ -269,3 +269,21 @@ def test_decoder_without_stop_uses_the_scan_rollout(pair):
                                        max_new_tokens=2)  # fmt: skip
     assert isinstance(args["decoder"], decode.Decoder)
     assert not args["decoder"].spec.draft_stop
+
+
+@pytest.mark.parametrize(
+    "value", ["confidence:2", "confidence", "speed:0.5", "confidence:x"], ids=str
+)
+def test_cli_bad_draft_stop_exits_with_one_line(capsys, value):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sample.py"
+    spec = importlib.util.spec_from_file_location("sample_cli_stop", script)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--draft-stop", value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "argument --draft-stop: expected 'confidence:τ'" in err

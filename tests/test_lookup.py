@@ -288,3 +288,53 @@ def test_lookup_options_need_draft_lookup(copy_case):
         asps_jax.sample(
             model, model, [prompt], key=jax.random.key(0), max_new_tokens=2, lookup_ngram=2
         )
+
+
+# --------------------------------------------------------------------------------------------
+# The command line
+
+
+def _load_cli():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sample.py"
+    spec = importlib.util.spec_from_file_location("sample_cli_lookup", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_draft_lookup_runs(capsys):
+    import json
+
+    cli = _load_cli()
+    prompt = "ROMEO: But soft, what light. ROMEO: But soft, what light. ROMEO: But soft"
+    argv = ["--draft", "lookup", "--lookup-ngram", "2", "--lookup-max", "3", "--prompt", prompt]
+    assert cli.main(argv + ["--max-new-tokens", "6", "--temperature", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_draft_tokens"] == 3 and out["new_tokens"] == 6
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--lookup-ngram", "0"], "argument --lookup-ngram: expected a positive integer"),
+        (["--lookup-max", "x"], "argument --lookup-max: expected a positive integer"),
+        (["--num-draft-tokens", "often"], "expected a positive integer or 'auto'"),
+    ],
+)
+def test_cli_bad_lookup_flags_exit_with_one_line(capsys, argv, needle):
+    cli = _load_cli()
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--draft", "lookup", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
+
+
+def test_cli_lookup_with_a_tree_method_is_one_line(capsys):
+    cli = _load_cli()
+    assert cli.main(["--draft", "lookup", "--method", "tv", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "draft='lookup': method 'tv'" in err
