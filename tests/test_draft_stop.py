@@ -287,3 +287,36 @@ def test_cli_bad_draft_stop_exits_with_one_line(capsys, value):
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "argument --draft-stop: expected 'confidence:τ'" in err
+
+
+# --------------------------------------------------------------------------------------------
+# num_draft_tokens="auto"
+
+
+def test_auto_choice_maximises_tokens_per_cost():
+    """Emitted lengths at n_max = 2: 10 steps of 1 token, 10 of 2, 20 of 3, so P(L >= 1, 2, 3) =
+    1, 0.75, 0.5 and E(n) = 1, 1.75, 2.25. A step costs 1 at n = 0 and t_max at n = 2."""
+    from asps_jax import autotune
+
+    cheap = autotune.choose([0, 10, 10, 20], t_ar=1.0, t_max=1.2)  # rates 1, 1.59, 1.875
+    assert cheap.num_draft_tokens == 2
+    assert cheap.tokens_per_step == pytest.approx((1.0, 1.75, 2.25))
+    assert cheap.cost_ratio == pytest.approx(0.1)
+    dear = autotune.choose([0, 10, 10, 20], t_ar=1.0, t_max=2.0)  # rates 1, 1.1667, 1.125
+    assert dear.num_draft_tokens == 1
+    assert "chose n=1" in dear.describe()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_draft_tokens="often"), "num_draft_tokens must be an integer >= 1 or 'auto'"),
+        (dict(num_draft_tokens="auto", method="ar"), "num_draft_tokens='auto' chooses"),
+        (dict(num_draft_tokens="auto", method="tv", tree=(2, 1)), "num_draft_tokens='auto'"),
+    ],
+)
+def test_bad_auto_is_a_one_line_error(pair, kwargs, match):
+    _, target, draft = pair
+    with pytest.raises(ValueError, match=match) as err:
+        asps_jax.sample(target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=2, **kwargs)
+    assert "\n" not in str(err.value)
