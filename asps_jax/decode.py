@@ -761,7 +761,7 @@ def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, root_lp_BV) -> jax.Ar
     if dec.spec.num_drafts == 1:  # 1 - TV(p, q): no sort needed
         overlap_BV = jnp.minimum(root_lp_BV, drafts.logprobs_BKDV[:, 0, 0])
         return jnp.exp(jax.nn.logsumexp(overlap_BV, axis=-1))
-    if not dec.diagnostics:
+    if not dec.diagnostics or dec.spec.drafter == "lookup":  # lookup: K different point masses
         return jnp.full(drafts.start_B.shape, jnp.nan, jnp.float32)
     # Every root child is drawn from the one draft law at the root (chain 0's).
     num_root_children = np.unique(dec.spec.layout.first_chain[dec.spec.token_tree.depth == 1]).size
