@@ -98,13 +98,7 @@ def calibrate(target, draft, prompts, *, key, max_n: int = 8, steps: int = 6, **
     :func:`asps_jax.sample` (its ``max_new_tokens`` is replaced by what the runs need)."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("num_draft_tokens", "max_new_tokens")}
     method = kwargs.pop("method", "asps")
-    ar_kwargs = {
-        k: v
-        for k, v in kwargs.items()
-        if k not in ("num_drafts", "tree", "draft_stop", "lookup_ngram", "lookup_max")
-        and k not in _METHOD_ONLY
-    }
-    ar_kwargs = {k: v for k, v in ar_kwargs.items() if k in _SAMPLE_ARGS}
+    ar_kwargs = {k: v for k, v in kwargs.items() if k in _SAMPLE_ARGS}  # what "ar" takes
     budget = (steps + 1) * (max_n + 1)
     t_ar, _ = _timed_steps(
         target, None, prompts, steps, key=key, max_new_tokens=steps + 1, method="ar", **ar_kwargs
@@ -123,7 +117,6 @@ def calibrate(target, draft, prompts, *, key, max_n: int = 8, steps: int = 6, **
     return choose(hist, t_ar, t_max)
 
 
-_METHOD_ONLY = ("return_logprobs",)
 _SAMPLE_ARGS = (
     "temperature",
     "top_k",
