@@ -54,6 +54,7 @@ from jax.sharding import Mesh
 from asps_jax import (
     constraints,
     kv_cache,
+    lookup,
     penalties,
     rollout,
     scoring,
@@ -88,6 +89,14 @@ class SpecConfig:
     max_new_tokens: int
     options: tuple = ()  # sorted (name, value) pairs passed to verify_drafts
     widths: tuple = ()  # a branching draft tree (tree methods): children per node at each depth
+    # Who drafts (sampler.parse_draft): "model" (a draft model), "lookup" (prompt lookup,
+    # lookup.py: no draft model, point-mass laws; lookup_ngram = m, lookup_max caps the chains).
+    drafter: str = "model"
+    lookup_ngram: int = 3
+    lookup_max: int = 0  # 0: num_draft_tokens
+    # Confidence-stopped chains (rollout.rollout_stopped): a chain stops growing at the first
+    # draft law whose top probability is below SamplingParams.draft_stop (per row, an array).
+    draft_stop: bool = False
 
     @property
     def uses_draft(self) -> bool:
@@ -97,6 +106,11 @@ class SpecConfig:
     def resolved(self) -> Method | None:
         """The method's registry entry; None for autoregressive decoding (no draft)."""
         return REGISTRY.get(self.method)
+
+    @property
+    def drafts_from_model(self) -> bool:
+        """A draft model rolls the chains out (it has parameters and a KV cache)."""
+        return self.uses_draft and self.drafter == "model"
 
     @functools.cached_property
     def tree(self) -> trees.DraftTree:
@@ -299,7 +313,7 @@ def _prefill(
         forward_for(dec.target_config), target_params, t_cache, prompts_BP, committed_B
     )
     d_cache = None
-    if spec.uses_draft:
+    if spec.drafts_from_model:
         k = spec.num_drafts
         d_dtype = jax.tree.leaves(draft_params)[0].dtype
         d_cache = kv_cache.init_cache(
@@ -465,8 +479,42 @@ def _sync_draft_replicas(cache: kv_cache.KVCache, start_B, winner_B, num_drafts:
 
 
 def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
-    """Stage 1: draw the step's tree (``SpecConfig.tree``), one draft cache replica per root
-    path (cache rows b*L + l), and lay it out by node."""
+    """Stage 1: draw the step's tree (``SpecConfig.tree``) and lay it out by node: rolled out by
+    the draft model (one draft cache replica per root path, cache rows b*L + l), or K chains
+    copied from the row's text by prompt lookup (``lookup.py``, no cache)."""
+    if dec.spec.drafter == "lookup":
+        return _lookup_draft(dec, sampling, state)
+    return _model_draft(dec, draft_params, sampling, state)
+
+
+def _lookup_draft(dec: Decoder, sampling, state) -> Drafts:
+    """Prompt lookup's K chains (point-mass draft laws), cut to each chain's match length."""
+    spec = dec.spec
+    n, k = spec.num_draft_tokens, spec.tree.num_chains
+    batch = state.root.shape[0]
+    tokens_BKD, draft_lp_BKDV, found_BK = lookup.lookup_drafts(
+        state.history,
+        ngram=spec.lookup_ngram,
+        cap=spec.lookup_max or n,
+        num_chains=k,
+        draft_len=n,
+        vocab=dec.target_config.vocab_size,
+    )
+    return _finish_drafts(
+        dec,
+        sampling,
+        state,
+        None,
+        jnp.zeros((batch,), jnp.int32),
+        tokens_BKD,
+        draft_lp_BKDV,
+        jnp.ones((batch, k, n), bool),
+        found_BK,
+    )
+
+
+def _model_draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
+    """The draft model's rollout: one draft cache replica per root path (cache rows b*L + l)."""
     spec, tree = dec.spec, dec.spec.tree
     n, k = spec.num_draft_tokens, tree.num_chains
     batch = state.root.shape[0]
@@ -475,7 +523,11 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
         lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(k))
     )(draft_keys_B).reshape(batch * k)
     start_B = state.draft_cache.lengths.reshape(batch, k)[:, 0]
-    d_cache, drafts, draft_lp, draft_ok_RD = rollout.rollout(
+    run = rollout.rollout
+    if spec.draft_stop:  # no chain grows past what the step can use
+        limit_B = jnp.where(state.done, 0, spec.max_new_tokens - state.num_generated - 1)
+        run = functools.partial(rollout.rollout_stopped, limit_R=jnp.repeat(limit_B, k))
+    d_cache, drafts, draft_lp, draft_ok_RD, *stopped = run(
         forward_for(dec.draft_config),
         draft_params,
         state.draft_cache,
@@ -488,18 +540,46 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
         history=state.history.repeat(k),
     )
     vocab = draft_lp.shape[-1]
-    tokens_BKD = drafts.reshape(batch, k, n)
-    draft_lp_BKDV = draft_lp.reshape(batch, k, n, vocab)
+    stop_BK = stopped[0].reshape(batch, k) if stopped else jnp.full((batch, k), n, jnp.int32)
+    return _finish_drafts(
+        dec,
+        sampling,
+        state,
+        d_cache,
+        start_B,
+        drafts.reshape(batch, k, n),
+        draft_lp.reshape(batch, k, n, vocab),
+        draft_ok_RD.reshape(batch, k, n),
+        stop_BK,
+    )
 
+
+def _finish_drafts(
+    dec: Decoder,
+    sampling,
+    state,
+    d_cache,
+    start_B,
+    tokens_BKD,
+    draft_lp_BKDV,
+    draft_ok_BKD,
+    usable_BK,
+) -> Drafts:
+    """The drafter's root paths (K = L replicas) cut to their usable lengths (``usable_BK``: the
+    drafter's own, e.g. a lookup match's or a confidence stop's), then the common cuts below, and
+    laid out by node."""
+    spec, tree = dec.spec, dec.spec.tree
+    n = spec.num_draft_tokens
+    batch, k = usable_BK.shape
     # Drafts are shortened so that a step never emits past max_new_tokens, and end at an EOS.
     remaining_B = spec.max_new_tokens - state.num_generated
-    lengths_BK = jnp.broadcast_to(jnp.clip(remaining_B - 1, 0, n)[:, None], (batch, k))
+    lengths_BK = jnp.minimum(jnp.clip(remaining_B - 1, 0, n)[:, None], usable_BK)
     is_eos = _is_eos(tokens_BKD, sampling.eos_ids)
     first_eos = jnp.where(jnp.any(is_eos, -1), jnp.argmax(is_eos, -1) + 1, n)
     lengths_BK = jnp.minimum(lengths_BK, first_eos)
     # A chain ends before the token drawn from an unusable law (a stopping time: the law at depth
     # i depends on the chain's first i tokens only); only the depths the chain uses count.
-    bad_BK = _first_false(draft_ok_RD.reshape(batch, k, n), n + 2)
+    bad_BK = _first_false(draft_ok_BKD, n + 2)
     bad_BK = jnp.where(bad_BK < lengths_BK, bad_BK, n + 2)
     # A sibling drawn without replacement after its law's support ran out has probability 0: it
     # was not drawn, and the chain ends before it (never the case for independent draws).
@@ -575,6 +655,8 @@ def _commit(dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B
     row_loop = kv_cache.row_loop_for(dec.mesh)
     t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=row_loop)
     d_cache = drafts.cache
+    if d_cache is None:  # a drafter without a cache (lookup)
+        return dataclasses.replace(state, target_cache=t_cache)
     if k > 1:
         d_cache = _sync_draft_replicas(d_cache, drafts.start_B, chain_B, k, n + 1)
     d_cache = dataclasses.replace(d_cache, lengths=jnp.repeat(drafts.start_B + num_B, k))
@@ -589,7 +671,7 @@ def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, root_lp_BV) -> jax.Ar
     if dec.spec.num_drafts == 1:  # 1 - TV(p, q): no sort needed
         overlap_BV = jnp.minimum(root_lp_BV, root_draft_BV)
         return jnp.exp(jax.nn.logsumexp(overlap_BV, axis=-1))
-    if not dec.diagnostics:
+    if not dec.diagnostics or dec.spec.drafter == "lookup":  # lookup: K different point masses
         return jnp.full(drafts.start_B.shape, jnp.nan, jnp.float32)
     return identical_drafts_acceptance(root_lp_BV, root_draft_BV, dec.spec.tree.widths[0])
 

@@ -369,6 +369,71 @@ def _check_tree(tree, method, num_drafts, num_draft_tokens) -> tuple[int, ...]:
     return widths
 
 
+DRAFTERS = ("lookup",)
+"""The drafters named by a string ``draft`` argument (a model object is the draft model)."""
+
+
+def parse_draft(draft):
+    """The one place that reads the ``draft`` argument: ``(drafter, model)``.
+
+    A :class:`~asps_jax.models.Model` (or None, for ``method="ar"``) is ``("model", draft)``;
+    ``"lookup"`` is prompt-lookup drafting (``("lookup", None)``, :mod:`asps_jax.lookup`).
+    """
+    if isinstance(draft, str):
+        if draft in DRAFTERS:
+            return draft, None
+        raise ValueError(
+            f"draft: unknown drafter {draft!r}; give a draft model, one of "
+            f"{', '.join(map(repr, DRAFTERS))}, or None (method 'ar')"
+        )
+    return "model", draft
+
+
+def _check_drafter(drafter, method, widths, lookup_ngram, lookup_max, draft_stop):
+    """The drafter's own options: ``(lookup_ngram, lookup_max, draft_stop τ or None)``."""
+    if drafter != "lookup":
+        for name, value in (("lookup_ngram", lookup_ngram), ("lookup_max", lookup_max)):
+            if value is not None:
+                raise ValueError(f"{name} is an option of draft='lookup', not of a draft model")
+    tau = None
+    if draft_stop is not None:
+        tau = _parse_draft_stop(draft_stop)
+        if drafter == "lookup":
+            raise ValueError(
+                "draft_stop: a lookup draft has no draft law to be unsure of (its chains end "
+                "where the match ends); drop draft_stop"
+            )
+        if widths:
+            raise ValueError("draft_stop: confidence-stopped chains need K chains, not tree=")
+    ngram = _check_int("lookup_ngram", 3 if lookup_ngram is None else lookup_ngram, 1)
+    cap = 0 if lookup_max is None else _check_int("lookup_max", lookup_max, 1)
+    if drafter == "lookup" and method in TREE_METHODS:
+        raise ValueError(
+            f"draft='lookup': method {method!r} verifies a tree of draws from one law per node; "
+            "lookup chains are point masses per chain: use a chain method (sps, asps) or a "
+            "multi-draft one (specinfer, spectr, is, optimal)"
+        )
+    return ngram, cap, tau
+
+
+def _parse_draft_stop(draft_stop) -> float:
+    """``"confidence:τ"`` (or the number τ) -> τ in [0, 1]."""
+    text = draft_stop
+    if isinstance(draft_stop, str):
+        kind, _, text = draft_stop.partition(":")
+        if kind != "confidence" or not text:
+            raise ValueError(
+                f"draft_stop must be 'confidence:τ' with τ in [0, 1], got {draft_stop!r}"
+            )
+    try:
+        tau = float(text)
+    except (TypeError, ValueError):
+        tau = np.nan
+    if isinstance(draft_stop, bool) or not 0.0 <= tau <= 1.0:
+        raise ValueError(f"draft_stop must be 'confidence:τ' with τ in [0, 1], got {draft_stop!r}")
+    return tau
+
+
 def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) -> None:
     if method not in METHODS:
         raise ValueError(f"method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -379,8 +444,11 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) 
             raise ValueError(f"method 'ar' uses no draft; num_drafts must be 1, got {num_drafts}")
         return
     if draft is None:
-        raise ValueError(f"method {method!r} needs a draft model (draft=None is only for 'ar')")
-    check_compatible(target, draft)
+        raise ValueError(
+            f"method {method!r} needs a draft model or draft='lookup' (draft=None is only for 'ar')"
+        )
+    if draft != "lookup":
+        check_compatible(target, draft)
     entry = REGISTRY[method]  # resolved once; the options' one validator is the entry's
     if entry.kind == "chain" and num_drafts != 1:
         multi = ", ".join(m for m in METHODS if m in REGISTRY and REGISTRY[m].kind == "drafts")
@@ -513,19 +581,34 @@ class Prepared:
         return self.decoder.generate(**self.inputs.kwargs())
 
 
-def _check_spec(target, draft, method, num_drafts, num_draft_tokens, tree, max_new_tokens, options):
-    """The method, its draft tree and sizes checked; returns ``(target, draft, spec)`` with the
-    vocabularies aligned (and no draft for ``"ar"``)."""
+def _check_spec(
+    target, draft, method, num_drafts, num_draft_tokens, tree, max_new_tokens, options, drafting
+):
+    """The method, its drafter, draft tree and sizes checked; returns ``(target, draft, spec,
+    tau)`` with the vocabularies aligned (and no draft model for ``"ar"`` or a lookup draft);
+    ``drafting``: the drafter's options (``lookup_ngram``, ``lookup_max``, ``draft_stop``), and
+    ``tau`` the confidence stop (None without ``draft_stop``)."""
+    drafter, draft = parse_draft(draft)
     widths = _check_tree(tree, method, num_drafts, num_draft_tokens)
+    lookup_ngram, lookup_max, tau = _check_drafter(drafter, method, widths, **drafting)
+    if drafter == "lookup" and num_draft_tokens is None and lookup_max:
+        num_draft_tokens = lookup_max  # the lookup's chains are at most lookup_max long
     if widths:
         num_drafts, num_draft_tokens = math.prod(widths), len(widths)
     num_draft_tokens = _check_int(
         "num_draft_tokens", 8 if num_draft_tokens is None else num_draft_tokens, 1
     )
     num_drafts = _check_int("num_drafts", 1 if num_drafts is None else num_drafts, 1)
-    if method != "ar":  # padded embeddings of one tokenizer: both laws on the shared ids
+    if method != "ar" and drafter == "model":  # padded embeddings of one tokenizer
         target, draft = align_vocabularies(target, draft)
-    _check_method(method, draft, target, num_drafts, num_draft_tokens, options)
+    _check_method(
+        method,
+        "lookup" if drafter == "lookup" else draft,
+        target,
+        num_drafts,
+        num_draft_tokens,
+        options,
+    )
     if method == "ar":
         num_draft_tokens, num_drafts, draft = 1, 1, None
     spec = decode.SpecConfig(
@@ -535,8 +618,12 @@ def _check_spec(target, draft, method, num_drafts, num_draft_tokens, tree, max_n
         max_new_tokens=max_new_tokens,
         options=tuple(sorted(options.items())),
         widths=widths,
+        drafter=drafter if method != "ar" else "model",
+        lookup_ngram=lookup_ngram,
+        lookup_max=min(lookup_max, num_draft_tokens),
+        draft_stop=tau is not None and method != "ar",
     )
-    return target, draft, spec
+    return target, draft, spec, tau
 
 
 def _check_fits(target, draft, spec: decode.SpecConfig, batch: int, longest: int, mesh) -> None:
@@ -596,6 +683,7 @@ def _sampling_params(target, batch: int, padded: int, sampling: dict) -> Samplin
         eos_ids=_eos_ids(target, sampling["eos_token_id"]),
         logit_bias=_logit_bias_rows(sampling["logit_bias"], batch, padded, target.vocab_size),
         constraint=constraint,
+        draft_stop=sampling["draft_stop"],
         **{name: _per_row(name, sampling[name], batch, padded) for name in controls},
     )
 
@@ -659,6 +747,9 @@ def prepare(
     top_logprobs=0,
     regex=None,
     json_schema=None,
+    lookup_ngram=None,
+    lookup_max=None,
+    draft_stop=None,
     **options,
 ) -> Prepared:
     """Validate the arguments of :func:`sample`; returns the :class:`Prepared` call: the static
@@ -692,8 +783,16 @@ def prepare(
             "stop: stop strings are matched against the tokens' text, and the target model was "
             "loaded without a tokenizer"
         )
-    target, draft, spec = _check_spec(
-        target, draft, method, num_drafts, num_draft_tokens, tree, max_new_tokens, options
+    target, draft, spec, tau = _check_spec(
+        target,
+        draft,
+        method,
+        num_drafts,
+        num_draft_tokens,
+        tree,
+        max_new_tokens,
+        options,
+        dict(lookup_ngram=lookup_ngram, lookup_max=lookup_max, draft_stop=draft_stop),
     )
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
     _validate_controls(
@@ -732,6 +831,7 @@ def prepare(
             no_repeat_ngram_size=no_repeat_ngram_size,
             regex=regex,
             json_schema=json_schema,
+            draft_stop=tau,
         ),
     )
     decoder = _decoder(target, draft, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs)
@@ -822,9 +922,39 @@ def sample(
     recompile).
     """
     _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+    calibration = _resolve_auto(target, draft, prompts, key, kwargs)
     call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
     state = call.generate()
-    return _finish(state, call.decoder.spec, call.batch, return_logprobs, call.decoder.mesh)
+    out = _finish(state, call.decoder.spec, call.batch, return_logprobs, call.decoder.mesh)
+    if calibration is not None:
+        out.stats["calibration"] = calibration
+    return out
+
+
+def _resolve_auto(target, draft, prompts, key, kwargs):
+    """``num_draft_tokens="auto"``: calibrate (:mod:`asps_jax.autotune`) and put the chosen n into
+    ``kwargs``; returns the :class:`~asps_jax.autotune.Calibration` (None without "auto")."""
+    if not (isinstance(kwargs.get("num_draft_tokens"), str)):
+        return None
+    if kwargs["num_draft_tokens"] != "auto":
+        raise ValueError(
+            "num_draft_tokens must be an integer >= 1 or 'auto', got "
+            f"{kwargs['num_draft_tokens']!r}"
+        )
+    if kwargs.get("method", "asps") == "ar" or kwargs.get("tree") is not None:
+        raise ValueError(
+            "num_draft_tokens='auto' chooses the length of draft chains: not for method 'ar' or "
+            "a tree="
+        )
+    from asps_jax import autotune
+
+    max_n = kwargs.get("lookup_max") or 8
+    probe = {k: v for k, v in kwargs.items() if k != "num_draft_tokens"}
+    # One-line errors for the call's own arguments before anything is measured.
+    prepare(target, draft, prompts, key=key, max_new_tokens=1, num_draft_tokens=max_n, **probe)
+    calibration = autotune.calibrate(target, draft, prompts, key=key, max_n=max_n, **probe)
+    kwargs["num_draft_tokens"] = calibration.num_draft_tokens
+    return calibration
 
 
 @contextlib.contextmanager
@@ -863,6 +993,8 @@ class Session:
     ):
         self.return_logprobs = bool(return_logprobs)
         _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+        # num_draft_tokens="auto": the autotune.Calibration that chose n (else None).
+        self.calibration = _resolve_auto(target, draft, prompts, key, kwargs)
         call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
         self.batch_size = call.batch
         self.decoder: decode.Decoder = call.decoder
