@@ -209,6 +209,10 @@ class Decoder:
         False scores every slot (the same tokens; kept to compare the two).
       top_logprobs: k, the most likely tokens of each emitted token's law recorded in
         ``DecodeState.top_logprobs`` (0: none).
+      share_draft_cache: the draft is the target's first layers (``draft="self:L"``) and keeps
+        no cache: it reads the target cache's first layers and writes its rollout into scratch
+        slots past each row's committed length (:mod:`asps_jax.selfdraft`);
+        ``DecodeState.draft_cache`` is then None.
     """
 
     target_config: Any
@@ -219,6 +223,7 @@ class Decoder:
     diagnostics: bool = False
     merge_tree: bool = True
     top_logprobs: int = 0
+    share_draft_cache: bool = False
 
     # ----------------------------------------------------------------------------------------
     # Entry points (jitted; ``self`` is static)
@@ -306,7 +311,7 @@ def _prefill(
         forward_for(dec.target_config), target_params, t_cache, prompts_BP, committed_B
     )
     d_cache = None
-    if spec.uses_draft:
+    if spec.uses_draft and not dec.share_draft_cache:
         k = spec.num_drafts
         d_dtype = jax.tree.leaves(draft_params)[0].dtype
         d_cache = kv_cache.init_cache(
@@ -480,11 +485,12 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
     chain_keys = jax.vmap(
         lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(k))
     )(draft_keys_B).reshape(batch * k)
-    start_B = state.draft_cache.lengths.reshape(batch, k)[:, 0]
+    cache = state.target_cache if dec.share_draft_cache else state.draft_cache
+    start_B = cache.lengths.reshape(batch, -1)[:, 0]
     d_cache, drafts, draft_lp, draft_ok_RD = rollout.rollout(
         forward_for(dec.draft_config),
         draft_params,
-        state.draft_cache,
+        cache,
         jnp.repeat(state.root, k),
         chain_keys,
         draft_len=n,
@@ -492,6 +498,7 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
         mesh=dec.mesh,
         plan=spec.plan,
         history=state.history.repeat(k),
+        shared_layers=dec.draft_config.num_hidden_layers if dec.share_draft_cache else None,
     )
     vocab = draft_lp.shape[-1]
     tokens_BKD = drafts.reshape(batch, k, n)
@@ -688,6 +695,8 @@ def _commit(dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B
     n, k = dec.spec.num_draft_tokens, dec.spec.num_drafts
     row_loop = kv_cache.row_loop_for(dec.mesh)
     t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=row_loop)
+    if dec.share_draft_cache:  # the rollout's scratch past the committed slots is stale now
+        return dataclasses.replace(state, target_cache=t_cache)
     d_cache = drafts.cache
     if k > 1:
         d_cache = _sync_draft_replicas(d_cache, drafts.start_B, chain_B, k, n + 1)
@@ -723,6 +732,8 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     active_B = ~state.done
     with jax.named_scope("draft"):
         drafts = _draft(dec, draft_params, sampling, state)
+        if dec.share_draft_cache:  # the target cache, with the rollout's scratch slots written
+            state = dataclasses.replace(state, target_cache=drafts.cache)
     with jax.named_scope("score"):
         target_lp, target_ok, new_kv, scored_B = _score(dec, target_params, sampling, state, drafts)
         # A chain is verified only up to its first unusable target law: the tokens before it are

@@ -24,7 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import constraints, decode, footprint, sharding, statistics, stopping, trees
+from asps_jax import (
+    constraints,
+    decode,
+    footprint,
+    selfdraft,
+    sharding,
+    statistics,
+    stopping,
+    trees,
+)
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.models.vocab import align_vocabularies
@@ -369,6 +378,20 @@ def _check_tree(tree, method, num_drafts, num_draft_tokens) -> tuple[int, ...]:
     return widths
 
 
+def resolve_draft(target, draft):
+    """The draft model of ``draft``: a :class:`~asps_jax.models.Model` or None as given, or one
+    built from the target by name: ``"self:L"``, the target's first L layers, final norm and head
+    (:mod:`asps_jax.selfdraft`)."""
+    if not isinstance(draft, str):
+        return draft
+    if draft.startswith(selfdraft.PREFIX):
+        return selfdraft.self_draft(target, draft)
+    raise ValueError(
+        f"draft: unknown draft {draft!r}; give a Model, None (method 'ar'), or 'self:L' (the "
+        "target's first L layers)"
+    )
+
+
 def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) -> None:
     if method not in METHODS:
         raise ValueError(f"method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -441,11 +464,12 @@ def check_memory(
     against the devices' memory. A one-line ``ValueError`` names the argument to lower; returns
     the estimate's parts (bytes) otherwise."""
     dtypes = [jax.tree.leaves(m.params)[0].dtype for m in (target, draft) if m is not None]
+    own_weights = None if isinstance(draft, selfdraft.SelfDraft) else draft  # a self-draft's: views
     return footprint.check(
         target.config,
         None if draft is None else draft.config,
         available=_device_memory_bytes(mesh),
-        weights=footprint.weight_bytes(target, draft),
+        weights=footprint.weight_bytes(target, own_weights),
         method=method,
         batch=batch,
         prompt_len=prompt_len,
@@ -515,6 +539,7 @@ def prepare(
     that token kept (:mod:`asps_jax.stopping`). Needs the target's tokenizer.
     """
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    draft = resolve_draft(target, draft)
     stop_bytes = stopping.validate_stop(stop)
     if stop_bytes and getattr(target, "tokenizer", None) is None:
         raise ValueError(
@@ -547,6 +572,9 @@ def prepare(
         mesh = sharding.check_mesh(mesh)
     if method == "ar":
         num_draft_tokens, num_drafts, draft = 1, 1, None
+    shared = isinstance(draft, selfdraft.SelfDraft) and selfdraft.can_share_cache(draft.config)
+    if isinstance(draft, selfdraft.SelfDraft) and mesh is not None:
+        raise ValueError("draft='self:L' does not run on a mesh yet; pass mesh=None")
     prompts_bp, lengths_b, batch = _as_prompt_array(prompts, prompt_lengths, target.vocab_size)
     context = target.config.max_position_embeddings
     if draft is not None:
@@ -608,8 +636,10 @@ def prepare(
         constraint=constraint,
         **{name: _per_row(name, value, batch, padded) for name, value in controls.items()},
     )
+    # A shared self-draft cache keeps the rollout's n * K scratch slots past the committed ones.
+    scratch = num_draft_tokens * num_drafts if shared else 0
     cache_len = _round_up(
-        prompts_bp.shape[1] + max_new_tokens + num_draft_tokens + 2, _CACHE_BUCKET
+        prompts_bp.shape[1] + max_new_tokens + num_draft_tokens + 2 + scratch, _CACHE_BUCKET
     )
     decoder = decode.Decoder(
         target_config=target.config,
@@ -619,6 +649,7 @@ def prepare(
         mesh=mesh,
         diagnostics=bool(diagnostics),
         top_logprobs=top_logprobs,
+        share_draft_cache=shared,
     )
     args = dict(
         decoder=decoder,
