@@ -378,13 +378,19 @@ def _check_tree(tree, method, num_drafts, num_draft_tokens) -> tuple[int, ...]:
     return widths
 
 
+def named_draft(draft) -> bool:
+    """Whether ``draft`` is the name of a draft built from the target (``"self:L"``), not a
+    model or a checkpoint."""
+    return isinstance(draft, str) and draft.startswith(selfdraft.PREFIX)
+
+
 def resolve_draft(target, draft):
     """The draft model of ``draft``: a :class:`~asps_jax.models.Model` or None as given, or one
     built from the target by name: ``"self:L"``, the target's first L layers, final norm and head
     (:mod:`asps_jax.selfdraft`)."""
     if not isinstance(draft, str):
         return draft
-    if draft.startswith(selfdraft.PREFIX):
+    if named_draft(draft):
         return selfdraft.self_draft(target, draft)
     raise ValueError(
         f"draft: unknown draft {draft!r}; give a Model, None (method 'ar'), or 'self:L' (the "

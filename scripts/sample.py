@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--draft",
         default=DEFAULT_DRAFT,
-        help=f"draft model, same forms as --target (default {DEFAULT_DRAFT}); ignored "
-        "by --method ar",
+        help=f"draft model, same forms as --target (default {DEFAULT_DRAFT}), or self:L, the "
+        "target's first L layers with its final norm and head (self-drafting); ignored by "
+        "--method ar",
     )
     p.add_argument(
         "--prompt",
@@ -570,7 +571,7 @@ def run(args) -> int:
 
     import asps_jax
     from asps_jax import compile_cache
-    from asps_jax.sampler import NonFiniteLogitsError, Session
+    from asps_jax.sampler import NonFiniteLogitsError, Session, named_draft, resolve_draft
     from asps_jax.sharding import init_distributed, make_mesh
     from asps_jax.textstream import TextStream
 
@@ -596,7 +597,12 @@ def run(args) -> int:
     dtype = DTYPES[args.dtype]
     target = asps_jax.load_model(args.target, dtype=dtype)
     _stop_if_interrupted("loading the models")
-    draft = asps_jax.load_model(args.draft, dtype=dtype) if args.method != "ar" else None
+    draft = None
+    if args.method != "ar":  # a checkpoint, or a draft built from the target ("self:L")
+        if named_draft(args.draft):
+            draft = resolve_draft(target, args.draft)
+        else:
+            draft = asps_jax.load_model(args.draft, dtype=dtype)
     _stop_if_interrupted("loading the models")
     tokenizer = target.tokenizer
     if tokenizer is None:

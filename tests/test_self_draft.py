@@ -11,7 +11,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
 import itertools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -307,3 +310,23 @@ def test_llama_config_cut_keeps_the_rest():
     )
     cut = selfdraft.truncate_config(config, 2)
     assert cut == dataclasses.replace(config, num_hidden_layers=2)
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location(
+        "sample_cli", Path(__file__).resolve().parents[1] / "scripts" / "sample.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_self_draft(capsys):
+    cli = _cli()
+    argv = ["--max-new-tokens", "6", "--num-draft-tokens", "2", "--method", "sps", "--json"]
+    assert cli.main(argv + ["--draft", "self:2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["new_tokens"] == 6 and result["tokens_per_step"] >= 1.0
+    assert cli.main(argv + ["--draft", "self:9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sample.py: error: draft='self:9'") and "\n" not in err
