@@ -118,7 +118,8 @@ def main(argv=None) -> int:
         target, draft = build_pair(TARGET, DRAFT, head_std=0.2, layer_scale=0.07)
     layers = args.layers or list(range(1, target.config.num_hidden_layers))
     prompts = _prompts(target.tokenizer, target.vocab_size, args.batch_size, args.prompt_tokens)
-    configs = [("ar", None)] + [(m, draft) for m in args.methods]
+    # AR only when timed: its tokens per step is 1.
+    configs = [("ar", None)] * (args.repeats > 0) + [(m, draft) for m in args.methods]
     configs += [
         (m, sampler.resolve_draft(target, f"self:{L}")) for L in layers for m in args.methods
     ]
