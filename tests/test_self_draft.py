@@ -27,10 +27,11 @@ from multidraft_laws import node_law
 from multidraft_reference import continuation_error, tree_law
 
 import asps_jax
-from asps_jax import decode, selfdraft
+from asps_jax import decode, kv_cache, selfdraft
 from asps_jax.models import LlamaConfig, MistralConfig, Model, Qwen3Config, own_model
 from asps_jax.models.base import run_params
 from asps_jax.models.decoder import init_params as decoder_init
+from asps_jax.models.llama import init_params as llama_init
 from asps_jax.sampler import prepare, resolve_draft
 from asps_jax.verify import chain
 
@@ -339,3 +340,35 @@ def test_cli_self_draft(capsys):
     assert cli.main(argv + ["--draft", "self:9"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("sample.py: error: draft='self:9'") and "\n" not in err
+
+
+def test_shared_feed_on_a_stacked_cache_equals_a_per_layer_one():
+    """The scratch write into a stacked ``[L, ...]`` cache (GPT-2, OPT: no per-layer run layout)
+    leaves the same cache and laws as into per-layer buffers; layers >= L are untouched."""
+    config = LlamaConfig(
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    target = Model("t", "", config, llama_init(config, jax.random.key(0)))
+    draft = resolve_draft(target, "self:2")
+    keys = jax.random.split(jax.random.key(1), 2)
+    shape = (3, 2, 1, 16, config.head_dim)  # L, B, KVH, S, H
+    k, v = (jax.random.normal(key, shape) for key in keys)
+    lengths = jnp.array([5, 3], jnp.int32)
+    stacked = kv_cache.KVCache(k=k, v=v, lengths=lengths)
+    per_layer = kv_cache.KVCache(k=tuple(k), v=tuple(v), lengths=lengths)
+    tokens = jnp.array([1, 2, 3, 4], jnp.int32)  # B = 2 rows x K = 2 chains
+    out = [
+        selfdraft.shared_feed(draft.forward, draft.params, c, tokens, 1, 2, False)
+        for c in (stacked, per_layer)
+    ]
+    np.testing.assert_allclose(out[0][0], out[1][0], atol=1e-6)
+    np.testing.assert_allclose(out[0][1].k, jnp.stack(out[1][1].k), atol=0)
+    np.testing.assert_allclose(out[0][1].k[2], k[2], atol=0)
+    assert not np.allclose(out[0][1].k[:2], k[:2])  # the scratch slots were written
+    np.testing.assert_array_equal(out[0][1].lengths, lengths)
