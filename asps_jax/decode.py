@@ -25,6 +25,8 @@ the step-wise entry points for streaming.
 Cache layout: both caches hold every committed token *except* the last emitted one, the *root*,
 which is fed at the start of the next step. A step that emits l tokens therefore commits l slots:
 the root and the l - 1 accepted draft tokens. Every row advances by its own l.
+A self-draft (``draft="self:L"``, ``Decoder.share_draft_cache``) keeps no cache of its own: it
+reads the target cache's first L layers (``selfdraft.py``).
 
 Randomness: one key per row; step keys are ``fold_in(row_key, tokens generated so far)``, then split
 by purpose (draft chain k, verification). A row's tokens thus depend only on its key, its prompt and
@@ -165,7 +167,8 @@ class Drafts:
     """What the draft stage of one step hands to the others.
 
     Attributes:
-      cache: the draft cache (batch B * K) with the rollout's D + 1 slots written.
+      cache: the draft cache (batch B * K) with the rollout's D + 1 slots written; with
+        ``Decoder.share_draft_cache``, the target cache with the rollout's scratch slots written.
       start_B: int32[B], the draft cache length of each row before the rollout.
       tokens_BKD: int32[B, K, D], the draft chains.
       logprobs_BKDV: float32[B, K, D, V], the laws the draft tokens were drawn from.
