@@ -73,11 +73,11 @@ def choose(hist, t_ar: float, t_max: float) -> Calibration:
     )
 
 
-def _timed_steps(target, draft, prompts, steps: int, **kwargs) -> tuple[float, np.ndarray]:
+def _timed_steps(
+    session_type, target, draft, prompts, steps: int, **kwargs
+) -> tuple[float, np.ndarray]:
     """Seconds per step of ``steps`` compiled steps, and the emitted-length histogram."""
-    from asps_jax.sampler import Session
-
-    session = Session(target, draft, prompts, **kwargs)
+    session = session_type(target, draft, prompts, **kwargs)
     session.compile()
     it = session.steps()
     next(it)  # the first step also moves the state onto the device layout: not timed
@@ -93,17 +93,30 @@ def _timed_steps(target, draft, prompts, steps: int, **kwargs) -> tuple[float, n
     return seconds, hist
 
 
-def calibrate(target, draft, prompts, *, key, max_n: int = 8, steps: int = 6, **kwargs):
+def calibrate(
+    session_type, target, draft, prompts, *, key, max_n: int = 8, steps: int = 6, **kwargs
+):
     """Measure and choose n (module docstring); ``kwargs`` are the call's other arguments of
-    :func:`asps_jax.sample` (its ``max_new_tokens`` is replaced by what the runs need)."""
+    :func:`asps_jax.sample` (its ``max_new_tokens`` is replaced by what the runs need).
+    ``session_type``: :class:`asps_jax.sampler.Session`, passed in by the sampler (this module
+    sits below it: no import back)."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("num_draft_tokens", "max_new_tokens")}
     method = kwargs.pop("method", "asps")
     ar_kwargs = {k: v for k, v in kwargs.items() if k in _SAMPLE_ARGS}  # what "ar" takes
     budget = (steps + 1) * (max_n + 1)
     t_ar, _ = _timed_steps(
-        target, None, prompts, steps, key=key, max_new_tokens=steps + 1, method="ar", **ar_kwargs
+        session_type,
+        target,
+        None,
+        prompts,
+        steps,
+        key=key,
+        max_new_tokens=steps + 1,
+        method="ar",
+        **ar_kwargs,
     )
     t_max, hist = _timed_steps(
+        session_type,
         target,
         draft,
         prompts,

@@ -31,6 +31,8 @@ the step-wise entry points for streaming.
 Cache layout: both caches hold every committed token *except* the last emitted one, the *root*,
 which is fed at the start of the next step. A step that emits l tokens therefore commits l slots:
 the root and the l - 1 accepted draft tokens. Every row advances by its own l.
+A self-draft (``draft="self:L"``, ``Decoder.share_draft_cache``) keeps no cache of its own: it
+reads the target cache's first L layers (``selfdraft.py``).
 
 Randomness: one key per row; step keys are ``fold_in(row_key, tokens generated so far)``, then split
 by purpose (draft chain k, verification). A row's tokens thus depend only on its key, its prompt and
@@ -168,7 +170,9 @@ class Drafts:
     (N nodes of ``SpecConfig.tree``), and per draft replica (L = K root paths) its usable length.
 
     Attributes:
-      cache: the draft cache (batch B * L) with the rollout's D + 1 slots written.
+      cache: the draft cache (batch B * L) with the rollout's D + 1 slots written; with
+        ``Decoder.share_draft_cache``, the target cache with the rollout's scratch slots
+        written; None for a drafter without a cache (lookup).
       start_B: int32[B], the draft cache length of each row before the rollout.
       tokens_BN: int32[B, N], each node's token (node 0: the root, the last emitted token).
       logprobs_BNV: float32[B, N, V], the law each node's token was drawn from (row 0: the law
@@ -216,6 +220,10 @@ class Decoder:
         tokens; kept to compare the two).
       top_logprobs: k, the most likely tokens of each emitted token's law recorded in
         ``DecodeState.top_logprobs`` (0: none).
+      share_draft_cache: the draft is the target's first layers (``draft="self:L"``) and keeps
+        no cache: it reads the target cache's first layers and writes its rollout into scratch
+        slots past each row's committed length (:mod:`asps_jax.selfdraft`);
+        ``DecodeState.draft_cache`` is then None.
     """
 
     target_config: Any
@@ -226,6 +234,7 @@ class Decoder:
     diagnostics: bool = False
     merge_tree: bool = True
     top_logprobs: int = 0
+    share_draft_cache: bool = False
 
     # ----------------------------------------------------------------------------------------
     # Entry points (jitted; ``self`` is static)
@@ -313,7 +322,7 @@ def _prefill(
         forward_for(dec.target_config), target_params, t_cache, prompts_BP, committed_B
     )
     d_cache = None
-    if spec.drafts_from_model:
+    if spec.drafts_from_model and not dec.share_draft_cache:
         k = spec.num_drafts
         d_dtype = jax.tree.leaves(draft_params)[0].dtype
         d_cache = kv_cache.init_cache(
@@ -522,15 +531,18 @@ def _model_draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
     chain_keys = jax.vmap(
         lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(k))
     )(draft_keys_B).reshape(batch * k)
-    start_B = state.draft_cache.lengths.reshape(batch, k)[:, 0]
+    cache = state.target_cache if dec.share_draft_cache else state.draft_cache
+    start_B = cache.lengths.reshape(batch, -1)[:, 0]
     run = rollout.rollout
-    if spec.draft_stop:  # no chain grows past what the step can use
+    if dec.share_draft_cache:  # the target's first layers over its own cache (selfdraft.py)
+        run = functools.partial(rollout.rollout, shared_layers=dec.draft_config.num_hidden_layers)
+    if spec.draft_stop:  # no chain grows past what the step can use (never a shared cache)
         limit_B = jnp.where(state.done, 0, spec.max_new_tokens - state.num_generated - 1)
         run = functools.partial(rollout.rollout_stopped, limit_R=jnp.repeat(limit_B, k))
     d_cache, drafts, draft_lp, draft_ok_RD, *stopped = run(
         forward_for(dec.draft_config),
         draft_params,
-        state.draft_cache,
+        cache,
         jnp.repeat(state.root, k),
         chain_keys,
         draft_len=n,
@@ -655,7 +667,9 @@ def _commit(dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B
     row_loop = kv_cache.row_loop_for(dec.mesh)
     t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=row_loop)
     d_cache = drafts.cache
-    if d_cache is None:  # a drafter without a cache (lookup)
+    # No draft cache of its own: a lookup has none; a self-draft's rollout scratch past the
+    # committed slots of the target cache is stale now.
+    if d_cache is None or dec.share_draft_cache:
         return dataclasses.replace(state, target_cache=t_cache)
     if k > 1:
         d_cache = _sync_draft_replicas(d_cache, drafts.start_B, chain_B, k, n + 1)
@@ -690,6 +704,8 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     active_B = ~state.done
     with jax.named_scope("draft"):
         drafts = _draft(dec, draft_params, sampling, state)
+        if dec.share_draft_cache:  # the target cache, with the rollout's scratch slots written
+            state = dataclasses.replace(state, target_cache=drafts.cache)
     with jax.named_scope("score"):
         target_lp, target_ok, new_kv, scored_B = _score(dec, target_params, sampling, state, drafts)
         # A chain is verified only up to its first unusable target law: the tokens before it are

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from asps_jax import kv_cache, penalties, scoring, sharding
+from asps_jax import kv_cache, penalties, scoring, selfdraft, sharding
 from asps_jax.draws import draw_without_replacement
 from asps_jax.processors import logits_ok, sample_token
 
@@ -34,6 +34,7 @@ def rollout(
     mesh=None,
     plan=None,
     history,
+    shared_layers: int | None = None,
 ):
     """Roll out ``draft_len`` tokens for every cache row ``R = B * K``.
 
@@ -53,6 +54,11 @@ def rollout(
       history: the rows' :class:`~asps_jax.penalties.History` (batch R): the law at depth i is
         processed from the committed text followed by the row's first i draft tokens (its own
         path).
+      shared_layers: None (the draft's own cache, batch R), or L: ``cache`` is the *target's*
+        cache (batch B) and the draft (L layers) reads its first L layers for the committed
+        prefix and keeps its rollout in scratch slots past it
+        (:func:`~asps_jax.selfdraft.shared_feed`); the cache's lengths are then unchanged and the
+        last feed is skipped.
 
     Returns:
       ``(cache, tokens int32[R, n], logprobs float32[R, n, V], laws_ok bool[R, n])``;
@@ -84,9 +90,16 @@ def rollout(
         return next_R, logprobs_RV, ok_R
 
     def feed(cache, token_R, depth, path_RD):
-        logits_R1V, new_kv = scoring.score_chain(forward, params, cache, token_R[:, None], valid_R1)
+        if shared_layers is None:
+            logits_R1V, new_kv = scoring.score_chain(
+                forward, params, cache, token_R[:, None], valid_R1
+            )
+            cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R, row_loop=row_loop)
+        else:
+            logits_R1V, cache = selfdraft.shared_feed(
+                forward, params, cache, token_R, depth, shared_layers, row_loop
+            )
         logits_R1V = sharding.constrain(logits_R1V, ("batch", None, "vocab"), mesh)
-        cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R, row_loop=row_loop)
         lp_R1V, mass_R1 = penalties.process(
             sampling, history, logits_R1V, path_RD[:, None], depth[None], draft=True
         )
@@ -109,10 +122,11 @@ def rollout(
     (cache, last_R, _), (tokens_DR, logprobs_DRV, ok_DR) = jax.lax.scan(
         body, (cache, root_R, path_RD), jnp.arange(draft_len)
     )
-    # The (n+1)-th feed only stores x_n's keys/values; its law is never used.
-    logits_R1V, new_kv = scoring.score_chain(forward, params, cache, last_R[:, None], valid_R1)
-    del logits_R1V
-    cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R, row_loop=row_loop)
+    if shared_layers is None:
+        # The (n+1)-th feed only stores x_n's keys/values; its law is never used.
+        logits_R1V, new_kv = scoring.score_chain(forward, params, cache, last_R[:, None], valid_R1)
+        del logits_R1V
+        cache = kv_cache.commit(cache, new_kv, zeros_R1, ones_R, row_loop=row_loop)
     tokens_RD = jnp.swapaxes(tokens_DR, 0, 1)
     logprobs_RDV = jnp.swapaxes(logprobs_DRV, 0, 1)
     return cache, tokens_RD, logprobs_RDV, jnp.swapaxes(ok_DR, 0, 1)

@@ -24,7 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import constraints, decode, footprint, sharding, statistics, stopping
+from asps_jax import (
+    autotune,
+    constraints,
+    decode,
+    footprint,
+    selfdraft,
+    sharding,
+    statistics,
+    stopping,
+)
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.models.vocab import align_vocabularies
@@ -369,24 +378,34 @@ def _check_tree(tree, method, num_drafts, num_draft_tokens) -> tuple[int, ...]:
     return widths
 
 
-DRAFTERS = ("lookup",)
+DRAFTERS = ("lookup", selfdraft.PREFIX + "L")
 """The drafters named by a string ``draft`` argument (a model object is the draft model)."""
 
 
-def parse_draft(draft):
+def named_draft(draft) -> bool:
+    """Whether ``draft`` names a drafter (``"lookup"``, ``"self:L"``) rather than a model or a
+    checkpoint (what the command line loads); :func:`parse_draft` reads the name."""
+    return isinstance(draft, str) and (draft == "lookup" or draft.startswith(selfdraft.PREFIX))
+
+
+def parse_draft(target, draft):
     """The one place that reads the ``draft`` argument: ``(drafter, model)``.
 
     A :class:`~asps_jax.models.Model` (or None, for ``method="ar"``) is ``("model", draft)``;
-    ``"lookup"`` is prompt-lookup drafting (``("lookup", None)``, :mod:`asps_jax.lookup`).
+    ``"lookup"`` is prompt-lookup drafting (``("lookup", None)``, :mod:`asps_jax.lookup`);
+    ``"self:L"`` is the draft model built from the target's first L layers, final norm and head
+    (``("model", SelfDraft)``, :mod:`asps_jax.selfdraft`; one object per target and L).
     """
-    if isinstance(draft, str):
-        if draft in DRAFTERS:
-            return draft, None
-        raise ValueError(
-            f"draft: unknown drafter {draft!r}; give a draft model, one of "
-            f"{', '.join(map(repr, DRAFTERS))}, or None (method 'ar')"
-        )
-    return "model", draft
+    if not isinstance(draft, str):
+        return "model", draft
+    if draft == "lookup":
+        return "lookup", None
+    if draft.startswith(selfdraft.PREFIX):
+        return "model", selfdraft.self_draft(target, draft)
+    raise ValueError(
+        f"draft: unknown drafter {draft!r}; give a draft model, 'lookup', 'self:L' (the "
+        "target's first L layers), or None (method 'ar')"
+    )
 
 
 def _check_drafter(drafter, method, widths, lookup_ngram, lookup_max, draft_stop):
@@ -505,11 +524,12 @@ def check_memory(
     against the devices' memory. A one-line ``ValueError`` names the argument to lower; returns
     the estimate's parts (bytes) otherwise."""
     dtypes = [jax.tree.leaves(m.params)[0].dtype for m in (target, draft) if m is not None]
+    own_weights = None if isinstance(draft, selfdraft.SelfDraft) else draft  # a self-draft's: views
     return footprint.check(
         target.config,
         None if draft is None else draft.config,
         available=_device_memory_bytes(mesh),
-        weights=footprint.weight_bytes(target, draft),
+        weights=footprint.weight_bytes(target, own_weights),
         method=method,
         batch=batch,
         prompt_len=prompt_len,
@@ -588,7 +608,7 @@ def _check_spec(
     tau)`` with the vocabularies aligned (and no draft model for ``"ar"`` or a lookup draft);
     ``drafting``: the drafter's options (``lookup_ngram``, ``lookup_max``, ``draft_stop``), and
     ``tau`` the confidence stop (None without ``draft_stop``)."""
-    drafter, draft = parse_draft(draft)
+    drafter, draft = parse_draft(target, draft)
     widths = _check_tree(tree, method, num_drafts, num_draft_tokens)
     lookup_ngram, lookup_max, tau = _check_drafter(drafter, method, widths, **drafting)
     if drafter == "lookup" and num_draft_tokens is None and lookup_max:
@@ -688,10 +708,13 @@ def _sampling_params(target, batch: int, padded: int, sampling: dict) -> Samplin
     )
 
 
-def _decoder(target, draft, spec, prompt_width: int, mesh, diagnostics, top_logprobs):
-    """The static :class:`asps_jax.decode.Decoder` of a call (its KV cache length bucketed)."""
+def _decoder(target, draft, spec, prompt_width: int, mesh, diagnostics, top_logprobs, shared):
+    """The static :class:`asps_jax.decode.Decoder` of a call (its KV cache length bucketed);
+    ``shared``: a self-draft that shares the target's cache (``Decoder.share_draft_cache``)."""
+    # A shared self-draft cache keeps the rollout's n * K scratch slots past the committed ones.
+    scratch = spec.num_draft_tokens * spec.num_drafts if shared else 0
     cache_len = _round_up(
-        prompt_width + spec.max_new_tokens + spec.num_draft_tokens + 2, _CACHE_BUCKET
+        prompt_width + spec.max_new_tokens + spec.num_draft_tokens + 2 + scratch, _CACHE_BUCKET
     )
     return decode.Decoder(
         target_config=target.config,
@@ -701,6 +724,7 @@ def _decoder(target, draft, spec, prompt_width: int, mesh, diagnostics, top_logp
         mesh=mesh,
         diagnostics=bool(diagnostics),
         top_logprobs=top_logprobs,
+        share_draft_cache=shared,
     )
 
 
@@ -806,6 +830,14 @@ def prepare(
         )
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
+    shared = isinstance(draft, selfdraft.SelfDraft) and selfdraft.can_share_cache(draft.config)
+    if isinstance(draft, selfdraft.SelfDraft) and mesh is not None:
+        raise ValueError("draft='self:L' does not run on a mesh yet; pass mesh=None")
+    if shared and spec.draft_stop:
+        raise ValueError(
+            "draft_stop: confidence-stopped chains need the draft's own cache; draft='self:L' "
+            "shares the target's (drop draft_stop)"
+        )
     prompts_bp, lengths_b, batch = _as_prompt_array(prompts, prompt_lengths, target.vocab_size)
     _check_fits(target, draft, spec, batch, int(lengths_b.max()), mesh)
     if mesh is not None:  # rows of length 0 until the batch splits evenly over "data"
@@ -834,7 +866,9 @@ def prepare(
             draft_stop=tau,
         ),
     )
-    decoder = _decoder(target, draft, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs)
+    decoder = _decoder(
+        target, draft, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs, shared
+    )
     row_keys = _row_keys(key, batch, padded)
     stop_state = None
     if stop_bytes:
@@ -946,13 +980,11 @@ def _resolve_auto(target, draft, prompts, key, kwargs):
             "num_draft_tokens='auto' chooses the length of draft chains: not for method 'ar' or "
             "a tree="
         )
-    from asps_jax import autotune
-
     max_n = kwargs.get("lookup_max") or 8
     probe = {k: v for k, v in kwargs.items() if k != "num_draft_tokens"}
     # One-line errors for the call's own arguments before anything is measured.
     prepare(target, draft, prompts, key=key, max_new_tokens=1, num_draft_tokens=max_n, **probe)
-    calibration = autotune.calibrate(target, draft, prompts, key=key, max_n=max_n, **probe)
+    calibration = autotune.calibrate(Session, target, draft, prompts, key=key, max_n=max_n, **probe)
     kwargs["num_draft_tokens"] = calibration.num_draft_tokens
     return calibration
 

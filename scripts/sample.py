@@ -243,9 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--draft",
         default=DEFAULT_DRAFT,
-        help=f"draft model, same forms as --target (default {DEFAULT_DRAFT}), or 'lookup': "
+        help=f"draft model, same forms as --target (default {DEFAULT_DRAFT}); or 'lookup': "
         "prompt lookup, the continuation of the last --lookup-ngram tokens' most recent earlier "
-        "occurrence in the prompt + generated text (no draft model); ignored by --method ar",
+        "occurrence in the prompt + generated text (no draft model); or self:L, the target's "
+        "first L layers with its final norm and head (self-drafting); ignored by --method ar",
     )
     p.add_argument(
         "--lookup-ngram",
@@ -623,7 +624,7 @@ def run(args) -> int:
 
     import asps_jax
     from asps_jax import compile_cache
-    from asps_jax.sampler import NonFiniteLogitsError, Session
+    from asps_jax.sampler import NonFiniteLogitsError, Session, named_draft
     from asps_jax.sharding import init_distributed, make_mesh
     from asps_jax.textstream import TextStream
 
@@ -650,8 +651,10 @@ def run(args) -> int:
     target = asps_jax.load_model(args.target, dtype=dtype)
     _stop_if_interrupted("loading the models")
     draft = None
-    if args.method != "ar":
-        draft = "lookup" if args.draft == "lookup" else asps_jax.load_model(args.draft, dtype=dtype)
+    if args.method != "ar":  # a checkpoint, or a drafter named by --draft (lookup, self:L)
+        draft = args.draft
+        if not named_draft(args.draft):
+            draft = asps_jax.load_model(args.draft, dtype=dtype)
     _stop_if_interrupted("loading the models")
     tokenizer = target.tokenizer
     if tokenizer is None:
