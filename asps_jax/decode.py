@@ -31,6 +31,8 @@ the step-wise entry points for streaming.
 Cache layout: both caches hold every committed token *except* the last emitted one, the *root*,
 which is fed at the start of the next step. A step that emits l tokens therefore commits l slots:
 the root and the l - 1 accepted draft tokens. Every row advances by its own l.
+A self-draft (``draft="self:L"``, ``Decoder.share_draft_cache``) keeps no cache of its own: it
+reads the target cache's first L layers (``selfdraft.py``).
 
 Randomness: one key per row; step keys are ``fold_in(row_key, tokens generated so far)``, then split
 by purpose (draft chain k, verification). A row's tokens thus depend only on its key, its prompt and
@@ -54,6 +56,7 @@ from jax.sharding import Mesh
 from asps_jax import (
     constraints,
     kv_cache,
+    lookup,
     penalties,
     rollout,
     scoring,
@@ -88,6 +91,14 @@ class SpecConfig:
     max_new_tokens: int  # the output width: every row's budget (DecodeState.budget) is <= this
     options: tuple = ()  # sorted (name, value) pairs passed to verify_drafts
     widths: tuple = ()  # a branching draft tree (tree methods): children per node at each depth
+    # Who drafts (sampler.parse_draft): "model" (a draft model), "lookup" (prompt lookup,
+    # lookup.py: no draft model, point-mass laws; lookup_ngram = m, lookup_max caps the chains).
+    drafter: str = "model"
+    lookup_ngram: int = 3
+    lookup_max: int = 0  # 0: num_draft_tokens
+    # Confidence-stopped chains (rollout.rollout_stopped): a chain stops growing at the first
+    # draft law whose top probability is below SamplingParams.draft_stop (per row, an array).
+    draft_stop: bool = False
 
     @property
     def uses_draft(self) -> bool:
@@ -97,6 +108,11 @@ class SpecConfig:
     def resolved(self) -> Method | None:
         """The method's registry entry; None for autoregressive decoding (no draft)."""
         return REGISTRY.get(self.method)
+
+    @property
+    def drafts_from_model(self) -> bool:
+        """A draft model rolls the chains out (it has parameters and a KV cache)."""
+        return self.uses_draft and self.drafter == "model"
 
     @functools.cached_property
     def tree(self) -> trees.DraftTree:
@@ -157,7 +173,9 @@ class Drafts:
     (N nodes of ``SpecConfig.tree``), and per draft replica (L = K root paths) its usable length.
 
     Attributes:
-      cache: the draft cache (batch B * L) with the rollout's D + 1 slots written.
+      cache: the draft cache (batch B * L) with the rollout's D + 1 slots written; with
+        ``Decoder.share_draft_cache``, the target cache with the rollout's scratch slots
+        written; None for a drafter without a cache (lookup).
       start_B: int32[B], the draft cache length of each row before the rollout.
       tokens_BN: int32[B, N], each node's token (node 0: the root, the last emitted token).
       logprobs_BNV: float32[B, N, V], the law each node's token was drawn from (row 0: the law
@@ -205,6 +223,10 @@ class Decoder:
         tokens; kept to compare the two).
       top_logprobs: k, the most likely tokens of each emitted token's law recorded in
         ``DecodeState.top_logprobs`` (0: none).
+      share_draft_cache: the draft is the target's first layers (``draft="self:L"``) and keeps
+        no cache: it reads the target cache's first layers and writes its rollout into scratch
+        slots past each row's committed length (:mod:`asps_jax.selfdraft`);
+        ``DecodeState.draft_cache`` is then None.
     """
 
     target_config: Any
@@ -215,6 +237,7 @@ class Decoder:
     diagnostics: bool = False
     merge_tree: bool = True
     top_logprobs: int = 0
+    share_draft_cache: bool = False
 
     # ----------------------------------------------------------------------------------------
     # Entry points (jitted; ``self`` is static)
@@ -337,7 +360,7 @@ def _prefill(
             forward_for(dec.target_config), target_params, t_cache, prompts_BP, committed_B
         )
     d_cache = None
-    if spec.uses_draft:
+    if spec.drafts_from_model and not dec.share_draft_cache:
         k = spec.num_drafts
         d_dtype = jax.tree.leaves(draft_params)[0].dtype
         d_cache = kv_cache.init_cache(
@@ -627,8 +650,42 @@ def _sync_draft_replicas(cache: kv_cache.KVCache, start_B, winner_B, num_drafts:
 
 
 def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
-    """Stage 1: draw the step's tree (``SpecConfig.tree``), one draft cache replica per root
-    path (cache rows b*L + l), and lay it out by node."""
+    """Stage 1: draw the step's tree (``SpecConfig.tree``) and lay it out by node: rolled out by
+    the draft model (one draft cache replica per root path, cache rows b*L + l), or K chains
+    copied from the row's text by prompt lookup (``lookup.py``, no cache)."""
+    if dec.spec.drafter == "lookup":
+        return _lookup_draft(dec, sampling, state)
+    return _model_draft(dec, draft_params, sampling, state)
+
+
+def _lookup_draft(dec: Decoder, sampling, state) -> Drafts:
+    """Prompt lookup's K chains (point-mass draft laws), cut to each chain's match length."""
+    spec = dec.spec
+    n, k = spec.num_draft_tokens, spec.tree.num_chains
+    batch = state.root.shape[0]
+    tokens_BKD, draft_lp_BKDV, found_BK = lookup.lookup_drafts(
+        state.history,
+        ngram=spec.lookup_ngram,
+        cap=spec.lookup_max or n,
+        num_chains=k,
+        draft_len=n,
+        vocab=dec.target_config.vocab_size,
+    )
+    return _finish_drafts(
+        dec,
+        sampling,
+        state,
+        None,
+        jnp.zeros((batch,), jnp.int32),
+        tokens_BKD,
+        draft_lp_BKDV,
+        jnp.ones((batch, k, n), bool),
+        found_BK,
+    )
+
+
+def _model_draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
+    """The draft model's rollout: one draft cache replica per root path (cache rows b*L + l)."""
     spec, tree = dec.spec, dec.spec.tree
     n, k = spec.num_draft_tokens, tree.num_chains
     batch = state.root.shape[0]
@@ -636,11 +693,18 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
     chain_keys = jax.vmap(
         lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(k))
     )(draft_keys_B).reshape(batch * k)
-    start_B = state.draft_cache.lengths.reshape(batch, k)[:, 0]
-    d_cache, drafts, draft_lp, draft_ok_RD = rollout.rollout(
+    cache = state.target_cache if dec.share_draft_cache else state.draft_cache
+    start_B = cache.lengths.reshape(batch, -1)[:, 0]
+    run = rollout.rollout
+    if dec.share_draft_cache:  # the target's first layers over its own cache (selfdraft.py)
+        run = functools.partial(rollout.rollout, shared_layers=dec.draft_config.num_hidden_layers)
+    if spec.draft_stop:  # no chain grows past what the step can use (never a shared cache)
+        limit_B = jnp.where(state.done, 0, spec.max_new_tokens - state.num_generated - 1)
+        run = functools.partial(rollout.rollout_stopped, limit_R=jnp.repeat(limit_B, k))
+    d_cache, drafts, draft_lp, draft_ok_RD, *stopped = run(
         forward_for(dec.draft_config),
         draft_params,
-        state.draft_cache,
+        cache,
         jnp.repeat(state.root, k),
         chain_keys,
         draft_len=n,
@@ -650,18 +714,46 @@ def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
         history=state.history.repeat(k),
     )
     vocab = draft_lp.shape[-1]
-    tokens_BKD = drafts.reshape(batch, k, n)
-    draft_lp_BKDV = draft_lp.reshape(batch, k, n, vocab)
+    stop_BK = stopped[0].reshape(batch, k) if stopped else jnp.full((batch, k), n, jnp.int32)
+    return _finish_drafts(
+        dec,
+        sampling,
+        state,
+        d_cache,
+        start_B,
+        drafts.reshape(batch, k, n),
+        draft_lp.reshape(batch, k, n, vocab),
+        draft_ok_RD.reshape(batch, k, n),
+        stop_BK,
+    )
 
+
+def _finish_drafts(
+    dec: Decoder,
+    sampling,
+    state,
+    d_cache,
+    start_B,
+    tokens_BKD,
+    draft_lp_BKDV,
+    draft_ok_BKD,
+    usable_BK,
+) -> Drafts:
+    """The drafter's root paths (K = L replicas) cut to their usable lengths (``usable_BK``: the
+    drafter's own, e.g. a lookup match's or a confidence stop's), then the common cuts below, and
+    laid out by node."""
+    spec, tree = dec.spec, dec.spec.tree
+    n = spec.num_draft_tokens
+    batch, k = usable_BK.shape
     # Drafts are shortened so that a step never emits past max_new_tokens, and end at an EOS.
     remaining_B = state.budget - state.num_generated
-    lengths_BK = jnp.broadcast_to(jnp.clip(remaining_B - 1, 0, n)[:, None], (batch, k))
+    lengths_BK = jnp.minimum(jnp.clip(remaining_B - 1, 0, n)[:, None], usable_BK)
     is_eos = _is_eos(tokens_BKD, sampling.eos_ids)
     first_eos = jnp.where(jnp.any(is_eos, -1), jnp.argmax(is_eos, -1) + 1, n)
     lengths_BK = jnp.minimum(lengths_BK, first_eos)
     # A chain ends before the token drawn from an unusable law (a stopping time: the law at depth
     # i depends on the chain's first i tokens only); only the depths the chain uses count.
-    bad_BK = _first_false(draft_ok_RD.reshape(batch, k, n), n + 2)
+    bad_BK = _first_false(draft_ok_BKD, n + 2)
     bad_BK = jnp.where(bad_BK < lengths_BK, bad_BK, n + 2)
     # A sibling drawn without replacement after its law's support ran out has probability 0: it
     # was not drawn, and the chain ends before it (never the case for independent draws).
@@ -737,6 +829,10 @@ def _commit(dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B
     row_loop = kv_cache.row_loop_for(dec.mesh)
     t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=row_loop)
     d_cache = drafts.cache
+    # No draft cache of its own: a lookup has none; a self-draft's rollout scratch past the
+    # committed slots of the target cache is stale now.
+    if d_cache is None or dec.share_draft_cache:
+        return dataclasses.replace(state, target_cache=t_cache)
     if k > 1:
         d_cache = _sync_draft_replicas(d_cache, drafts.start_B, chain_B, k, n + 1)
     d_cache = dataclasses.replace(d_cache, lengths=jnp.repeat(drafts.start_B + num_B, k))
@@ -751,7 +847,7 @@ def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, root_lp_BV) -> jax.Ar
     if dec.spec.num_drafts == 1:  # 1 - TV(p, q): no sort needed
         overlap_BV = jnp.minimum(root_lp_BV, root_draft_BV)
         return jnp.exp(jax.nn.logsumexp(overlap_BV, axis=-1))
-    if not dec.diagnostics:
+    if not dec.diagnostics or dec.spec.drafter == "lookup":  # lookup: K different point masses
         return jnp.full(drafts.start_B.shape, jnp.nan, jnp.float32)
     return identical_drafts_acceptance(root_lp_BV, root_draft_BV, dec.spec.tree.widths[0])
 
@@ -770,6 +866,8 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     active_B = ~state.done
     with jax.named_scope("draft"):
         drafts = _draft(dec, draft_params, sampling, state)
+        if dec.share_draft_cache:  # the target cache, with the rollout's scratch slots written
+            state = dataclasses.replace(state, target_cache=drafts.cache)
     with jax.named_scope("score"):
         target_lp, target_ok, new_kv, scored_B = _score(dec, target_params, sampling, state, drafts)
         # A chain is verified only up to its first unusable target law: the tokens before it are

@@ -167,6 +167,9 @@ class SamplingParams:
       dfa_final: bool[S], the accepting states.
       dfa_start: int32[B], each row's start state.
       constrained: static bool, some row has a constraint (else none of its code is compiled).
+      draft_stop: float32[B], the confidence stop τ of each row (``draft_stop="confidence:τ"``:
+        a draft chain stops growing at the first draft law whose top probability is below τ;
+        read only when the decoder's ``SpecConfig.draft_stop`` is on; 0 never stops).
     See :mod:`asps_jax.constraints`.
     The controls (bias, penalties, n-grams) depend on each node's path: they are applied by
     :mod:`asps_jax.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
@@ -189,6 +192,7 @@ class SamplingParams:
     dfa_next: jax.Array = _laid_out("replicated")
     dfa_final: jax.Array = _laid_out("replicated")
     dfa_start: jax.Array = _laid_out("rows")
+    draft_stop: jax.Array = _laid_out("rows")
     ngram_window: int = dataclasses.field(default=0, metadata=dict(static=True))
     constrained: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -209,6 +213,7 @@ class SamplingParams:
         no_repeat_ngram_size=None,
         logit_bias=None,
         constraint=None,
+        draft_stop=None,
     ):
         """``constraint``: None, or ``(next int32[S, V], final bool[S], start int32[B])`` from
         :func:`asps_jax.constraints.stack`."""
@@ -240,6 +245,7 @@ class SamplingParams:
             dfa_next=jnp.full((1, 1), -1, jnp.int32) if constraint is None else constraint[0],
             dfa_final=jnp.zeros((1,), bool) if constraint is None else constraint[1],
             dfa_start=rows(None if constraint is None else constraint[2], jnp.int32, 0),
+            draft_stop=rows(draft_stop, jnp.float32, 0.0),
             ngram_window=ngram_window(np.asarray(ngram).reshape(-1).tolist()),
             constrained=constraint is not None,
         )

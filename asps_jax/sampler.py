@@ -24,7 +24,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import constraints, decode, footprint, sharding, slots, statistics, stopping
+from asps_jax import (
+    autotune,
+    constraints,
+    decode,
+    footprint,
+    selfdraft,
+    sharding,
+    slots,
+    statistics,
+    stopping,
+)
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.models.vocab import align_vocabularies
@@ -396,6 +406,81 @@ def _check_tree(tree, method, num_drafts, num_draft_tokens) -> tuple[int, ...]:
     return widths
 
 
+DRAFTERS = ("lookup", selfdraft.PREFIX + "L")
+"""The drafters named by a string ``draft`` argument (a model object is the draft model)."""
+
+
+def named_draft(draft) -> bool:
+    """Whether ``draft`` names a drafter (``"lookup"``, ``"self:L"``) rather than a model or a
+    checkpoint (what the command line loads); :func:`parse_draft` reads the name."""
+    return isinstance(draft, str) and (draft == "lookup" or draft.startswith(selfdraft.PREFIX))
+
+
+def parse_draft(target, draft):
+    """The one place that reads the ``draft`` argument: ``(drafter, model)``.
+
+    A :class:`~asps_jax.models.Model` (or None, for ``method="ar"``) is ``("model", draft)``;
+    ``"lookup"`` is prompt-lookup drafting (``("lookup", None)``, :mod:`asps_jax.lookup`);
+    ``"self:L"`` is the draft model built from the target's first L layers, final norm and head
+    (``("model", SelfDraft)``, :mod:`asps_jax.selfdraft`; one object per target and L).
+    """
+    if not isinstance(draft, str):
+        return "model", draft
+    if draft == "lookup":
+        return "lookup", None
+    if draft.startswith(selfdraft.PREFIX):
+        return "model", selfdraft.self_draft(target, draft)
+    raise ValueError(
+        f"draft: unknown drafter {draft!r}; give a draft model, 'lookup', 'self:L' (the "
+        "target's first L layers), or None (method 'ar')"
+    )
+
+
+def _check_drafter(drafter, method, widths, lookup_ngram, lookup_max, draft_stop):
+    """The drafter's own options: ``(lookup_ngram, lookup_max, draft_stop τ or None)``."""
+    if drafter != "lookup":
+        for name, value in (("lookup_ngram", lookup_ngram), ("lookup_max", lookup_max)):
+            if value is not None:
+                raise ValueError(f"{name} is an option of draft='lookup', not of a draft model")
+    tau = None
+    if draft_stop is not None:
+        tau = _parse_draft_stop(draft_stop)
+        if drafter == "lookup":
+            raise ValueError(
+                "draft_stop: a lookup draft has no draft law to be unsure of (its chains end "
+                "where the match ends); drop draft_stop"
+            )
+        if widths:
+            raise ValueError("draft_stop: confidence-stopped chains need K chains, not tree=")
+    ngram = _check_int("lookup_ngram", 3 if lookup_ngram is None else lookup_ngram, 1)
+    cap = 0 if lookup_max is None else _check_int("lookup_max", lookup_max, 1)
+    if drafter == "lookup" and method in TREE_METHODS:
+        raise ValueError(
+            f"draft='lookup': method {method!r} verifies a tree of draws from one law per node; "
+            "lookup chains are point masses per chain: use a chain method (sps, asps) or a "
+            "multi-draft one (specinfer, spectr, is, optimal)"
+        )
+    return ngram, cap, tau
+
+
+def _parse_draft_stop(draft_stop) -> float:
+    """``"confidence:τ"`` (or the number τ) -> τ in [0, 1]."""
+    text = draft_stop
+    if isinstance(draft_stop, str):
+        kind, _, text = draft_stop.partition(":")
+        if kind != "confidence" or not text:
+            raise ValueError(
+                f"draft_stop must be 'confidence:τ' with τ in [0, 1], got {draft_stop!r}"
+            )
+    try:
+        tau = float(text)
+    except (TypeError, ValueError):
+        tau = np.nan
+    if isinstance(draft_stop, bool) or not 0.0 <= tau <= 1.0:
+        raise ValueError(f"draft_stop must be 'confidence:τ' with τ in [0, 1], got {draft_stop!r}")
+    return tau
+
+
 def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) -> None:
     if method not in METHODS:
         raise ValueError(f"method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -406,8 +491,11 @@ def _check_method(method, draft, target, num_drafts, num_draft_tokens, options) 
             raise ValueError(f"method 'ar' uses no draft; num_drafts must be 1, got {num_drafts}")
         return
     if draft is None:
-        raise ValueError(f"method {method!r} needs a draft model (draft=None is only for 'ar')")
-    check_compatible(target, draft)
+        raise ValueError(
+            f"method {method!r} needs a draft model or draft='lookup' (draft=None is only for 'ar')"
+        )
+    if draft != "lookup":
+        check_compatible(target, draft)
     entry = REGISTRY[method]  # resolved once; the options' one validator is the entry's
     if entry.kind == "chain" and num_drafts != 1:
         multi = ", ".join(m for m in METHODS if m in REGISTRY and REGISTRY[m].kind == "drafts")
@@ -465,11 +553,12 @@ def check_memory(
     against the devices' memory. A one-line ``ValueError`` names the argument to lower; returns
     the estimate's parts (bytes) otherwise."""
     dtypes = [jax.tree.leaves(m.params)[0].dtype for m in (target, draft) if m is not None]
+    own_weights = None if isinstance(draft, selfdraft.SelfDraft) else draft  # a self-draft's: views
     return footprint.check(
         target.config,
         None if draft is None else draft.config,
         available=_device_memory_bytes(mesh),
-        weights=footprint.weight_bytes(target, draft),
+        weights=footprint.weight_bytes(target, own_weights),
         method=method,
         batch=batch,
         prompt_len=prompt_len,
@@ -583,19 +672,34 @@ class Prepared:
         return int(np.max(np.asarray(budget)[: self.batch]))
 
 
-def _check_spec(target, draft, method, num_drafts, num_draft_tokens, tree, max_new_tokens, options):
-    """The method, its draft tree and sizes checked; returns ``(target, draft, spec)`` with the
-    vocabularies aligned (and no draft for ``"ar"``)."""
+def _check_spec(
+    target, draft, method, num_drafts, num_draft_tokens, tree, max_new_tokens, options, drafting
+):
+    """The method, its drafter, draft tree and sizes checked; returns ``(target, draft, spec,
+    tau)`` with the vocabularies aligned (and no draft model for ``"ar"`` or a lookup draft);
+    ``drafting``: the drafter's options (``lookup_ngram``, ``lookup_max``, ``draft_stop``), and
+    ``tau`` the confidence stop (None without ``draft_stop``)."""
+    drafter, draft = parse_draft(target, draft)
     widths = _check_tree(tree, method, num_drafts, num_draft_tokens)
+    lookup_ngram, lookup_max, tau = _check_drafter(drafter, method, widths, **drafting)
+    if drafter == "lookup" and num_draft_tokens is None and lookup_max:
+        num_draft_tokens = lookup_max  # the lookup's chains are at most lookup_max long
     if widths:
         num_drafts, num_draft_tokens = math.prod(widths), len(widths)
     num_draft_tokens = _check_int(
         "num_draft_tokens", 8 if num_draft_tokens is None else num_draft_tokens, 1
     )
     num_drafts = _check_int("num_drafts", 1 if num_drafts is None else num_drafts, 1)
-    if method != "ar":  # padded embeddings of one tokenizer: both laws on the shared ids
+    if method != "ar" and drafter == "model":  # padded embeddings of one tokenizer
         target, draft = align_vocabularies(target, draft)
-    _check_method(method, draft, target, num_drafts, num_draft_tokens, options)
+    _check_method(
+        method,
+        "lookup" if drafter == "lookup" else draft,
+        target,
+        num_drafts,
+        num_draft_tokens,
+        options,
+    )
     if method == "ar":
         num_draft_tokens, num_drafts, draft = 1, 1, None
     spec = decode.SpecConfig(
@@ -605,8 +709,12 @@ def _check_spec(target, draft, method, num_drafts, num_draft_tokens, tree, max_n
         max_new_tokens=max_new_tokens,
         options=tuple(sorted(options.items())),
         widths=widths,
+        drafter=drafter if method != "ar" else "model",
+        lookup_ngram=lookup_ngram,
+        lookup_max=min(lookup_max, num_draft_tokens),
+        draft_stop=tau is not None and method != "ar",
     )
-    return target, draft, spec
+    return target, draft, spec, tau
 
 
 def _check_fits(
@@ -673,14 +781,18 @@ def _sampling_params(target, batch: int, padded: int, sampling: dict) -> Samplin
         eos_ids=_eos_ids(target, sampling["eos_token_id"]),
         logit_bias=_logit_bias_rows(sampling["logit_bias"], batch, padded, target.vocab_size),
         constraint=constraint,
+        draft_stop=sampling["draft_stop"],
         **{name: _per_row(name, sampling[name], batch, padded) for name in controls},
     )
 
 
-def _decoder(target, draft, spec, prompt_width: int, mesh, diagnostics, top_logprobs):
-    """The static :class:`asps_jax.decode.Decoder` of a call (its KV cache length bucketed)."""
+def _decoder(target, draft, spec, prompt_width: int, mesh, diagnostics, top_logprobs, shared):
+    """The static :class:`asps_jax.decode.Decoder` of a call (its KV cache length bucketed);
+    ``shared``: a self-draft that shares the target's cache (``Decoder.share_draft_cache``)."""
+    # A shared self-draft cache keeps the rollout's n * K scratch slots past the committed ones.
+    scratch = spec.num_draft_tokens * spec.num_drafts if shared else 0
     cache_len = _round_up(
-        prompt_width + spec.max_new_tokens + spec.num_draft_tokens + 2, _CACHE_BUCKET
+        prompt_width + spec.max_new_tokens + spec.num_draft_tokens + 2 + scratch, _CACHE_BUCKET
     )
     return decode.Decoder(
         target_config=target.config,
@@ -690,6 +802,7 @@ def _decoder(target, draft, spec, prompt_width: int, mesh, diagnostics, top_logp
         mesh=mesh,
         diagnostics=bool(diagnostics),
         top_logprobs=top_logprobs,
+        share_draft_cache=shared,
     )
 
 
@@ -737,6 +850,9 @@ def prepare(
     regex=None,
     json_schema=None,
     batch_size=None,
+    lookup_ngram=None,
+    lookup_max=None,
+    draft_stop=None,
     **options,
 ) -> Prepared:
     """Validate the arguments of :func:`sample`; returns the :class:`Prepared` call: the static
@@ -786,8 +902,16 @@ def prepare(
         )
     many = isinstance(max_new_tokens, (list, tuple, np.ndarray))
     largest = max(_budgets(max_new_tokens, len(max_new_tokens) if many else 1))
-    target, draft, spec = _check_spec(
-        target, draft, method, num_drafts, num_draft_tokens, tree, budget_bucket(largest), options
+    target, draft, spec, tau = _check_spec(
+        target,
+        draft,
+        method,
+        num_drafts,
+        num_draft_tokens,
+        tree,
+        budget_bucket(largest),
+        options,
+        dict(lookup_ngram=lookup_ngram, lookup_max=lookup_max, draft_stop=draft_stop),
     )
     _validate_sampling(temperature, top_k, top_p, draft_temperature)
     _validate_controls(
@@ -803,6 +927,14 @@ def prepare(
         mesh = sharding.check_mesh(mesh)
     if isinstance(prompts, (list, tuple)) and not prompts and prompt_lengths is None:
         raise ValueError("prompts: the list is empty; give at least one prompt")
+    shared = isinstance(draft, selfdraft.SelfDraft) and selfdraft.can_share_cache(draft.config)
+    if isinstance(draft, selfdraft.SelfDraft) and mesh is not None:
+        raise ValueError("draft='self:L' does not run on a mesh yet; pass mesh=None")
+    if shared and spec.draft_stop:
+        raise ValueError(
+            "draft_stop: confidence-stopped chains need the draft's own cache; draft='self:L' "
+            "shares the target's (drop draft_stop)"
+        )
     prompts_bp, lengths_b, batch = _as_prompt_array(prompts, prompt_lengths, target.vocab_size)
     budgets = _budgets(max_new_tokens, batch)
     slot_count = None if batch_size is None else min(batch_size, prompts_bp.shape[0])
@@ -830,9 +962,12 @@ def prepare(
             no_repeat_ngram_size=no_repeat_ngram_size,
             regex=regex,
             json_schema=json_schema,
+            draft_stop=tau,
         ),
     )
-    decoder = _decoder(target, draft, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs)
+    decoder = _decoder(
+        target, draft, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs, shared
+    )
     row_keys = _row_keys(key, batch, padded)
     budget_b = np.ones(padded, np.int32)  # the padding rows start done
     budget_b[:batch] = budgets
@@ -930,10 +1065,38 @@ def sample(
     tokens independent of B (docs/api.md §3).
     """
     _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+    calibration = _resolve_auto(target, draft, prompts, key, kwargs)
     call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
     mesh = None if call.slots is not None else call.decoder.mesh
     width = call.output_width()
-    return _finish(call.run(), call.decoder.spec, call.batch, return_logprobs, mesh, width)
+    out = _finish(call.run(), call.decoder.spec, call.batch, return_logprobs, mesh, width)
+    if calibration is not None:
+        out.stats["calibration"] = calibration
+    return out
+
+
+def _resolve_auto(target, draft, prompts, key, kwargs):
+    """``num_draft_tokens="auto"``: calibrate (:mod:`asps_jax.autotune`) and put the chosen n into
+    ``kwargs``; returns the :class:`~asps_jax.autotune.Calibration` (None without "auto")."""
+    if not (isinstance(kwargs.get("num_draft_tokens"), str)):
+        return None
+    if kwargs["num_draft_tokens"] != "auto":
+        raise ValueError(
+            "num_draft_tokens must be an integer >= 1 or 'auto', got "
+            f"{kwargs['num_draft_tokens']!r}"
+        )
+    if kwargs.get("method", "asps") == "ar" or kwargs.get("tree") is not None:
+        raise ValueError(
+            "num_draft_tokens='auto' chooses the length of draft chains: not for method 'ar' or "
+            "a tree="
+        )
+    max_n = kwargs.get("lookup_max") or 8
+    probe = {k: v for k, v in kwargs.items() if k != "num_draft_tokens"}
+    # One-line errors for the call's own arguments before anything is measured.
+    prepare(target, draft, prompts, key=key, max_new_tokens=1, num_draft_tokens=max_n, **probe)
+    calibration = autotune.calibrate(Session, target, draft, prompts, key=key, max_n=max_n, **probe)
+    kwargs["num_draft_tokens"] = calibration.num_draft_tokens
+    return calibration
 
 
 @contextlib.contextmanager
@@ -974,6 +1137,8 @@ class Session:
     ):
         self.return_logprobs = bool(return_logprobs)
         _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+        # num_draft_tokens="auto": the autotune.Calibration that chose n (else None).
+        self.calibration = _resolve_auto(target, draft, prompts, key, kwargs)
         call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
         self.batch_size = call.batch
         self._width = call.output_width()

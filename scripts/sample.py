@@ -91,6 +91,25 @@ def _checked(convert, valid, expected: str):
 
 
 _positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
+_num_draft_tokens = _checked(
+    lambda t: t if t == "auto" else int(t),
+    lambda v: v == "auto" or v >= 1,
+    "a positive integer or 'auto'",
+)
+
+
+def _draft_stop(text: str) -> str:
+    """``confidence:τ``, τ in [0, 1] (checked by the library's own parser)."""
+    from asps_jax.sampler import _parse_draft_stop
+
+    try:
+        _parse_draft_stop(text)
+    except ValueError as err:
+        message = str(err).replace("draft_stop must be", "expected")
+        raise argparse.ArgumentTypeError(message) from None
+    return text
+
+
 # The loop runs in float32: a temperature beyond its range would overflow there.
 _non_negative_float = _checked(
     float, lambda v: 0.0 <= v <= 3.4028234663852886e38, "a finite number >= 0 (at most 3.4e38)"
@@ -224,8 +243,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--draft",
         default=DEFAULT_DRAFT,
-        help=f"draft model, same forms as --target (default {DEFAULT_DRAFT}); ignored "
-        "by --method ar",
+        help=f"draft model, same forms as --target (default {DEFAULT_DRAFT}); or 'lookup': "
+        "prompt lookup, the continuation of the last --lookup-ngram tokens' most recent earlier "
+        "occurrence in the prompt + generated text (no draft model); or self:L, the target's "
+        "first L layers with its final norm and head (self-drafting); ignored by --method ar",
+    )
+    p.add_argument(
+        "--lookup-ngram",
+        type=_positive_int,
+        default=None,
+        metavar="m",
+        help="--draft lookup: the suffix length searched for (default 3)",
+    )
+    p.add_argument(
+        "--lookup-max",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="--draft lookup: the longest chain copied (default: --num-draft-tokens)",
+    )
+    p.add_argument(
+        "--draft-stop",
+        type=_draft_stop,
+        default=None,
+        metavar="confidence:TAU",
+        help="a draft chain stops growing at the first draft law whose top probability is below "
+        "TAU (the draft loop exits once every chain stopped; exact, docs/algorithms.md §10)",
     )
     p.add_argument(
         "--prompt",
@@ -247,10 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--num-draft-tokens",
-        type=_positive_int,
+        type=_num_draft_tokens,
         default=None,
         metavar="n",
-        help="draft tokens proposed per target call (default 8)",
+        help="draft tokens proposed per target call (default 8), or 'auto': chosen by a short "
+        "measured calibration (acceptance by depth, draft / target cost), printed",
     )
     p.add_argument(
         "--num-drafts",
@@ -503,6 +547,12 @@ def _print_summary(s: dict, stream) -> None:
         print(f"{name:>26}: {value}", file=stream)
 
 
+def _drafter_options(args) -> dict:
+    """The drafter's options given on the command line (the library checks them)."""
+    names = ("lookup_ngram", "lookup_max", "draft_stop")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
 def _check_sizes(args, target, draft, encoded, mesh) -> None:
     """Refuse, before the batch is built or anything compiled, sizes the models or the device
     cannot take (one-line errors naming the flag to lower)."""
@@ -517,7 +567,11 @@ def _check_sizes(args, target, draft, encoded, mesh) -> None:
         n = k = 1
     else:
         n, k = args.num_draft_tokens, args.num_drafts
-        context = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
+        if n == "auto":
+            n = args.lookup_max or 8  # the longest the calibration tries
+        context = target.config.max_position_embeddings
+        if not isinstance(draft, str):
+            context = min(context, draft.config.max_position_embeddings)
         if n >= context:
             raise ValueError(
                 f"--num-draft-tokens {n} does not fit the model context of {context} positions; "
@@ -525,7 +579,7 @@ def _check_sizes(args, target, draft, encoded, mesh) -> None:
             )
     check_memory(
         target,
-        draft,
+        None if isinstance(draft, str) else draft,
         batch=args.batch_size,
         prompt_len=max(len(e) for e in encoded),
         max_new_tokens=args.max_new_tokens,
@@ -578,7 +632,7 @@ def run(args) -> int:
 
     import asps_jax
     from asps_jax import compile_cache
-    from asps_jax.sampler import NonFiniteLogitsError, Session
+    from asps_jax.sampler import NonFiniteLogitsError, Session, named_draft
     from asps_jax.sharding import init_distributed, make_mesh
     from asps_jax.textstream import TextStream
 
@@ -605,7 +659,11 @@ def run(args) -> int:
     dtype = DTYPES[args.dtype]
     target = asps_jax.load_model(args.target, dtype=dtype)
     _stop_if_interrupted("loading the models")
-    draft = asps_jax.load_model(args.draft, dtype=dtype) if args.method != "ar" else None
+    draft = None
+    if args.method != "ar":  # a checkpoint, or a drafter named by --draft (lookup, self:L)
+        draft = args.draft
+        if not named_draft(args.draft):
+            draft = asps_jax.load_model(args.draft, dtype=dtype)
     _stop_if_interrupted("loading the models")
     tokenizer = target.tokenizer
     if tokenizer is None:
@@ -648,7 +706,10 @@ def run(args) -> int:
         json_schema=_read_schema(args.json_schema),
         mesh=mesh,
         return_logprobs=args.json,
+        **_drafter_options(args),
     )
+    if session.calibration is not None and primary:
+        print(f"[{session.calibration.describe()}]", file=sys.stderr, flush=True)
     _stop_if_interrupted("preparing the batch")
     out_stream = stdout if primary else io.StringIO()
     if not args.json and primary:
@@ -955,7 +1016,8 @@ def _main(argv) -> int:
                 flag = "--" + name.replace("_", "-")
                 parser.error(f"--tree {args.tree} implies {flag} {value}; drop {flag} {given}")
             setattr(args, name, value)
-    args.num_draft_tokens = 8 if args.num_draft_tokens is None else args.num_draft_tokens
+    if args.num_draft_tokens is None:  # a lookup's chains are at most --lookup-max long
+        args.num_draft_tokens = args.lookup_max if args.draft == "lookup" and args.lookup_max else 8
     args.num_drafts = 1 if args.num_drafts is None else args.num_drafts
     if args.regex is not None and args.json_schema is not None:
         parser.error("--regex and --json-schema: give at most one constraint")

@@ -1,0 +1,90 @@
+"""Prompt-lookup drafting: draft chains copied from the row's own text (docs/algorithms.md §9).
+
+The drafter reads each row's committed text, the prompt followed by the generated tokens (the
+root last; :class:`asps_jax.penalties.History`). The last ``m`` tokens (``m = lookup_ngram``) are
+searched for among the earlier text; the continuation of an occurrence (the tokens after it, up to
+``lookup_max`` and never past the root) is a draft chain. Chain k is the k-th most recent *distinct*
+continuation: candidates are taken from the most recent occurrence backwards, and a continuation
+equal, token for token over the whole window, to one taken before is skipped. A row with fewer
+than K distinct continuations gets chains of length 0, and a row with no occurrence drafts nothing
+that step (it emits the target's token).
+
+Each chain is a deterministic function of the committed text, so its law is a point mass: log-prob
+0 at the chain's token, ``-inf`` elsewhere. Every verifier is exact for it (SpS accepts x with
+probability ``p(x)``, else draws from p with x removed), and for K chains each a point mass (the
+multi-draft schemes are exact for independent drafts with per-draft laws; deterministic drafts are
+independent). Everything is on device with fixed shapes: one ``[H, D]`` window table per row and K
+selection rounds, no host round trip.
+
+Shape letters: B batch, H history width, K chains, D draft length (n), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from asps_jax.logspace import NEG_INF
+
+DEFAULT_NGRAM = 3
+
+
+def row_candidates(text_H, length, *, ngram: int, cap, num_chains: int, draft_len: int):
+    """One row's lookup chains.
+
+    Args:
+      text_H: int32[H], the committed text (prompt, then generated tokens), -1 after ``length``.
+      length: int32[], the number of tokens of ``text_H``.
+      ngram: m >= 1 (static), the suffix length searched for.
+      cap: int32[] (or int), the longest chain to draft (``lookup_max``), at most ``draft_len``.
+      num_chains: K (static). draft_len: D (static).
+
+    Returns:
+      ``(tokens int32[K, D], lengths int32[K])``: the K most recent distinct continuations of an
+      earlier occurrence of the last ``ngram`` tokens (entries at and past a chain's length are 0).
+    """
+    width = text_H.shape[0]
+    pos = jnp.arange(width)
+    # An occurrence *ending* at j: text[j - i] == text[length - 1 - i] for i < m, with j strictly
+    # before the last token (the suffix itself is not an occurrence) and j - m + 1 >= 0.
+    match_H = (pos >= ngram - 1) & (pos < length - 1) & (length >= ngram)
+    for i in range(ngram):
+        suffix_i = text_H[jnp.clip(length - 1 - i, 0, width - 1)]
+        match_H = match_H & (text_H[jnp.clip(pos - i, 0, width - 1)] == suffix_i)
+    # The continuation after j: text[j + 1 + d] for j + 1 + d < length and d < cap, else -1.
+    at_HD = pos[:, None] + 1 + jnp.arange(draft_len)[None, :]
+    inside_HD = (at_HD < length) & (jnp.arange(draft_len)[None, :] < cap)
+    windows_HD = jnp.where(inside_HD, text_H[jnp.clip(at_HD, 0, width - 1)], -1)
+    lengths_H = jnp.sum(inside_HD, axis=1).astype(jnp.int32)
+
+    def pick(avail_H, _):
+        found = jnp.any(avail_H)
+        j = jnp.argmax(jnp.where(avail_H, pos, -1))  # the most recent one left
+        window_D = windows_HD[j]
+        # Every candidate with this very window (j included) is spent.
+        avail_H = avail_H & ~jnp.all(windows_HD == window_D[None, :], axis=1)
+        chain_len = jnp.where(found, lengths_H[j], 0)
+        tokens_D = jnp.where(jnp.arange(draft_len) < chain_len, window_D, 0)
+        return avail_H, (tokens_D.astype(jnp.int32), chain_len.astype(jnp.int32))
+
+    _, (tokens_KD, lengths_K) = jax.lax.scan(pick, match_H, None, length=num_chains)
+    return tokens_KD, lengths_K
+
+
+def lookup_drafts(history, *, ngram: int, cap: int, num_chains: int, draft_len: int, vocab: int):
+    """The lookup chains of every row: ``(tokens int32[B, K, D], logprobs float32[B, K, D, V],
+    lengths int32[B, K])``; ``logprobs`` are the point-mass laws (0 at the token, -inf
+    elsewhere; at depths past a chain's length a point mass on token 0, never read)."""
+    tokens_BKD, lengths_BK = jax.vmap(
+        lambda text, length: row_candidates(
+            text, length, ngram=ngram, cap=cap, num_chains=num_chains, draft_len=draft_len
+        )
+    )(history.tokens, history.length)
+    logprobs_BKDV = point_mass_laws(tokens_BKD, vocab)
+    return tokens_BKD, logprobs_BKDV, lengths_BK
+
+
+def point_mass_laws(tokens, vocab: int) -> jax.Array:
+    """float32[..., V]: log-prob 0 at each token, ``-inf`` elsewhere."""
+    ids = jnp.arange(vocab).reshape((1,) * tokens.ndim + (vocab,))
+    return jnp.where(ids == tokens[..., None], 0.0, NEG_INF).astype(jnp.float32)
