@@ -547,6 +547,32 @@ def _print_summary(s: dict, stream) -> None:
         print(f"{name:>26}: {value}", file=stream)
 
 
+def _sampling_kwargs(args) -> dict:
+    """The arguments of ``sample`` / ``Session`` that come straight from the flags: the method, the
+    draft shape, the sampling controls, the constraint and the drafter's options (one list for the
+    single batch and for ``--prompts``)."""
+    return dict(
+        method=args.method,
+        num_draft_tokens=args.num_draft_tokens,
+        num_drafts=args.num_drafts,
+        tree=args.tree,
+        temperature=args.temperature,
+        draft_temperature=args.draft_temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop=args.stop,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
+        regex=args.regex,
+        json_schema=_read_schema(args.json_schema),
+        **_drafter_options(args),
+    )
+
+
 def _drafter_options(args) -> dict:
     """The drafter's options given on the command line (the library checks them)."""
     names = ("lookup_ngram", "lookup_max", "draft_stop")
@@ -679,34 +705,16 @@ def run(args) -> int:
         args.batch_size = len(texts)
     _check_sizes(args, target, draft, encoded, mesh)
     prompts = [encoded[b % len(encoded)] for b in range(args.batch_size)]
-    num_drafts = args.num_drafts
     session = Session(
         target,
         draft,
         prompts,
         key=jax.random.key(args.seed),
         max_new_tokens=args.max_new_tokens,
-        method=args.method,
-        num_draft_tokens=args.num_draft_tokens,
-        num_drafts=num_drafts,
-        tree=args.tree,
-        temperature=args.temperature,
-        draft_temperature=args.draft_temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop=args.stop,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        no_repeat_ngram_size=args.no_repeat_ngram_size,
-        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
         top_logprobs=args.top_logprobs or 0,
-        regex=args.regex,
-        json_schema=_read_schema(args.json_schema),
         mesh=mesh,
         return_logprobs=args.json,
-        **_drafter_options(args),
+        **_sampling_kwargs(args),
     )
     if session.calibration is not None and primary:
         print(f"[{session.calibration.describe()}]", file=sys.stderr, flush=True)
@@ -862,25 +870,9 @@ def _run_prompts(args, target, draft, mesh, load_s, out_stream) -> int:
     kwargs = dict(
         key=jax.random.key(args.seed),
         max_new_tokens=budgets,
-        method=args.method,
-        num_draft_tokens=args.num_draft_tokens,
-        num_drafts=args.num_drafts,
-        tree=args.tree,
-        temperature=args.temperature,
-        draft_temperature=args.draft_temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop=args.stop,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        no_repeat_ngram_size=args.no_repeat_ngram_size,
-        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
-        regex=args.regex,
-        json_schema=_read_schema(args.json_schema),
         batch_size=slots,
         return_logprobs=True,
+        **_sampling_kwargs(args),
     )
     if mesh is not None:
         raise ValueError("--prompts: continuous batching runs on one device; drop --mesh")

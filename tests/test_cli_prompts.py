@@ -87,3 +87,14 @@ def test_json_reports_compiles(capsys):
     assert cli.main(["--max-new-tokens", "3", "--num-draft-tokens", "3", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert isinstance(result["compiles"], int) and result["compiles"] >= 0
+
+
+def test_prompts_file_takes_the_drafter_options(tmp_path, capsys):
+    # --prompts builds its call from the same flags as the single batch, the drafter's included:
+    # --lookup-ngram with a draft model reaches the library and is refused there (it was once
+    # dropped on this path, and the run went ahead without it).
+    path = tmp_path / "p.txt"
+    path.write_text("ROMEO:\n", encoding="utf-8")
+    assert cli.main(["--prompts", str(path), "--lookup-ngram", "2", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "lookup_ngram is an option of draft='lookup'" in err and "\n" not in err, err
