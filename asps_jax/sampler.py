@@ -626,6 +626,8 @@ class Prepared:
       batch: the number of prompts; rows from ``batch`` on pad the batch and start done.
       slots: with ``batch_size``, the number of slots of continuous batching
         (:mod:`asps_jax.slots`; the inputs' rows are then the prompts, not the loop's rows);
+      width: M, the widest budget of the call's prompts (the outputs' width), kept on the host:
+        the budgets' array may span other processes' devices;
         None runs every row at once (``Decoder.generate``).
     """
 
@@ -633,6 +635,7 @@ class Prepared:
     inputs: DecodeInputs
     batch: int
     slots: int | None = None
+    width: int = 0
 
     def generate(self) -> decode.DecodeState:
         """Run the whole loop (``Decoder.generate``) on the inputs."""
@@ -668,8 +671,7 @@ class Prepared:
 
     def output_width(self) -> int:
         """M, the widest budget of the call's prompts (the outputs' width)."""
-        budget = sharding.to_local(self.inputs.budget_B, None)
-        return int(np.max(np.asarray(budget)[: self.batch]))
+        return self.width
 
 
 def _check_spec(
@@ -1003,6 +1005,7 @@ def prepare(
         inputs=_placed(inputs, mesh, target, draft),
         batch=batch,
         slots=slot_count,
+        width=max(budgets),
     )
 
 
