@@ -185,11 +185,11 @@ def rollout_stopped(
         return (depth <= n) & ((depth == 0) | jnp.any(stop_R >= depth))
 
     def body(carry):
-        depth, cache, token_R, path_RD, tokens_RD, lp_RDV, ok_RD, stop_R = carry
+        depth, cache, token_R, tokens_RD, lp_RDV, ok_RD, stop_R = carry
         cache, logits_R1V = feed(cache, token_R)
         at = jnp.minimum(depth, n - 1)
         lp_R1V, mass_R1 = penalties.process(
-            sampling, history, logits_R1V, path_RD[:, None], at[None], draft=True
+            sampling, history, logits_R1V, tokens_RD[:, None], at[None], draft=True
         )
         logprobs_RV = lp_R1V[:, 0]
         ok_R = logits_ok(logits_R1V[:, 0]) & mass_R1[:, 0]
@@ -201,11 +201,10 @@ def rollout_stopped(
         upd = lambda buf, new: jnp.where(  # noqa: E731
             growing, jax.lax.dynamic_update_slice_in_dim(buf, new[:, None], at, axis=1), buf
         )
-        path_RD = upd(path_RD, next_R)
         tokens_RD = upd(tokens_RD, next_R)
         lp_RDV = upd(lp_RDV, logprobs_RV)
         ok_RD = upd(ok_RD, ok_R)
-        return depth + 1, cache, next_R, path_RD, tokens_RD, lp_RDV, ok_RD, stop_R
+        return depth + 1, cache, next_R, tokens_RD, lp_RDV, ok_RD, stop_R
 
     # The law's width is the draft's vocabulary: take it from one traced forward's shape.
     vocab = jax.eval_shape(lambda c: feed(c, root_R)[1], cache).shape[-1]
@@ -213,11 +212,10 @@ def rollout_stopped(
         jnp.zeros((), jnp.int32),
         cache,
         root_R,
-        jnp.zeros((rows, n), jnp.int32),
-        jnp.zeros((rows, n), jnp.int32),
+        jnp.zeros((rows, n), jnp.int32),  # the chain so far: also the controls' path
         jnp.zeros((rows, n, vocab), jnp.float32),
         jnp.ones((rows, n), bool),
         jnp.clip(limit_R, 0, n),
     )
-    _, cache, _, _, tokens_RD, lp_RDV, ok_RD, stop_R = jax.lax.while_loop(cond, body, init)
+    _, cache, _, tokens_RD, lp_RDV, ok_RD, stop_R = jax.lax.while_loop(cond, body, init)
     return cache, tokens_RD, lp_RDV, ok_RD, stop_R
