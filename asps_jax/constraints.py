@@ -382,6 +382,16 @@ def allowed(sampling, states) -> jax.Array:
     return (steps & ~is_eos) | (sampling.dfa_final[states][..., None] & is_eos)
 
 
+def allows(sampling, states, tokens) -> jax.Array:
+    """bool, elementwise: ``tokens`` is allowed in ``states`` (:func:`allowed` at one token each,
+    without the ``[..., V]`` table)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    eos = sampling.eos_ids.reshape((1,) * tokens.ndim + (-1,))
+    is_eos = jnp.any(tokens[..., None] == eos, axis=-1)
+    step = sampling.dfa_next[states, tokens] >= 0
+    return jnp.where(is_eos, sampling.dfa_final[states], step)
+
+
 def mask(sampling, history, logits_BXV, path_BXD, depth_BX):
     """The logits with every token outside each node's allowed set at ``-inf``, and whether each
     node's state allows nothing (bool[B, X]); ``(logits, None)`` when no row is constrained."""

@@ -670,6 +670,7 @@ def _lookup_draft(dec: Decoder, sampling, state) -> Drafts:
         num_chains=k,
         draft_len=n,
         vocab=dec.target_config.vocab_size,
+        sampling=sampling,
     )
     return _finish_drafts(
         dec,

@@ -7,9 +7,13 @@ searched for among the earlier text; the continuation of an occurrence (the toke
 continuation: candidates are taken from the most recent occurrence backwards, and a continuation
 equal, token for token over the whole window, to one taken before is skipped. A row with fewer
 than K distinct continuations gets chains of length 0, and a row with no occurrence drafts nothing
-that step (it emits the target's token).
+that step (it emits the target's token). A constrained row (regex / JSON schema) cuts every
+continuation before its first token the constraint forbids at its node (the DFA walked from the
+row's committed state along the continuation); an occurrence whose continuation is then empty is
+no match, so the next most recent one is taken.
 
-Each chain is a deterministic function of the committed text, so its law is a point mass: log-prob
+Each chain is a deterministic function of the committed text (and the row's committed
+constraint state, itself a function of that text), so its law is a point mass: log-prob
 0 at the chain's token, ``-inf`` elsewhere. Every verifier is exact for it (SpS accepts x with
 probability ``p(x)``, else draws from p with x removed), and for K chains each a point mass (the
 multi-draft schemes are exact for independent drafts with per-draft laws; deterministic drafts are
@@ -24,12 +28,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from asps_jax import constraints
 from asps_jax.logspace import NEG_INF
 
 DEFAULT_NGRAM = 3
 
 
-def row_candidates(text_H, length, *, ngram: int, cap, num_chains: int, draft_len: int):
+def row_candidates(
+    text_H, length, *, ngram: int, cap, num_chains: int, draft_len: int, allowed=None
+):
     """One row's lookup chains.
 
     Args:
@@ -38,6 +45,10 @@ def row_candidates(text_H, length, *, ngram: int, cap, num_chains: int, draft_le
       ngram: m >= 1 (static), the suffix length searched for.
       cap: int32[] (or int), the longest chain to draft (``lookup_max``), at most ``draft_len``.
       num_chains: K (static). draft_len: D (static).
+      allowed: None, or a function of the continuation windows int32[H, D] returning bool[H, D],
+        whether each window's token d is allowed after its first d tokens (the row's constraint,
+        :func:`constraint_filter`); a window is cut before its first token not allowed, and an
+        occurrence whose continuation is then empty is no match.
 
     Returns:
       ``(tokens int32[K, D], lengths int32[K])``: the K most recent distinct continuations of an
@@ -54,8 +65,12 @@ def row_candidates(text_H, length, *, ngram: int, cap, num_chains: int, draft_le
     # The continuation after j: text[j + 1 + d] for j + 1 + d < length and d < cap, else -1.
     at_HD = pos[:, None] + 1 + jnp.arange(draft_len)[None, :]
     inside_HD = (at_HD < length) & (jnp.arange(draft_len)[None, :] < cap)
+    if allowed is not None:  # cut before the first token the constraint forbids at its node
+        ok_HD = allowed(jnp.maximum(text_H[jnp.clip(at_HD, 0, width - 1)], 0))
+        inside_HD = inside_HD & (jnp.cumsum(~ok_HD, axis=1) == 0)
     windows_HD = jnp.where(inside_HD, text_H[jnp.clip(at_HD, 0, width - 1)], -1)
     lengths_H = jnp.sum(inside_HD, axis=1).astype(jnp.int32)
+    match_H = match_H & (lengths_H > 0)  # (always so without a constraint)
 
     def pick(avail_H, _):
         found = jnp.any(avail_H)
@@ -71,15 +86,58 @@ def row_candidates(text_H, length, *, ngram: int, cap, num_chains: int, draft_le
     return tokens_KD, lengths_K
 
 
-def lookup_drafts(history, *, ngram: int, cap: int, num_chains: int, draft_len: int, vocab: int):
+def constraint_filter(sampling, state):
+    """For a row whose committed constraint state is ``state`` (int32[]): the ``allowed``
+    function of :func:`row_candidates`, walking each window through the row's DFA from
+    ``state`` (a forbidden token leads to the sink, which allows nothing after it)."""
+
+    def allowed(windows_HD):
+        states_H = jnp.broadcast_to(state, windows_HD.shape[:1])
+        ok = []
+        for d in range(windows_HD.shape[1]):
+            ok.append(constraints.allows(sampling, states_H, windows_HD[:, d]))
+            states_H = constraints.advance(sampling, states_H, windows_HD[:, d])
+        return jnp.stack(ok, axis=1)
+
+    return allowed
+
+
+def lookup_drafts(
+    history,
+    *,
+    ngram: int,
+    cap: int,
+    num_chains: int,
+    draft_len: int,
+    vocab: int,
+    sampling=None,
+):
     """The lookup chains of every row: ``(tokens int32[B, K, D], logprobs float32[B, K, D, V],
     lengths int32[B, K])``; ``logprobs`` are the point-mass laws (0 at the token, -inf
-    elsewhere; at depths past a chain's length a point mass on token 0, never read)."""
-    tokens_BKD, lengths_BK = jax.vmap(
-        lambda text, length: row_candidates(
-            text, length, ngram=ngram, cap=cap, num_chains=num_chains, draft_len=draft_len
+    elsewhere; at depths past a chain's length a point mass on token 0, never read). With a
+    constrained ``sampling`` (:class:`~asps_jax.processors.SamplingParams`), each row's
+    candidates are cut before their first token its constraint forbids (:func:`row_candidates`).
+    """
+    constrained = sampling is not None and sampling.constrained
+    states_B = (
+        constraints.root_states(sampling, history)
+        if constrained
+        else jnp.zeros_like(history.length)
+    )
+
+    def row(text, length, state):
+        allowed = constraint_filter(sampling, state) if constrained else None
+        return row_candidates(
+            text,
+            length,
+            ngram=ngram,
+            cap=cap,
+            num_chains=num_chains,
+            draft_len=draft_len,
+            allowed=allowed,
         )
-    )(history.tokens, history.length)
+
+    tokens_BKD, lengths_BK = jax.vmap(row)(history.tokens, history.length, states_B)
     logprobs_BKDV = point_mass_laws(tokens_BKD, vocab)
     return tokens_BKD, logprobs_BKDV, lengths_BK
 

@@ -8,6 +8,7 @@ the masked tabular laws, transformers forwards masked and renormalised, Python's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -25,11 +26,12 @@ import tree_reference as ref
 from multidraft_laws import node_law
 from multidraft_reference import continuation_error, tree_law, without_replacement_weights
 from test_decode import PROMPT, VOCAB, _chi_square_pvalue, write_pair
+from test_lookup import _point_mass_model
 from test_verify_chain import code_outcome
 from test_verify_tree import enumerate_method
 
 import asps_jax
-from asps_jax import constraints, penalties, trees
+from asps_jax import constraints, lookup, penalties, trees
 from asps_jax.processors import SamplingParams
 from asps_jax.verify.registry import REGISTRY
 
@@ -219,8 +221,6 @@ def _char_tokenizer():
 
 @pytest.fixture(scope="module")
 def char_models(tmp_path_factory):
-    import dataclasses
-
     hf_target, target, draft = write_pair(tmp_path_factory.mktemp("ckpt"))
     tokenizer = _char_tokenizer()
     assert VOCAB == len(tokenizer) == 12
@@ -444,6 +444,32 @@ def test_bundled_pair_rows_match_their_regex_or_schema(bundled, method, shape):
     assert multi_char > 0
 
 
+LOOKUP_PROMPT = "Romeo loves Juliet. Juliet loves Romeo.\nRomeo loves Juliet. Juliet loves Romeo.\n"
+
+
+def test_bundled_lookup_rows_match_their_regex(bundled):
+    """draft="lookup" under a regex on the bundled target, with a prompt that quotes the
+    language's sentences, so that the lookup drafts (and its candidates that the regex forbids,
+    e.g. " Juliet" at the start or after the full stop, are cut): every row, also those composed
+    with a repetition penalty and a temperature, is a full match of the regex ending in EOS."""
+    target, _ = bundled
+    tok = target.tokenizer
+    rows = 6
+    out = asps_jax.sample(
+        target, "lookup", [tok.encode(LOOKUP_PROMPT)] * rows, key=jax.random.key(5),
+        max_new_tokens=24, method="asps", num_draft_tokens=4, lookup_ngram=2,
+        regex=BUNDLED_REGEX, repetition_penalty=[1.0] * 3 + [1.3] * 3,
+        temperature=[1.0] * 3 + [0.8] * 3,
+    )  # fmt: skip
+    eos = tok.eos_token_id
+    for b in range(rows):
+        ids = np.asarray(out.tokens[b, : out.lengths[b]]).tolist()
+        assert ids[-1] == eos and eos not in ids[:-1], (b, ids)
+        assert re.fullmatch(BUNDLED_REGEX, tok.decode(ids[:-1])), tok.decode(ids)
+    accepted = np.asarray(out.stats["accepted"])
+    assert np.all(np.asarray(out.stats["decisions"]) > 0) and accepted.sum() >= rows, accepted
+
+
 def _cli():
     import importlib.util
     from pathlib import Path
@@ -491,3 +517,111 @@ def test_stream_takes_the_constraint(char_models):
         ids = np.asarray(out.tokens[b, : out.lengths[b]]).tolist()
         assert ids == streamed[b] and ids[-1] == 0
         assert re.fullmatch(R2, _text(ids)), ids
+
+
+# --- Prompt lookup under a constraint (draft="lookup"; asps_jax/lookup.py) --------------------
+
+LOOKUP_TEXT = 6  # every committed text of 6 tokens over V4
+
+
+def _reference_lookup(text, state, ngram, num_chains):
+    """Pure Python: the K most recent distinct continuations (at most N tokens, never past the
+    root) of an earlier occurrence of the last ``ngram`` tokens, each cut before its first token
+    the hand DFA forbids from ``state`` (None: no constraint); an empty continuation is no
+    match."""
+    out, last = [], len(text) - 1
+    for j in range(last - 1, ngram - 2, -1):
+        if text[j - ngram + 1 : j + 1] != text[last - ngram + 1 :]:
+            continue
+        chain, s = [], state
+        for x in text[j + 1 : j + 1 + N]:
+            if state is not None and (s is None or x not in HAND_DFA[s]):
+                break
+            chain.append(x)
+            s = HAND_DFA[s].get(x) if state is not None else None
+        if chain and chain not in out:
+            out.append(chain)
+    return (out + [[]] * num_chains)[:num_chains]
+
+
+@functools.lru_cache
+def _lookup_chains(ngram, num_chains):
+    """The library's lookup chains (asps_jax.lookup.lookup_drafts with the hand DFA) of every
+    committed text of LOOKUP_TEXT tokens, from each committed DFA state, in one call: a dict
+    (text, state) -> list of K chains."""
+    texts = tab.all_strings(V4, LOOKUP_TEXT)
+    rows = [(t, s) for t in texts for s in HAND_DFA]
+    prompts = jnp.asarray(np.stack([t for t, _ in rows]), jnp.int32)
+    history = penalties.History.init(prompts, jnp.full(len(rows), LOOKUP_TEXT), V4, 1)
+    # The committed state as a global id of the stacked table (the hand DFA starts at FIRST).
+    dfa = jnp.asarray([s + constraints.FIRST for _, s in rows], jnp.int32)
+    history = dataclasses.replace(history, dfa=dfa)
+    draft = jax.jit(
+        functools.partial(
+            lookup.lookup_drafts, ngram=ngram, cap=N, num_chains=num_chains, draft_len=N, vocab=V4
+        )
+    )
+    tokens, laws, lengths = draft(history, sampling=_hand_tables().repeat(len(rows)))
+    tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+    assert np.all(np.asarray(laws)[..., 0, :].max(-1) == 0.0)  # point masses
+    return {
+        (tuple(t), s): [tokens[i, k, : lengths[i, k]].tolist() for k in range(num_chains)]
+        for i, (t, s) in enumerate(rows)
+    }
+
+
+@pytest.mark.parametrize("ngram, num_chains", [(1, 1), (2, 2)])
+def test_lookup_cuts_candidates_the_constraint_forbids(ngram, num_chains):
+    """Every committed text of 6 tokens from every DFA state: the library's chains are the
+    reference search's, each cut before the first token the constraint forbids at its node (an
+    occurrence whose continuation starts with a forbidden token is no match). Some candidate
+    was cut, and some text has a match only further back because of a cut."""
+    got = _lookup_chains(ngram, num_chains)
+    cut = skipped = 0
+    for (text, state), chains in got.items():
+        assert chains == _reference_lookup(list(text), state, ngram, num_chains), (text, state)
+        free = _reference_lookup(list(text), None, ngram, num_chains)[0]
+        cut += 0 < len(chains[0]) < len(free) and chains[0] == free[: len(chains[0])]
+        skipped += bool(chains[0]) and chains[0][0] != free[0]
+    assert cut > 0 and skipped > 0
+
+
+@pytest.mark.parametrize("method", ["sps", "asps", "specinfer"])
+def test_lookup_under_a_constraint_is_exact_by_enumeration(masked_models, method):
+    """Every distinct lookup chain (or pair of chains, K = 2 for specinfer) the library drafts
+    from the start state: the step's outcome law on the target masked per node by the library,
+    continued by the reference's masked target, is the constrained AR law (NumPy float64), so
+    no string outside the constraint has mass."""
+    target, _, ref_target, _ = masked_models
+    want = _constrained_ar_law(ref_target)
+    num_chains = 2 if method == "specinfer" else 1
+    ngram = 2 if num_chains == 2 else 1
+    found = {
+        tuple(map(tuple, chains))
+        for (_, state), chains in _lookup_chains(ngram, num_chains).items()
+        if state == 0
+    }
+    assert len(found) >= 4 and any(len(c) == 1 for chains in found for c in chains)
+    # And the uncut chains (a point mass on a token the constraint forbids, as a logit_bias ban
+    # still leaves it): rejected with certainty, no NaN, no string outside the constraint.
+    uncut = {
+        tuple(map(tuple, _reference_lookup(list(text), None, ngram, num_chains)))
+        for text in tab.all_strings(V4, 4)
+    }
+    assert any(_state(c) is None for chains in uncut for c in chains)
+    found |= uncut
+    for chains in sorted(found):
+        if num_chains == 2:
+            padded = [list(c) + [0] * (N - len(c)) for c in chains]
+            drafts = [_point_mass_model(c, V4) for c in padded]
+            lengths = [len(c) for c in chains]
+            law, _ = tree_law(node_law("specinfer", V4), target, drafts, N, lengths, tail=True)
+            assert continuation_error(law, ref_target, N) < 1e-9, chains
+            continue
+        length = len(chains[0])
+        x = np.asarray([list(chains[0]) + [0] * (N - length)])
+        p_rows = tab.rows_along(target, x, N + 1)
+        stop, full = code_outcome(method, x, np.eye(V4)[x], p_rows, length)
+        emitted = tab.emitted_law(stop, full, np.ones(1), x, p_rows[:, length], length)
+        got = tab.continue_with_target(emitted, ref_target)
+        np.testing.assert_allclose(got, want, atol=1e-10, err_msg=str(chains))
