@@ -61,6 +61,7 @@ if __name__ == "__main__":  # as early as possible: the imports below take a whi
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -509,7 +510,7 @@ def _summary(session, out, args, compile_s, run_s, load_s) -> dict:
     calls = stats["target_calls"]
     per_step = lengths / np.maximum(calls, 1)
     mean_l, stderr_l, _ = histogram_mean_stderr(stats["emitted_hist"])
-    return {
+    summary = {
         "method": args.method,
         "num_draft_tokens": session.spec.num_draft_tokens if args.method != "ar" else 0,
         "num_drafts": session.spec.num_drafts if args.method != "ar" else 0,
@@ -526,6 +527,9 @@ def _summary(session, out, args, compile_s, run_s, load_s) -> dict:
         "run_seconds": round(run_s, 3),
         "tokens_per_second": float(lengths.sum() / run_s) if run_s > 0 else float("nan"),
     }
+    if getattr(session, "calibration", None) is not None:  # --num-draft-tokens auto
+        summary["calibration"] = dataclasses.asdict(session.calibration)
+    return summary
 
 
 def _print_summary(s: dict, stream) -> None:

@@ -174,3 +174,21 @@ def test_branching_tree_run(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["num_draft_tokens"] == 3 and result["num_drafts"] == 6
     assert len(result["tokens"][0]) == 12 and 1.0 <= result["tokens_per_step"] <= 4.0
+
+
+def test_num_draft_tokens_auto_prints_and_reports_the_choice(capsys):
+    """--num-draft-tokens auto with the cheapest real calibration (a lookup draft of chains of at
+    most 1 token: an "ar" run and the lookup run at n = 1 are measured, and the run itself reuses
+    the calibration's compiled step): the choice is printed on stderr, is the run's n in --json,
+    and the calibration is there too."""
+    prompt = "ROMEO: But soft, what light. ROMEO: But soft, what light. ROMEO: But soft"
+    argv = ["--draft", "lookup", "--lookup-max", "1", "--num-draft-tokens", "auto"]
+    assert cli.main(argv + ["--prompt", prompt, "--max-new-tokens", "4", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["num_draft_tokens"] == 1 and result["new_tokens"] == 4
+    assert "[num_draft_tokens=auto chose n=1: " in captured.err
+    calibration = result["calibration"]
+    assert calibration["num_draft_tokens"] == 1 and calibration["cost_ratio"] >= 0
+    assert len(calibration["tokens_per_step"]) == len(calibration["step_seconds"]) == 2
+    assert all(s > 0 for s in calibration["step_seconds"])
