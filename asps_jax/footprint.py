@@ -9,7 +9,9 @@ The parts, for ``B`` rows (padded to the batch bucket), ``S`` cache slots, ``N``
 (``1 + K*n`` for K chains of n tokens, ``1 + w_1 + w_1 w_2 + ...`` for a branching tree), ``R``
 draft replicas (``B*K``, or ``B*prod(widths)`` for a tree), depth ``D``, vocabulary ``V``:
 
-* ``kv caches``: the target's ``B`` rows and the draft's ``R`` replicas, ``S`` slots each;
+* ``kv caches``: the target's ``B`` rows and the draft's ``R`` replicas, ``S`` slots each (a
+  self-draft that shares the target's cache, ``draft="self:L"``: no draft cache, the target's
+  ``n*K`` scratch slots more per row instead; a prompt lookup: no draft cache);
 * ``tree tables``: the static tree built on the host at trace time (parents, root paths, the
   ``bool[N, N]`` ancestor table, its copies as constants of the compiled program);
 * ``tree masks``: everything on device that grows with ``N**2`` per row: the merged tree's
@@ -19,7 +21,10 @@ draft replicas (``B*K``, or ``B*prod(widths)`` for a tree), depth ``D``, vocabul
   copies), the layer activations and the new keys / values of every node;
 * ``step laws``: the target's ``[B, N, V]`` logits and processed laws, the draft rollout's
   per-depth laws ``[R, D, V]``, the verifier's per-row ``[N, V]`` work buffers;
-* ``draft rollout``: the draft forwards over the ``R`` replicas (and the prompt prefill);
+* ``draft rollout``: the draft forwards over the ``R`` replicas (and the prompt prefill; a
+  shared self-draft: ``K`` queries per row over the target cache, no prefill); a prompt lookup:
+  its search, ``[H, n]`` window tables per row over the ``H`` tokens of the row's text, and its
+  point-mass laws ``[B, K, n, V]``;
 * ``selection``: the level race of ``is`` / ``optimal`` / ``is_bv`` (``[W, W, levels, W/2]``
   per node for W drafts or walkers), or ``is_bv``'s ``alive="count"`` tables (``[W, N, N]``);
 * ``outputs``: the emitted tokens and their log-probabilities. :func:`check` adds the weights.
@@ -96,6 +101,8 @@ def estimate(
     target_itemsize: int = 4,
     draft_itemsize: int = 4,
     num_prompts: int | None = None,
+    drafter: str = "model",
+    shared_draft_cache: bool = False,
 ) -> dict[str, int]:
     """Bytes per part (see the module docstring) of one sampling call, from its shapes alone.
 
@@ -103,7 +110,9 @@ def estimate(
     of slots (the rows of the caches and of every per-step buffer), and the prompt set and its
     per-prompt outputs, ``num_prompts`` rows each, are on device too.
 
-    ``draft_config`` is None for ``method="ar"``; ``widths`` a branching tree (tree methods);
+    ``draft_config`` is None for ``method="ar"`` and for ``drafter="lookup"`` (prompt lookup,
+    no draft model); ``shared_draft_cache``: a self-draft reading the target's cache
+    (``decode.Decoder.share_draft_cache``); ``widths`` a branching tree (tree methods);
     ``options`` the method options (``levels``, ``alive``, ``rule`` change the selection's size).
     Weights are not included (the caller knows them).
     """
@@ -113,14 +122,17 @@ def estimate(
     t = _model(target_config)
     vocab = t["vocab"]
     prompt = _round_up(prompt_len, _PROMPT_BUCKET)
-    if draft_config is None or method == "ar":
+    lookup = drafter == "lookup" and method != "ar"
+    shared = shared_draft_cache and draft_config is not None and method != "ar"
+    if method == "ar" or (draft_config is None and not lookup):
         n = k = 1
         nodes, replicas, walkers, depth = 1, 0, 1, 0
     else:
         n, k = num_draft_tokens, num_drafts
         nodes, replicas, walkers = tree_shape(k, n, widths)
         depth = len(widths) if widths else n
-    slots = _round_up(prompt + max_new_tokens + n + 2, _CACHE_BUCKET)
+    scratch = n * k if shared else 0  # a shared self-draft's rollout slots (sampler._decoder)
+    slots = _round_up(prompt + max_new_tokens + n + 2 + scratch, _CACHE_BUCKET)
     draft_rows = rows * replicas
     parts = {
         "kv caches": rows * slots * t["kv_slot"] * target_itemsize,
@@ -142,14 +154,25 @@ def estimate(
         "selection": 0,
     }
     laws = 4 * _F32 * rows * nodes * vocab  # target logits, processed laws, usable flags
-    if draft_config is not None and method != "ar":
+    if lookup:
+        # The search: per row, the [H, n] windows, their positions, cuts and DFA states, one
+        # [H, n] comparison per chain taken; the point-mass laws [B, K, n, V] (and the ids).
+        history = prompt + max_new_tokens + n + 1
+        parts["draft rollout"] = rows * history * n * (6 * _F32 + 2 * k)
+        laws += 2 * _F32 * rows * k * n * vocab
+    elif draft_config is not None and method != "ar":
         d = _model(draft_config)
-        parts["kv caches"] += draft_rows * slots * d["kv_slot"] * draft_itemsize
-        parts["draft rollout"] = max(
-            _forward(d, draft_rows, 1, slots, draft_itemsize) + 3 * _F32 * draft_rows * vocab,
-            _forward(d, draft_rows, prompt, slots, draft_itemsize),
-        )
+        step_laws = 3 * _F32 * draft_rows * vocab  # one depth's logits and laws
+        if shared:  # K queries per row over the target cache's first layers; no prefill
+            parts["draft rollout"] = _forward(d, rows, k, slots, draft_itemsize) + step_laws
+        else:
+            parts["kv caches"] += draft_rows * slots * d["kv_slot"] * draft_itemsize
+            parts["draft rollout"] = max(
+                _forward(d, draft_rows, 1, slots, draft_itemsize) + step_laws,
+                _forward(d, draft_rows, prompt, slots, draft_itemsize),
+            )
         laws += 3 * _F32 * draft_rows * depth * vocab  # stacked per depth, transposed, gathered
+    if lookup or (draft_config is not None and method != "ar"):
         # Host: the parents as Python ints, root paths, the [N, N] ancestor tables (the chain
         # table and the token tree's, and their copies as constants of the compiled program).
         parts["tree tables"] = nodes * (2 * _PY_OBJECT + _F32 * (depth + 1)) + 4 * nodes**2
@@ -248,7 +271,9 @@ def check(
     detail = ", ".join(f"{name} {_gib(parts[name])}" for name in biggest)
     nodes, replicas, _ = tree_shape(shape["num_drafts"], shape["num_draft_tokens"], shape["widths"])
     what = f"{shape['batch']} rows"
-    if draft_config is not None and shape["method"] != "ar":
+    if shape["method"] != "ar" and shape.get("drafter") == "lookup":
+        what += f", {nodes} tree nodes"
+    elif draft_config is not None and shape["method"] != "ar":
         what += f", {nodes} tree nodes, {replicas} draft replicas per row"
     raise ValueError(
         f"this call needs about {_gib(need)} ({what}; {detail}) but the device has "

@@ -546,12 +546,17 @@ def check_memory(
     widths=(),
     options=None,
     num_prompts=None,
+    drafter="model",
 ) -> dict[str, int]:
     """Refuse, before anything is built or allocated, a call that cannot fit the device(s): the
     estimate of :func:`asps_jax.footprint.estimate` from the shapes alone (caches, draft
     replicas, the tree and its ``N x N`` masks, laws, verification buffers) plus the weights,
     against the devices' memory. A one-line ``ValueError`` names the argument to lower; returns
-    the estimate's parts (bytes) otherwise."""
+    the estimate's parts (bytes) otherwise. ``draft``: a draft model, None, or a drafter's name
+    (``"lookup"``, ``"self:L"``); ``drafter="lookup"`` with ``draft=None`` is a prompt lookup."""
+    if isinstance(draft, str):
+        drafter, draft = parse_draft(target, draft)
+    shared = isinstance(draft, selfdraft.SelfDraft) and selfdraft.can_share_cache(draft.config)
     dtypes = [jax.tree.leaves(m.params)[0].dtype for m in (target, draft) if m is not None]
     own_weights = None if isinstance(draft, selfdraft.SelfDraft) else draft  # a self-draft's: views
     return footprint.check(
@@ -570,6 +575,8 @@ def check_memory(
         target_itemsize=np.dtype(dtypes[0]).itemsize,
         draft_itemsize=np.dtype(dtypes[-1]).itemsize,
         num_prompts=num_prompts,
+        drafter=drafter,
+        shared_draft_cache=shared,
     )
 
 
@@ -756,6 +763,7 @@ def _check_fits(
         method=spec.method,
         widths=spec.widths,
         options=options,
+        drafter=spec.drafter,
     )
     _check_tree_options(spec.method, spec.num_drafts, spec.num_draft_tokens, options, spec.widths)
 

@@ -609,7 +609,7 @@ def _check_sizes(args, target, draft, encoded, mesh) -> None:
             )
     check_memory(
         target,
-        None if isinstance(draft, str) else draft,
+        draft,  # a model, None, or a drafter's name ("lookup", "self:L")
         batch=args.batch_size,
         prompt_len=max(len(e) for e in encoded),
         max_new_tokens=args.max_new_tokens,

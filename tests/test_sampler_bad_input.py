@@ -149,6 +149,70 @@ def test_size_estimate_counts_the_caches_and_the_tree():
     assert footprint.tree_shape(0, 0, (1000, 1000, 1000)) == (1001001001, 10**9, 10**9)
 
 
+class _Llama7B:
+    num_hidden_layers, num_key_value_heads, head_dim, vocab_size = 32, 32, 128, 32000
+    num_attention_heads, hidden_size, intermediate_size = 32, 4096, 11008
+
+
+class _Llama7BFirst2(_Llama7B):  # draft="self:2"
+    num_hidden_layers = 2
+
+
+def test_size_estimate_counts_what_a_lookup_allocates():
+    """A prompt lookup (no draft model) scores a tree of 1 + K*n nodes and keeps its laws: not the
+    AR estimate it used to be given. K = 4 chains of n = 8: 33 nodes of V = 32000 laws."""
+    common = dict(batch=8, prompt_len=10, max_new_tokens=28, target_itemsize=2)
+    ar = footprint.estimate(_Llama7B, None, method="ar", num_draft_tokens=1, num_drafts=1, **common)
+    lookup = footprint.estimate(
+        _Llama7B, None, method="specinfer", drafter="lookup", num_draft_tokens=8, num_drafts=4,
+        **common,
+    )  # fmt: skip
+    nodes = 1 + 4 * 8
+    # Target logits and laws of every node, the draft laws by node, the point masses [B, K, n, V].
+    assert lookup["step laws"] >= 4 * 8 * (5 * nodes + 2 * 4 * 8) * 32000
+    assert lookup["target forward"] > ar["target forward"]  # 33 queries, not a 16-token prompt
+    assert lookup["tree masks"] >= 8 * nodes**2 and lookup["draft rollout"] > 0
+    # The same cache (16 + 28 + 8 + 2 = 54 slots -> 64; AR: 47 -> 64): no draft cache.
+    assert lookup["kv caches"] == ar["kv caches"] == 8 * 64 * 2 * 32 * 32 * 128 * 2
+    assert sum(lookup.values()) > sum(ar.values()) + 4 * 8 * nodes * 32000 * 4
+
+
+def test_size_estimate_of_a_shared_self_draft_counts_scratch_not_a_cache():
+    """draft="self:2" reading the target's cache: no draft cache of its own, the target's cache
+    n*K slots longer (the rollout's scratch); a self-draft that keeps its own cache (a sliding
+    window among its layers) counts the draft cache of B*K replicas."""
+    common = dict(
+        method="specinfer", batch=1, prompt_len=1000, max_new_tokens=30, num_draft_tokens=8,
+        num_drafts=4, target_itemsize=2, draft_itemsize=2,
+    )  # fmt: skip
+    shared = footprint.estimate(_Llama7B, _Llama7BFirst2, shared_draft_cache=True, **common)
+    own = footprint.estimate(_Llama7B, _Llama7BFirst2, **common)
+    slot = 2 * 32 * 32 * 128 * 2  # bytes per slot of the target (k, v; layers, heads, dims)
+    # 1000 -> 1008 prompt + 30 + 8 + 2 = 1048 (+ 32 scratch = 1080) -> 1088 slots either way.
+    assert shared["kv caches"] == 1088 * slot
+    assert own["kv caches"] == 1088 * slot + 4 * 1088 * slot // 16  # 4 replicas of 2 layers
+    assert shared["draft rollout"] < own["draft rollout"]  # no prefill of the draft
+    assert sum(shared.values()) < sum(own.values())
+
+
+def test_check_memory_reads_the_drafter(pair, monkeypatch):
+    """check_memory (what sample and the CLI call) passes the drafter on: "lookup" is estimated
+    as a lookup, not as AR; "self:1" of a target whose layers can share the cache counts no draft
+    cache, and one that cannot (as with a sliding window) counts one."""
+    target, _ = pair
+    shape = dict(batch=1, prompt_len=3, max_new_tokens=4, num_draft_tokens=4, num_drafts=2)
+    ar = sampler.check_memory(target, None, **{**shape, "num_drafts": 1}, method="ar")
+    lookup = sampler.check_memory(target, "lookup", **shape, method="specinfer")
+    assert lookup == sampler.check_memory(
+        target, None, **shape, method="specinfer", drafter="lookup"
+    )
+    assert lookup["step laws"] > ar["step laws"] and lookup["kv caches"] == ar["kv caches"]
+    shared = sampler.check_memory(target, "self:1", **shape, method="specinfer")
+    monkeypatch.setattr(sampler.selfdraft, "can_share_cache", lambda config: False)
+    own = sampler.check_memory(target, "self:1", **shape, method="specinfer")
+    assert shared["kv caches"] < own["kv caches"]
+
+
 def _never_built(*_):
     raise AssertionError("the tree was built before the size check")
 
@@ -196,12 +260,14 @@ draft = asps_jax.load_model("tinyshakespeare-draft")
 out = []
 for shape in json.loads(sys.argv[1]):
     prompts = [[1] * 5] * shape.pop("batch")
+    drafter = shape.pop("draft", draft)  # the draft model, or a drafter's name ("lookup")
     session = asps_jax.Session(
-        target, draft, prompts, key=jax.random.key(0), max_new_tokens=4, eos_token_id=-1, **shape
+        target, drafter, prompts, key=jax.random.key(0), max_new_tokens=4, eos_token_id=-1,
+        **shape
     )
     spec = session.spec
     parts = sampler.check_memory(
-        target, draft, batch=len(prompts), prompt_len=5, max_new_tokens=4,
+        target, drafter, batch=len(prompts), prompt_len=5, max_new_tokens=4,
         num_draft_tokens=spec.num_draft_tokens, num_drafts=spec.num_drafts,
         method=spec.method, widths=spec.widths,
     )
@@ -224,7 +290,7 @@ print(json.dumps(out))
 def test_size_estimate_bounds_the_measured_peak():
     """The estimate is an upper bound of the peak memory of real steps, within a factor 4: a
     branching tree drawn without replacement and a chain, at batch sizes where the buffers
-    dominate (the bundled pair, V = 2048)."""
+    dominate (the bundled pair, V = 2048). A shape may name a drafter (``draft="lookup"``)."""
     shapes = [
         dict(method="tv", tree=[4, 2], batch=128),
         dict(method="asps", num_draft_tokens=4, batch=512),
