@@ -14,6 +14,7 @@ import itertools
 import json
 import re
 
+import controls_reference as controls_ref
 import jax
 import jax.numpy as jnp
 import jsonschema
@@ -197,6 +198,84 @@ def test_enumeration_detects_a_law_left_unmasked(masked_models):
     emitted = tab.emitted_law(stop, full, weight, d, p_rows[:, N], N)
     got = tab.continue_with_target(emitted, ref_target)
     assert np.max(np.abs(got - _constrained_ar_law(ref_target))) > 1e-3
+
+
+REP, TEMP = 1.7, 0.8  # a repetition penalty and a temperature composed with the constraint
+
+
+def _reference_controlled(raw, text):
+    """NumPy float64 (controls_reference): the target laws of depth N + 1 below the root after
+    the committed ``text``, each masked to the hand DFA's allowed set along its path, then the
+    repetition penalty over ``text`` + the path, then the temperature (an unreachable prefix's
+    law is left raw)."""
+    out = []
+    for law in raw:
+        law = law.copy()
+        for prefix in np.ndindex(*law.shape[:-1]):
+            state = _state(prefix)
+            if state is None:
+                continue
+            keep = np.isin(np.arange(V4), list(HAND_DFA[state]))
+            logits = np.where(keep, np.log(law[prefix]), -np.inf)
+            law[prefix] = controls_ref.law(
+                logits, list(text) + list(prefix), len(prefix),
+                dict(repetition_penalty=REP), dict(temperature=TEMP),
+            )  # fmt: skip
+        out.append(law)
+    return out
+
+
+def test_lookup_with_a_constraint_and_a_penalty_is_exact_by_enumeration(masked_models):
+    """Lookup, the hand DFA, a repetition penalty and a temperature together: for committed
+    texts whose chains differ (some cut by the constraint), the library's per-node laws
+    (penalties.process, every node of every text in one call) equal the NumPy reference's, and
+    SpS / ASpS with the library's lookup chain on those laws give the constrained, penalised AR
+    law (float64 enumeration)."""
+    raw = masked_models[3]
+    chosen = {}
+    for (text, state), (chain,) in sorted(_lookup_chains(1, 1).items()):
+        if state == 0 and tuple(chain) not in chosen:
+            chosen[tuple(chain)] = text
+    texts = list(chosen.values())[:8]
+    assert len(texts) >= 5 and any(len(c) < N for c in chosen)
+    # The library's processing of every node (a prefix of depth 0..N) after every text.
+    prefixes = [p for i in range(N + 1) for p in np.ndindex(*(V4,) * i)]
+    rows = [(t, p) for t in texts for p in prefixes]
+    path = np.zeros((len(rows), 1, N + 1), np.int32)
+    for r, (_, p) in enumerate(rows):
+        path[r, 0, : len(p)] = p
+    depth = np.array([[len(p)] for _, p in rows])
+    logits = np.stack([np.log(raw[len(p)][p]) for _, p in rows])[:, None].astype(np.float32)
+    history = penalties.History.init(
+        jnp.asarray([t for t, _ in rows], jnp.int32), jnp.full(len(rows), LOOKUP_TEXT), V4, N + 1
+    )
+    sampling = dataclasses.replace(
+        _hand_tables().repeat(len(rows)),
+        repetition_penalty=jnp.full(len(rows), REP, jnp.float32),
+        temperature=jnp.full(len(rows), TEMP, jnp.float32),
+    )
+    lp, ok = _process(
+        sampling, history, jnp.asarray(logits), jnp.asarray(path), jnp.asarray(depth), False
+    )
+    assert bool(jnp.all(ok))
+    got_laws = np.exp(np.asarray(lp[:, 0], np.float64))
+    for i, text in enumerate(texts):
+        target = _reference_controlled(raw, text)
+        for j, p in enumerate(prefixes):
+            if _state(p) is not None:
+                np.testing.assert_allclose(
+                    got_laws[i * len(prefixes) + j], target[len(p)][p], atol=2e-6
+                )
+        want = tab.joint(target, N + 1)
+        assert want[~_reachable((V4,) * (N + 1) + (1,)).reshape(-1)].sum() == 0
+        (chain,) = _lookup_chains(1, 1)[(text, 0)]
+        x = np.asarray([chain + [0] * (N - len(chain))])
+        p_rows = tab.rows_along(target, x, N + 1)
+        for method in ("sps", "asps"):
+            stop, full = code_outcome(method, x, np.eye(V4)[x], p_rows, len(chain))
+            emitted = tab.emitted_law(stop, full, np.ones(1), x, p_rows[:, len(chain)], len(chain))
+            got = tab.continue_with_target(emitted, target)
+            np.testing.assert_allclose(got, want, atol=1e-10, err_msg=f"{method} {text}")
 
 
 # --- End to end on a tiny Llama (transformers) with a character tokenizer ----------------------
