@@ -1032,20 +1032,37 @@ def _finish(
     width: int | None = None,
 ) -> SampleOutput:
     width = spec.max_new_tokens if width is None else width
+    # Several processes: every process gets every row (on its first device).
+    whole = sharding.to_local(
+        dict(
+            tokens=state.tokens,
+            lengths=state.num_generated,
+            logprobs=state.logprobs if return_logprobs else None,
+            top_logprobs=state.top_logprobs if return_logprobs else None,
+            stats=summarize_stats(state, batch),
+        ),
+        mesh,
+    )
+
+    def cut(a):
+        """The first ``batch`` rows and ``width`` columns, cut on the host: a cut on device is
+        one XLA program per width, so every new ``max_new_tokens`` would compile one (and so
+        would ``jnp.asarray``; ``device_put`` only copies)."""
+        return jax.device_put(np.asarray(a)[:batch, :width])
+
     top = None
     if return_logprobs and state.top_logprobs[0].shape[-1]:
-        emitted = (jnp.arange(width)[None, :] < state.num_generated[:batch, None])[..., None]
-        ids, lps = (a[:batch, :width] for a in state.top_logprobs)
-        top = (jnp.where(emitted, ids, -1), jnp.where(emitted, lps, 0.0))
-    fields = dict(
-        tokens=state.tokens[:batch, :width],
-        lengths=state.num_generated[:batch],
-        stats=summarize_stats(state, batch),
-        logprobs=state.logprobs[:batch, :width] if return_logprobs else None,
+        lengths = np.asarray(whole["lengths"])[:batch]
+        emitted = (np.arange(width)[None, :] < lengths[:, None])[..., None]
+        ids, lps = (np.asarray(a)[:batch, :width] for a in whole["top_logprobs"])
+        top = jax.device_put((np.where(emitted, ids, -1), np.where(emitted, lps, 0.0)))
+    out = SampleOutput(
+        tokens=cut(whole["tokens"]),
+        lengths=jax.device_put(np.asarray(whole["lengths"])[:batch]),
+        stats=whole["stats"],
+        logprobs=cut(whole["logprobs"]) if return_logprobs else None,
         top_logprobs=top,
     )
-    # Several processes: every process gets every row (on its first device).
-    out = SampleOutput(**sharding.to_local(fields, mesh))
     failed_at = np.asarray(out.stats["failed_at"])
     rows = np.flatnonzero(failed_at >= 0).tolist()
     if rows:
