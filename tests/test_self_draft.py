@@ -365,10 +365,9 @@ def test_shared_feed_on_a_stacked_cache_equals_a_per_layer_one():
     stacked = kv_cache.KVCache(k=k, v=v, lengths=lengths)
     per_layer = kv_cache.KVCache(k=tuple(k), v=tuple(v), lengths=lengths)
     tokens = jnp.array([1, 2, 3, 4], jnp.int32)  # B = 2 rows x K = 2 chains
-    out = [
-        selfdraft.shared_feed(draft.forward, draft.params, c, tokens, 1, 2, False)
-        for c in (stacked, per_layer)
-    ]
+    # Jitted (one program per cache layout) rather than op by op: CI time.
+    feed = jax.jit(lambda p, c, t: selfdraft.shared_feed(draft.forward, p, c, t, 1, 2, False))
+    out = [feed(draft.params, c, tokens) for c in (stacked, per_layer)]
     np.testing.assert_allclose(out[0][0], out[1][0], atol=1e-6)
     np.testing.assert_allclose(out[0][1].k, jnp.stack(out[1][1].k), atol=0)
     np.testing.assert_allclose(out[0][1].k[2], k[2], atol=0)

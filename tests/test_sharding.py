@@ -48,7 +48,10 @@ CLI_ARGS += ["--stop", "e", "--json"]
 
 
 def sample_kwargs(method: str) -> dict:
-    """Temperature 1 (and a per-row top-p): the test exercises sampling, not only argmax."""
+    """Temperature 1 (and a per-row top-p): the test exercises sampling, not only argmax. With
+    diagnostics, as every call of test_decode.py: the one-device reference is then the very
+    program of its greedy test on these prompts (temperature and top-p are per-row arrays), one
+    compile for both files (and test_multihost.py) in a full run."""
     return dict(
         key=jax.random.key(11),
         max_new_tokens=6,
@@ -58,6 +61,7 @@ def sample_kwargs(method: str) -> dict:
         temperature=1.0,
         top_p=[1.0, 0.95, 1.0],
         eos_token_id=-1,
+        diagnostics=True,
     )
 
 
