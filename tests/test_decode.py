@@ -1,10 +1,13 @@
 """End-to-end tests of asps_jax.sample on tiny random Llama checkpoints written by transformers.
 
 Expected values come from transformers (PyTorch): the exact law of the first two tokens, and greedy
-decoding. One compile per method is shared by every test (same static shapes: n = 2, M = 6).
+decoding. Tests share compiled loops: per method one for the 20,000-row law runs (which also carry
+the greedy rows where no other test compiles the method's 8-row loop) and one for 8 rows.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -103,27 +106,69 @@ SETTINGS = [
 ]
 
 
-def _sample_law(target, draft, method, eos_token_id=-1, seed=100, **kw):
-    """ROWS rows per setting in one call: the sampling parameters are per row (no recompile)."""
+# The greedy rows of every law run (temperature 0, each prompt at draft temperature 0 and 1):
+# the greedy tests read them from the law run's compiled loop instead of compiling their own.
+GREEDY_PROMPTS = [PROMPT, [4, 7, 9, 1, 0, 11, 6], [2]]
+GREEDY_DRAFT_TEMPERATURES = (0.0, 1.0)
+LAW_ROWS = ROWS * len(SETTINGS)
+
+
+def _rows(out, stop, start=0):
+    """Rows ``start:stop`` of a sample output (tokens, lengths and the per-row statistics)."""
+    return dataclasses.replace(
+        out,
+        tokens=out.tokens[start:stop],
+        lengths=out.lengths[start:stop],
+        stats={name: value[start:stop] for name, value in out.stats.items()},
+    )
+
+
+def _sample_law(target, draft, method, eos_token_id=-1, seed=100, greedy=False, **kw):
+    """ROWS rows per setting in one call: the sampling parameters are per row (no recompile).
+    Then the greedy rows (``GREEDY_PROMPTS`` at each of ``GREEDY_DRAFT_TEMPERATURES``), in
+    every law run so that all of them share one batch shape: with ``greedy=True`` they get the
+    budget MAX_NEW (``max_new_tokens`` is a traced per-row budget), else 1 (they end in the
+    first step and never lengthen the loop). Returns the law rows' output and the greedy rows'
+    tokens (int [len(GREEDY_DRAFT_TEMPERATURES), len(GREEDY_PROMPTS), MAX_NEW] with
+    ``greedy=True``, else None)."""
+    budget = kw.pop("max_new_tokens", MAX_NEW)
     per_row = {
         name: np.repeat([setting[name] for setting in SETTINGS], ROWS) for name in SETTINGS[0]
     }
-    return _sample(
+    extra = len(GREEDY_PROMPTS) * len(GREEDY_DRAFT_TEMPERATURES)
+    greedy_rows = dict(
+        temperature=np.zeros(extra),
+        top_k=np.zeros(extra, int),
+        top_p=np.ones(extra),
+        draft_temperature=np.repeat(GREEDY_DRAFT_TEMPERATURES, len(GREEDY_PROMPTS)),
+    )
+    per_row = {name: np.concatenate([per_row[name], greedy_rows[name]]) for name in per_row}
+    budgets = [budget] * LAW_ROWS + [MAX_NEW if greedy else 1] * extra
+    out = _sample(
         target,
         draft,
-        [PROMPT] * (ROWS * len(SETTINGS)),
+        [PROMPT] * LAW_ROWS + GREEDY_PROMPTS * len(GREEDY_DRAFT_TEMPERATURES),
         method,
         key=jax.random.key(seed),
         eos_token_id=eos_token_id,
+        max_new_tokens=budgets,
         **per_row,
         **kw,
     )
+    tokens = None
+    if greedy:
+        tokens = np.asarray(out.tokens[LAW_ROWS:, :MAX_NEW])
+        tokens = tokens.reshape(len(GREEDY_DRAFT_TEMPERATURES), len(GREEDY_PROMPTS), MAX_NEW)
+    # The law rows as if run alone: their own width (the budget), their statistics.
+    law = _rows(out, LAW_ROWS)
+    return dataclasses.replace(law, tokens=law.tokens[:, :budget]), tokens
 
 
 @pytest.fixture(scope="module")
 def law_run(pair):
     """``_sample_law`` run once per distinct call: the one-draft tree tests compare against the
-    very ASpS run (seed 100) that test_first_two_tokens_follow_the_target_law[asps] checks."""
+    very ASpS run (seed 100) that test_first_two_tokens_follow_the_target_law[asps] checks, and
+    the greedy test reads the greedy rows of the law run where that saves a compile."""
     _, target, draft = pair
     runs = {}
 
@@ -156,11 +201,27 @@ def _law_new_tokens(method):
     return MAX_NEW if method == "asps" else 2
 
 
+# The methods whose greedy test would be the only one here to compile their 8-row loop: their
+# greedy rows get a budget in the law run instead (a few more steps of it, no second compile).
+# ASpS's law run runs MAX_NEW steps anyway.
+GREEDY_IN_LAW_RUN = ("asps", "spectr", "optimal", "tv")
+
+
+def _law(law_run, method, seed=100):
+    """The law run of test_first_two_tokens_follow_the_target_law (and its greedy rows)."""
+    return law_run(
+        method,
+        seed=seed,
+        max_new_tokens=_law_new_tokens(method),
+        greedy=method in GREEDY_IN_LAW_RUN,
+    )
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_first_two_tokens_follow_the_target_law(pair, law_run, method):
     hf_target = pair[0]
     new_tokens = _law_new_tokens(method)
-    out = law_run(method, seed=100, max_new_tokens=new_tokens)
+    out, _ = _law(law_run, method)
     assert np.all(np.asarray(out.lengths) == new_tokens)
     tps = np.asarray(out.stats["tokens_per_step"])
     assert np.all(tps >= 1.0) and np.all(tps <= N_DRAFT + 1)
@@ -192,12 +253,20 @@ def _hf_greedy(hf_model, prompt, max_new):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_temperature_zero_is_the_target_greedy_decoding(pair, method):
+def test_temperature_zero_is_the_target_greedy_decoding(pair, law_run, method):
+    """Each greedy prompt at draft temperature 0 and 1 (the draft's own law must not matter)."""
     hf_target, target, draft = pair
-    prompts = [PROMPT, [4, 7, 9, 1, 0, 11, 6], [2]]
-    out = _sample(target, draft, prompts, method, temperature=0.0)
-    for b, prompt in enumerate(prompts):
-        assert np.asarray(out.tokens[b]).tolist() == _hf_greedy(hf_target, prompt, MAX_NEW)
+    if method in GREEDY_IN_LAW_RUN:
+        _, tokens = _law(law_run, method)
+    else:
+        prompts = GREEDY_PROMPTS * len(GREEDY_DRAFT_TEMPERATURES)
+        temps = np.repeat(GREEDY_DRAFT_TEMPERATURES, len(GREEDY_PROMPTS))
+        out = _sample(target, draft, prompts, method, temperature=0.0, draft_temperature=temps)
+        tokens = np.asarray(out.tokens).reshape(len(temps) // len(GREEDY_PROMPTS), -1, MAX_NEW)
+    for b, prompt in enumerate(GREEDY_PROMPTS):
+        want = _hf_greedy(hf_target, prompt, MAX_NEW)
+        for d, draft_temp in enumerate(GREEDY_DRAFT_TEMPERATURES):
+            assert tokens[d, b].tolist() == want, (prompt, draft_temp)
 
 
 @pytest.mark.parametrize("method", ["asps", "specinfer", "tv_wr", "is_bv"])
@@ -232,7 +301,7 @@ def test_eos_law_is_exact(pair, method):
     law = _exact_two_token_law(hf_target, 1.0, 0, 1.0)
     eos = int(np.argmax(law.sum(1)))  # the likeliest first token, so rows often stop at once
     new_tokens = _law_new_tokens(method)  # the compiled loop of the law test
-    out = _sample_law(target, draft, method, eos_token_id=eos, seed=3, max_new_tokens=new_tokens)
+    out, _ = _sample_law(target, draft, method, eos_token_id=eos, seed=3, max_new_tokens=new_tokens)
     tokens, lengths = np.asarray(out.tokens[:ROWS]), np.asarray(out.lengths[:ROWS])
     stopped = tokens[:, 0] == eos
     assert np.all(lengths[stopped] == 1) and np.all(tokens[stopped, 1:] == -1)
@@ -257,8 +326,9 @@ def test_max_new_tokens_is_honoured_exactly(pair, max_new):
         [PROMPT, [7]],
         "asps",
         temperature=0.0,
+        # Budget 1 is below one step's N_DRAFT + 1 tokens and 5 is no multiple of it: the last
+        # step's drafts are cut to fit (the loop shared with the other 8-row ASpS tests).
         max_new_tokens=max_new,
-        num_draft_tokens=4,
     )
     assert out.tokens.shape == (2, max_new)
     np.testing.assert_array_equal(np.asarray(out.lengths), [max_new, max_new])
@@ -327,9 +397,9 @@ def test_one_draft_tree_method_is_asps_in_law(pair, law_run, method):
     and the number of target calls per row, a function of the step lengths, has the law it has
     with ASpS (two-sample chi-square, independent seeds)."""
     hf_target = pair[0]
-    out = law_run(method, seed=101, num_drafts=1, max_new_tokens=MAX_NEW)
+    out, _ = law_run(method, seed=101, num_drafts=1, max_new_tokens=MAX_NEW)
     _assert_two_token_law(hf_target, out, method)
-    ref = law_run("asps", seed=100, max_new_tokens=MAX_NEW)
+    ref, _ = _law(law_run, "asps")
     calls = np.stack(
         [
             np.bincount(np.asarray(o.stats["target_calls"]), minlength=MAX_NEW + 1)

@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_decode import (
+    GREEDY_DRAFT_TEMPERATURES,
+    GREEDY_PROMPTS,
     MAX_NEW,
     N_DRAFT,
     PROMPT,
     _assert_two_token_law,
     _hf_greedy,
-    _sample,
     _sample_law,
     write_pair,
 )
@@ -37,13 +38,27 @@ def pair(tmp_path_factory):
 TREE_CASES = [("tv", (2, 2)), ("tv_wr", (2, 2)), ("is_bv", (2, 2))]
 
 
+@pytest.fixture(scope="module")
+def tree_law_run(pair):
+    """One run per tree case: its law rows (three new tokens: the first step drafts the whole
+    tree, 2 + 4 nodes, fewer when siblings repeat, and the first two tokens are decided at its
+    depths 1 and 2) and its greedy rows (MAX_NEW tokens), in one compiled loop."""
+    _, target, draft = pair
+    runs = {}
+
+    def run(method, tree):
+        if (method, tree) not in runs:
+            kw = dict(num_drafts=None, num_draft_tokens=None, max_new_tokens=3)
+            runs[method, tree] = _sample_law(target, draft, method, tree=tree, greedy=True, **kw)
+        return runs[method, tree]
+
+    return run
+
+
 @pytest.mark.parametrize("method, tree", TREE_CASES)
-def test_branching_tree_follows_the_target_law(pair, method, tree):
-    hf_target, target, draft = pair
-    # Three new tokens: the first step drafts the whole tree (2 + 4 nodes, fewer when siblings
-    # repeat), and the first two tokens are decided at its depths 1 and 2.
-    kw = dict(num_drafts=None, num_draft_tokens=None, max_new_tokens=3)
-    out = _sample_law(target, draft, method, tree=tree, **kw)
+def test_branching_tree_follows_the_target_law(pair, tree_law_run, method, tree):
+    hf_target = pair[0]
+    out, _ = tree_law_run(method, tree)
     assert np.all(np.asarray(out.lengths) == 3)
     scored = np.asarray(out.stats["scored_nodes_per_step"])
     assert np.all(scored <= 6) and np.all(scored > 0)
@@ -90,18 +105,16 @@ def test_merged_tree_scores_fewer_nodes_and_gives_the_same_tokens(pair, method):
 
 
 @pytest.mark.parametrize("method, tree", TREE_CASES)
-def test_branching_tree_greedy_is_the_target_greedy_decoding(pair, method, tree):
+def test_branching_tree_greedy_is_the_target_greedy_decoding(pair, tree_law_run, method, tree):
     """A greedy draft (one-hot laws): "tv" runs out of distinct siblings at once, and the tokens
-    it could not draw end their chains instead of being verified."""
-    hf_target, target, draft = pair
-    prompts = [PROMPT, [4, 7, 9, 1, 0, 11, 6], [2]]
-    kw = dict(num_drafts=None, num_draft_tokens=None, tree=tree, diagnostics=False)
-    for draft_temp in (0.0, 1.0):
-        out = _sample(
-            target, draft, prompts, method, temperature=0.0, draft_temperature=draft_temp, **kw
-        )
-        for b, prompt in enumerate(prompts):
-            assert np.asarray(out.tokens[b]).tolist() == _hf_greedy(hf_target, prompt, MAX_NEW)
+    it could not draw end their chains instead of being verified. The greedy rows (draft
+    temperature 0 and 1) of the law run's loop."""
+    hf_target = pair[0]
+    _, tokens = tree_law_run(method, tree)
+    for b, prompt in enumerate(GREEDY_PROMPTS):
+        want = _hf_greedy(hf_target, prompt, MAX_NEW)
+        for d, draft_temp in enumerate(GREEDY_DRAFT_TEMPERATURES):
+            assert tokens[d, b].tolist() == want, (prompt, draft_temp)
 
 
 @pytest.mark.parametrize(

@@ -130,7 +130,14 @@ def _sample_drafts(key, drafts, target, without_replacement):
     return jnp.stack([x0, x1], 1), jnp.stack([q0, lq1], 1), lp
 
 
-def _run_statistical(method, options, without_replacement=False):
+@functools.cache
+def _statistical_draws(method, options, without_replacement=False):
+    """STAT_KEYS vmapped calls of ``method`` (``options``: sorted (name, value) pairs) in one
+    jit, run once per module: test_statistical_verify_drafts and
+    test_statistical_tail_emitted_law check the same run (the length and the continued law, the
+    emitted law). Returns NumPy (emitted tokens, num_tokens, draft_index, draft tokens,
+    num_fallbacks)."""
+    options = dict(options)
     target, drafts = _stat_models(without_replacement)
 
     def one(key):
@@ -148,10 +155,23 @@ def _run_statistical(method, options, without_replacement=False):
 
     keys = jax.random.split(jax.random.key(2024), STAT_KEYS)
     verdict, tokens = jax.jit(jax.vmap(one))(keys)
-    out = np.asarray(verdict.tokens)
-    length = np.asarray(verdict.num_tokens)
-    index = np.asarray(verdict.draft_index)
-    tokens = np.asarray(tokens)
+    arrays = (verdict.tokens, verdict.num_tokens, verdict.draft_index, tokens)
+    return tuple(np.asarray(a) for a in arrays) + (np.asarray(verdict.num_fallbacks),)
+
+
+@functools.cache
+def _stat_tree_law(law_name):
+    """The reference walker's exact law (float64 enumeration, tail="asps") of the emitted string
+    on the statistical models; computed once per scheme for the tests that compare with it."""
+    target, drafts = _stat_models()
+    law, _ = tree_law(node_law(law_name, STAT_V), target, drafts, STAT_N, STAT_LENGTHS, tail=True)
+    return law
+
+
+def _run_statistical(method, options, without_replacement=False):
+    target, _ = _stat_models(without_replacement)
+    draws = _statistical_draws(method, tuple(sorted(options.items())), without_replacement)
+    out, length, index, tokens, fallbacks = (a.copy() for a in draws)
     # Structure: 1 <= L <= length of the committed chain + 1, the prefix follows that chain.
     assert np.all((length >= 1) & (length <= STAT_LENGTHS[index] + 1))
     assert np.all(out[np.arange(STAT_N + 1) >= length[:, None]] == -1)
@@ -173,7 +193,7 @@ def _run_statistical(method, options, without_replacement=False):
     expected = STAT_KEYS * np.array([string_prob(target, z) for z in strings])
     pvalue = stats.chisquare(counts, expected).pvalue
     assert pvalue > 1e-4, (method, options, pvalue)
-    return length, np.asarray(verdict.num_fallbacks)
+    return length, fallbacks
 
 
 # Few LP iterations here: the solves are vmapped 10^5 times, and a mix of LP weights and counted
@@ -198,9 +218,8 @@ def test_statistical_verify_drafts(method, options, law_name):
         assert 0 < fallbacks.mean() < 2  # both paths taken
     else:
         assert np.all(fallbacks == 0)
-    target, drafts = _stat_models()
     # verify_drafts' default tail="asps": the last alive chain is verified by ASpS.
-    law, _ = tree_law(node_law(law_name, STAT_V), target, drafts, STAT_N, STAT_LENGTHS, tail=True)
+    law = _stat_tree_law(law_name)
     sem = length.std() / np.sqrt(STAT_KEYS)
     assert abs(length.mean() - mean_length(law)) < 5 * sem, (length.mean(), mean_length(law))
 
@@ -621,19 +640,11 @@ def test_statistical_tail_emitted_law(method, law_name):
     """10^5 calls of verify_drafts (default tail="asps"): the emitted strings themselves follow
     the reference walker's exact law with the tail (chi-square), and never a string of zero
     probability."""
-    target, drafts = _stat_models()
-
-    def one(key):
-        key_draft, key_verify = jax.random.split(key)
-        tokens, lq, lp = _sample_drafts(key_draft, drafts, target, False)
-        return asps_jax.verify_drafts(
-            key_verify, tokens, lq, lp, method=method, draft_length=STAT_LENGTHS
-        )
-
-    keys = jax.random.split(jax.random.key(77), STAT_KEYS)
-    verdict = jax.jit(jax.vmap(one))(keys)
-    counts = _emitted_counts(np.asarray(verdict.tokens), np.asarray(verdict.num_tokens))
-    law, _ = tree_law(node_law(law_name, STAT_V), target, drafts, STAT_N, STAT_LENGTHS, tail=True)
+    # The very run of test_statistical_verify_drafts[method] (method's defaults, tail="asps"),
+    # and its exact law.
+    out, length, *_ = _statistical_draws(method, ())
+    counts = _emitted_counts(out, length)
+    law = _stat_tree_law(law_name)
     assert set(counts) <= {s for s, m in law.items() if m > 0}
     strings = sorted(law)
     expected = np.array([law[s] for s in strings]) * STAT_KEYS
