@@ -113,9 +113,12 @@ def main(argv=None) -> int:
         draft = asps_jax.load_model("tinyshakespeare-draft")
     else:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_cost_ratio import DRAFT, TARGET, build_pair
+        from bench_cost_ratio import CHECKPOINTS, DRAFT, TARGET, checkpoint_pair
 
-        target, draft = build_pair(TARGET, DRAFT, head_std=0.2, layer_scale=0.07)
+        # The checkpoints bench_cost_ratio.py writes once (and reuses): loading them needs a
+        # fraction of the memory of building the random pair in this process.
+        paths = checkpoint_pair((TARGET, DRAFT), 0.2, 0.07, 0, CHECKPOINTS / "bench_cost_ratio")
+        target, draft = (asps_jax.load_model(str(path), dtype="float32") for path in paths)
     layers = args.layers or list(range(1, target.config.num_hidden_layers))
     prompts = _prompts(target.tokenizer, target.vocab_size, args.batch_size, args.prompt_tokens)
     # AR only when timed: its tokens per step is 1.
