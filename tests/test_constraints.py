@@ -63,20 +63,27 @@ def _reachable(shape):
     return np.array([_state(p) is not None for p in np.ndindex(*shape[:-1])]).reshape(shape[:-1])
 
 
-def _reference_masked(laws):
-    """NumPy float64: each law masked to the tokens its prefix's state allows, renormalised
-    (a prefix outside the constraint is never reached: its law is left as it is)."""
+def _at_reachable_prefixes(laws, law_at):
+    """NumPy float64: each law at every prefix the hand DFA reaches replaced by
+    ``law_at(law, keep, prefix)`` (``keep``: the tokens the prefix's state allows); a prefix
+    outside the constraint is never reached, so its law is left as it is."""
     out = []
     for law in laws:
         law = law.copy()
         for prefix in np.ndindex(*law.shape[:-1]):
             state = _state(prefix)
-            if state is None:
-                continue
-            keep = np.isin(np.arange(V4), list(HAND_DFA[state]))
-            law[prefix] = np.where(keep, law[prefix], 0.0) / law[prefix][keep].sum()
+            if state is not None:
+                keep = np.isin(np.arange(V4), list(HAND_DFA[state]))
+                law[prefix] = law_at(law[prefix], keep, prefix)
         out.append(law)
     return out
+
+
+def _reference_masked(laws):
+    """Each law masked to the tokens its prefix's state allows, renormalised."""
+    return _at_reachable_prefixes(
+        laws, lambda law, keep, _: np.where(keep, law, 0.0) / law[keep].sum()
+    )
 
 
 @functools.partial(jax.jit, static_argnames="draft")
@@ -208,21 +215,15 @@ def _reference_controlled(raw, text):
     the committed ``text``, each masked to the hand DFA's allowed set along its path, then the
     repetition penalty over ``text`` + the path, then the temperature (an unreachable prefix's
     law is left raw)."""
-    out = []
-    for law in raw:
-        law = law.copy()
-        for prefix in np.ndindex(*law.shape[:-1]):
-            state = _state(prefix)
-            if state is None:
-                continue
-            keep = np.isin(np.arange(V4), list(HAND_DFA[state]))
-            logits = np.where(keep, np.log(law[prefix]), -np.inf)
-            law[prefix] = controls_ref.law(
-                logits, list(text) + list(prefix), len(prefix),
-                dict(repetition_penalty=REP), dict(temperature=TEMP),
-            )  # fmt: skip
-        out.append(law)
-    return out
+
+    def law_at(law, keep, prefix):
+        logits = np.where(keep, np.log(law), -np.inf)
+        return controls_ref.law(
+            logits, list(text) + list(prefix), len(prefix),
+            dict(repetition_penalty=REP), dict(temperature=TEMP),
+        )  # fmt: skip
+
+    return _at_reachable_prefixes(raw, law_at)
 
 
 def test_lookup_with_a_constraint_and_a_penalty_is_exact_by_enumeration(masked_models):
