@@ -43,6 +43,18 @@ def test_sigint_in_a_finaliser_is_lost_to_keyboardinterrupt(python_sigint, monke
     assert [type(u.exc_value) for u in ignored] == [KeyboardInterrupt]
 
 
+def _interrupted_run(capsys, monkeypatch, steps, target_calls):
+    """The CLI with ``Session.steps`` replaced by ``steps``: exit 130, the text so far and its
+    statistics after ``target_calls`` steps, the last stderr line saying it was interrupted."""
+    monkeypatch.setattr(Session, "steps", steps)
+    assert cli.main(SHORT + ["--max-new-tokens", "40"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out.startswith(cli.DEFAULT_PROMPT) and "--- statistics ---" in captured.out
+    assert f"target calls: {target_calls}" in captured.out
+    assert "interrupted after" in captured.err.strip().splitlines()[-1]
+    return captured
+
+
 def test_ctrl_c_while_streaming_prints_the_statistics(capsys, monkeypatch):
     steps = Session.steps
 
@@ -52,13 +64,8 @@ def test_ctrl_c_while_streaming_prints_the_statistics(capsys, monkeypatch):
             if i == 1:
                 raise KeyboardInterrupt
 
-    monkeypatch.setattr(Session, "steps", two_steps_then_ctrl_c)
-    assert cli.main(SHORT + ["--max-new-tokens", "40"]) == 130
-    captured = capsys.readouterr()
-    assert captured.out.startswith(cli.DEFAULT_PROMPT) and "--- statistics ---" in captured.out
-    assert "target calls: 2" in captured.out
-    err = captured.err.strip().splitlines()
-    assert "interrupted after" in err[-1] and "Traceback" not in captured.err
+    captured = _interrupted_run(capsys, monkeypatch, two_steps_then_ctrl_c, target_calls=2)
+    assert "Traceback" not in captured.err
 
 
 def test_sigint_in_a_finaliser_while_streaming_exits_130_with_statistics(
@@ -74,12 +81,7 @@ def test_sigint_in_a_finaliser_while_streaming_exits_130_with_statistics(
                 sigint_in_a_finaliser()
             yield new
 
-    monkeypatch.setattr(Session, "steps", sigint_during_the_third_step)
-    assert cli.main(SHORT + ["--max-new-tokens", "40"]) == 130
-    captured = capsys.readouterr()
-    assert captured.out.startswith(cli.DEFAULT_PROMPT) and "--- statistics ---" in captured.out
-    assert "target calls: 3" in captured.out
-    assert "interrupted after" in captured.err.strip().splitlines()[-1]
+    captured = _interrupted_run(capsys, monkeypatch, sigint_during_the_third_step, target_calls=3)
     assert "Traceback" not in captured.err and "Exception ignored" not in captured.err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
