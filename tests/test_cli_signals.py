@@ -23,6 +23,23 @@ from asps_jax.sampler import Session
 
 SHORT = ["--max-new-tokens", "6", "--num-draft-tokens", "2"]
 
+# The commands below run as from a terminal: SIGINT neither blocked nor ignored. A child inherits
+# both from its parent, here pytest's worker, where something earlier in the worker can leave
+# SIGINT ignored or blocked at the C level without Python's view (``signal.getsignal``) showing it.
+# A full run failed twice that way: both children ran to the end, exit status 0, having never seen
+# the SIGINT sent (the culprit was not found). The launcher resets both, then execs the command.
+_AS_FROM_A_TERMINAL = (
+    "import os, signal, sys; "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+    "signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
+def as_from_a_terminal(*argv: str) -> list[str]:
+    """``python *argv`` with SIGINT's default disposition and unblocked, whatever the parent's."""
+    return [sys.executable, "-c", _AS_FROM_A_TERMINAL, *argv]
+
 
 @pytest.fixture
 def python_sigint():
@@ -135,7 +152,7 @@ def test_sigint_in_a_finaliser_at_any_start_up_instant_exits_130():
     worker = Path(__file__).parent / "sigint_in_a_finaliser.py"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(worker), event, name, str(SCRIPT), *SHORT],
+            as_from_a_terminal(str(worker), event, name, str(SCRIPT), *SHORT),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -192,7 +209,7 @@ def test_sigint_while_streaming_exits_130_with_statistics():
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu", ASPS_JAX_NO_CACHE="1")
     argv = ["--method", "ar", "--max-new-tokens", "240", "--batch-size", "256", "--seed", "1"]
     proc = subprocess.Popen(
-        [sys.executable, "-u", str(SCRIPT), *argv],
+        as_from_a_terminal("-u", str(SCRIPT), *argv),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
