@@ -2,12 +2,12 @@
 on-disk compilation cache per test run, and a bounded number of compiled programs held at once.
 
 Each test and each module leaves the process as it found it (``_process_state_restored``,
-``_module_state_restored``): JAX's configuration, the environment, the SIGINT / SIGTERM handlers
-and the filters on every logger are restored after it, so that no test passes or fails by what ran
-before it in the same worker (``scripts/sample.py``'s ``main``, run in-process by the CLI tests and
-by one module-scoped fixture, turns the compilation cache on for every program and filters two
-loggers). ``isolated_logging`` restores the loggers' handlers, levels and propagation as well, for
-tests that change those.
+``_module_state_restored``): JAX's configuration, the environment, the SIGINT / SIGTERM handlers,
+the main thread's blocked signals and the filters on every logger are restored after it, so that
+no test passes or fails by what ran before it in the same worker (``scripts/sample.py``'s
+``main``, run in-process by the CLI tests and by one module-scoped fixture, turns the compilation
+cache on for every program and filters two loggers). ``isolated_logging`` restores the loggers'
+handlers, levels and propagation as well, for tests that change those.
 """
 
 import gc
@@ -91,18 +91,20 @@ def _made_since(known) -> list[logging.Logger]:
 
 def _process_state():
     """What a test or a module's fixtures may change in the process: JAX's configuration, the
-    environment, the SIGINT / SIGTERM handlers and the filters on every logger."""
+    environment, the SIGINT / SIGTERM handlers, the blocked signals (a child process inherits
+    them: a CLI started with SIGINT blocked never sees a Ctrl-C) and the filters on every logger."""
     loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
     return (
         dict(jax.config.values),
         dict(os.environ),
         {s: signal.getsignal(s) for s in _SIGNALS},
+        signal.pthread_sigmask(signal.SIG_BLOCK, []),  # the mask, unchanged
         {lg: list(lg.filters) for lg in loggers if isinstance(lg, logging.Logger)},
     )
 
 
 def _restore(state) -> None:
-    config, environ, handlers, filters = state
+    config, environ, handlers, blocked, filters = state
     for name, value in config.items():
         if jax.config.values.get(name) != value:
             jax.config.update(name, value)
@@ -113,6 +115,8 @@ def _restore(state) -> None:
     for sig, handler in handlers.items():
         if handler is not None and signal.getsignal(sig) is not handler:
             signal.signal(sig, handler)
+    if signal.pthread_sigmask(signal.SIG_BLOCK, []) != blocked:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     for lg, saved in filters.items():
         lg.filters[:] = saved
     for lg in _made_since(filters):
