@@ -26,8 +26,10 @@ SHORT = ["--max-new-tokens", "6", "--num-draft-tokens", "2"]
 # The commands below run as from a terminal: SIGINT neither blocked nor ignored. A child inherits
 # both from its parent, here pytest's worker, where something earlier in the worker can leave
 # SIGINT ignored or blocked at the C level without Python's view (``signal.getsignal``) showing it.
-# A full run failed twice that way: both children ran to the end, exit status 0, having never seen
-# the SIGINT sent (the culprit was not found). The launcher resets both, then execs the command.
+# One full run failed both tests below that way: each child ran to the end, exit status 0, having
+# never seen the SIGINT (the culprit was not found; conftest restores a mask a test changes, not
+# one changed before the first test or a disposition Python cannot see). The launcher resets both,
+# then execs the command.
 _AS_FROM_A_TERMINAL = (
     "import os, signal, sys; "
     "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
