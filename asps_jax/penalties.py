@@ -102,11 +102,20 @@ class History:
         return jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), self)
 
 
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
 def _penalize(logits, counts, seen, rep, presence, frequency):
-    """Repetition, presence and frequency penalties, elementwise (broadcasting)."""
+    """Repetition, presence and frequency penalties, elementwise (broadcasting).
+
+    Large values stay defined in float32: a logit pushed past the largest float32 (a bias or a
+    penalty near 3.4e38, a reward times a count) is clamped there instead of becoming ``+inf``
+    (which would leave no law), one pushed below it becomes ``-inf`` (banned), and a banned
+    (``-inf``) logit stays banned whatever the penalties add."""
     repeated = jnp.where(logits < 0, logits * rep, logits / rep)
-    logits = jnp.where(seen, repeated, logits)
-    return logits - presence * (counts > 0) - frequency * counts.astype(logits.dtype)
+    out = jnp.where(seen, repeated, logits)
+    out = out - presence * (counts > 0) - frequency * counts.astype(logits.dtype)
+    return jnp.where(logits == NEG_INF, NEG_INF, jnp.minimum(out, _F32_MAX))
 
 
 def _ngram_banned(tokens_H, length, path_XD, depth_X, n, window: int, vocab: int):
@@ -153,7 +162,7 @@ def apply_controls(sampling, history: History, logits_BXV, path_BXD, depth_X) ->
 
     def penalties(logits_BXV):
         def row(logits, bias, rep, presence, frequency, counts, seen, path, depth):
-            logits = logits + bias
+            logits = jnp.minimum(logits + bias, _F32_MAX)
             out = _penalize(logits, counts[None], seen[None], rep, presence, frequency)
             if depth_cap == 0:
                 return out

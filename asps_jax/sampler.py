@@ -38,7 +38,7 @@ from asps_jax import (
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.models.vocab import align_vocabularies
-from asps_jax.processors import SamplingParams, validate_sampling_args
+from asps_jax.processors import SamplingParams
 from asps_jax.verify.api import TREE_METHODS
 from asps_jax.verify.registry import REGISTRY
 
@@ -84,6 +84,10 @@ class SampleOutput:
         ``(ids int32[B, M, k], logprobs float32[B, M, k])``: the k most likely tokens of the
         processed target law each emitted token was sampled from, most likely first (ids -1 and
         logprobs 0.0 after ``lengths[b]``); else None.
+      incomplete: with a ``regex`` / ``json_schema``, bool[B] (NumPy): the row's text is not
+        accepted by its constraint in full, because ``max_new_tokens``, a stop string, an
+        interruption or an unusable law cut it first (a JSON document left unfinished); False
+        for rows without a constraint; None when no row has one.
     """
 
     tokens: jax.Array
@@ -91,6 +95,7 @@ class SampleOutput:
     stats: dict
     logprobs: jax.Array | None = None
     top_logprobs: tuple[jax.Array, jax.Array] | None = None
+    incomplete: np.ndarray | None = None
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -253,49 +258,67 @@ def _constraint_rows(target, regex, json_schema, batch: int, padded: int):
     return constraints.stack(dfas + [None] * (padded - batch), target.vocab_size)
 
 
-def _validate_sampling(temperature, top_k, top_p, draft_temperature) -> None:
-    for name, value in (
-        ("temperature", temperature),
-        ("draft_temperature", draft_temperature),
-        ("top_k", top_k),
-        ("top_p", top_p),
-    ):
+_F32_MAX = float(np.finfo(np.float32).max)
+"""The device computes in float32: a number past this overflows to inf there."""
+
+
+def _numbers(name: str, value) -> list[float]:
+    """The values of a numeric argument (a scalar, or one per prompt) as Python floats; a
+    one-line error for anything that is not a real number: bools and strings included (NumPy
+    would turn ``True`` into 1.0 and ``"3"`` into 3.0)."""
+    if isinstance(value, (np.ndarray, jax.Array)):
+        if np.asarray(value).dtype.kind not in "iuf":
+            raise ValueError(f"{name} must be a number (or one per prompt), got {value!r}")
+        return np.asarray(value, np.float64).reshape(-1).tolist()
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    for v in items:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(
+            v, (int, float, np.integer, np.floating)
+        ):
+            raise ValueError(f"{name} must be a number (or one per prompt), got {value!r}")
+    return [float(v) for v in items]
+
+
+def _in_float32(v: float) -> bool:
+    """``v`` stays finite in float32."""
+    return math.isfinite(v) and abs(v) <= _F32_MAX
+
+
+def _integral(v: float) -> bool:
+    return math.isfinite(v) and v == int(v)
+
+
+# Every numeric sampling argument: (name, valid(value), what is expected). Each is checked in
+# float32, what the device uses: 1e39 is finite here and inf there.
+_NUMERIC_CHECKS = (
+    ("temperature", lambda v: 0.0 <= v <= _F32_MAX, "a finite number >= 0 (at most 3.4e38)"),
+    ("draft_temperature", lambda v: 0.0 <= v <= _F32_MAX,
+     "a finite number >= 0 (at most 3.4e38)"),
+    ("top_k", lambda v: _integral(v) and v >= 0, "an integer >= 0 (0 or None disables it)"),
+    ("top_p", lambda v: 0.0 < v <= 1.0 and np.float32(v) > 0, "in (0, 1]"),
+    ("min_p", lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 disables it)"),
+    ("repetition_penalty", lambda v: 0.0 < v <= _F32_MAX and np.float32(v) > 0,
+     "a finite number > 0 that float32 holds (1 disables it; at most 3.4e38)"),
+    ("presence_penalty", _in_float32,
+     "a finite number that float32 holds (0 disables it; |value| at most 3.4e38)"),
+    ("frequency_penalty", _in_float32,
+     "a finite number that float32 holds (0 disables it; |value| at most 3.4e38)"),
+    ("no_repeat_ngram_size", lambda v: _integral(v) and v >= 0,
+     "an integer >= 0 (0 disables it)"),
+)  # fmt: skip
+
+
+def _validate_numbers(**values) -> None:
+    """One-line errors for the numeric sampling arguments' values (scalars or one per prompt),
+    each named; None is the default."""
+    for name, ok, expected in _NUMERIC_CHECKS:
+        value = values.pop(name)
         if value is None:
             continue
-        for v in np.atleast_1d(np.asarray(value, float)).tolist():
-            try:
-                validate_sampling_args(**{"temperature" if "temperature" in name else name: v})
-            except ValueError as err:
-                raise ValueError(f"{name}: {err}") from None
-
-
-def _validate_controls(
-    repetition_penalty, presence_penalty, frequency_penalty, no_repeat_ngram_size, min_p
-) -> None:
-    """One-line errors for the controls' values (scalars or one per prompt)."""
-
-    def values(value):
-        try:
-            return np.atleast_1d(np.asarray(value, float)).reshape(-1).tolist()
-        except (TypeError, ValueError):
-            return [value]
-
-    finite = "a finite number (0 disables it)"
-    checks = (
-        ("repetition_penalty", repetition_penalty, lambda v: 0.0 < v < np.inf,
-         "a finite number > 0 (1 disables it)"),
-        ("presence_penalty", presence_penalty, np.isfinite, finite),
-        ("frequency_penalty", frequency_penalty, np.isfinite, finite),
-        ("no_repeat_ngram_size", no_repeat_ngram_size, lambda v: v == int(v) and v >= 0,
-         "an integer >= 0 (0 disables it)"),
-        ("min_p", min_p, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 disables it)"),
-    )  # fmt: skip
-    for name, value, ok, expected in checks:
-        if value is None:
-            continue
-        for v in values(value):
-            if isinstance(v, bool) or not isinstance(v, float) or not ok(v):
+        for v in _numbers(name, value):
+            if not ok(v):
                 raise ValueError(f"{name} must be {expected}, got {value!r}")
+    assert not values, values
 
 
 def _logit_bias_rows(logit_bias, batch: int, padded: int, vocab: int):
@@ -325,16 +348,23 @@ def _logit_bias_rows(logit_bias, batch: int, padded: int, vocab: int):
                 raise ValueError(
                     f"logit_bias: token id {token} lies outside the vocabulary [0, {vocab})"
                 )
-            try:
+            value = np.nan
+            if not isinstance(bias, (bool, np.bool_)) and isinstance(
+                bias, (int, float, np.integer, np.floating)
+            ):
                 value = float(bias)
-            except (TypeError, ValueError):
-                value = np.nan
-            if np.isnan(value) or value == np.inf:
+            if not (_in_float32(value) or value == -np.inf):
                 raise ValueError(
-                    f"logit_bias: the bias of token {token} must be a finite number or -inf "
-                    f"(a ban), got {bias!r}"
+                    f"logit_bias: the bias of token {token} must be a finite number that "
+                    f"float32 holds (|bias| at most 3.4e38) or -inf (a ban), got {bias!r}"
                 )
             out[b, int(token)] = value
+    banned_all = np.flatnonzero(np.all(out[:batch] == -np.inf, axis=1)).tolist()
+    if banned_all:
+        raise ValueError(
+            f"logit_bias bans every token of the vocabulary for prompts {banned_all[:8]}: "
+            "nothing could be sampled; leave at least one token unbanned"
+        )
     if not np.any(out):
         return None
     return out
@@ -436,11 +466,24 @@ def parse_draft(target, draft):
     )
 
 
-def _check_drafter(drafter, method, widths, lookup_ngram, lookup_max, draft_stop):
-    """The drafter's own options: ``(lookup_ngram, lookup_max, draft_stop τ or None)``."""
+def _check_drafter(drafter, method, widths, context, lookup_ngram, lookup_max, draft_stop):
+    """The drafter's own options: ``(lookup_ngram, lookup_max, draft_stop τ or None)``;
+    ``context``: the target's positions (a longer lookup n-gram can never match)."""
+    given = {
+        name: value
+        for name, value in (
+            ("lookup_ngram", lookup_ngram),
+            ("lookup_max", lookup_max),
+            ("draft_stop", draft_stop),
+        )
+        if value is not None
+    }
+    if method == "ar" and given:
+        name = next(iter(given))
+        raise ValueError(f"{name}: method 'ar' uses no draft, so no drafter option; drop {name}")
     if drafter != "lookup":
-        for name, value in (("lookup_ngram", lookup_ngram), ("lookup_max", lookup_max)):
-            if value is not None:
+        for name in ("lookup_ngram", "lookup_max"):
+            if name in given:
                 raise ValueError(f"{name} is an option of draft='lookup', not of a draft model")
     tau = None
     if draft_stop is not None:
@@ -453,6 +496,11 @@ def _check_drafter(drafter, method, widths, lookup_ngram, lookup_max, draft_stop
         if widths:
             raise ValueError("draft_stop: confidence-stopped chains need K chains, not tree=")
     ngram = _check_int("lookup_ngram", 3 if lookup_ngram is None else lookup_ngram, 1)
+    if ngram > context:
+        raise ValueError(
+            f"lookup_ngram={ngram} is longer than the model context of {context} positions: "
+            "no suffix that long can ever match; use a few tokens (default 3)"
+        )
     cap = 0 if lookup_max is None else _check_int("lookup_max", lookup_max, 1)
     if drafter == "lookup" and method in TREE_METHODS:
         raise ValueError(
@@ -636,6 +684,8 @@ class Prepared:
       width: M, the widest budget of the call's prompts (the outputs' width), kept on the host:
         the budgets' array may span other processes' devices;
         None runs every row at once (``Decoder.generate``).
+      constraint: the rows' constraint tables on the host (:class:`HostConstraint`), None when
+        no row is constrained.
     """
 
     decoder: decode.Decoder
@@ -643,6 +693,7 @@ class Prepared:
     batch: int
     slots: int | None = None
     width: int = 0
+    constraint: HostConstraint | None = None
 
     def generate(self) -> decode.DecodeState:
         """Run the whole loop (``Decoder.generate``) on the inputs."""
@@ -690,7 +741,8 @@ def _check_spec(
     ``tau`` the confidence stop (None without ``draft_stop``)."""
     drafter, draft = parse_draft(target, draft)
     widths = _check_tree(tree, method, num_drafts, num_draft_tokens)
-    lookup_ngram, lookup_max, tau = _check_drafter(drafter, method, widths, **drafting)
+    context = target.config.max_position_embeddings
+    lookup_ngram, lookup_max, tau = _check_drafter(drafter, method, widths, context, **drafting)
     if drafter == "lookup" and num_draft_tokens is None and lookup_max:
         num_draft_tokens = lookup_max  # the lookup's chains are at most lookup_max long
     if widths:
@@ -765,12 +817,41 @@ def _check_fits(
         options=options,
         drafter=spec.drafter,
     )
+    _check_tree_size(spec)
     _check_tree_options(spec.method, spec.num_drafts, spec.num_draft_tokens, options, spec.widths)
 
 
-def _sampling_params(target, batch: int, padded: int, sampling: dict) -> SamplingParams:
-    """The :class:`SamplingParams` of the ``padded`` rows from :func:`prepare`'s sampling
-    arguments (``sampling``: their names and values; scalars or one value per prompt)."""
+MAX_TREE_NODES = 1024
+"""The most draft-tree nodes one step may verify (K chains of n: K * n nodes). A larger step's
+program (the per-node laws, the ``N x N`` masks, the verifier's walk) takes minutes to compile
+even when it fits the device (``--tree 5000`` did)."""
+
+
+def _check_tree_size(spec: decode.SpecConfig) -> None:
+    """Refuse a draft tree of more than :data:`MAX_TREE_NODES` nodes (one line naming the
+    arguments), after :func:`check_memory` (which names the one that saves the most memory)."""
+    widths = spec.widths
+    nodes = (
+        sum(math.prod(widths[: d + 1]) for d in range(len(widths)))
+        if widths
+        else spec.num_drafts * spec.num_draft_tokens
+    )
+    if nodes > MAX_TREE_NODES:
+        lower = (
+            "lower tree (--tree)"
+            if widths
+            else "lower num_drafts or num_draft_tokens (--num-drafts, --num-draft-tokens)"
+        )
+        raise ValueError(
+            f"the draft tree has {nodes} nodes, past the bound of {MAX_TREE_NODES} nodes a step "
+            f"verifies (a larger step compiles for minutes and does not pay): {lower}"
+        )
+
+
+def _sampling_params(target, batch: int, padded: int, sampling: dict):
+    """``(SamplingParams, constraint)``: the parameters of the ``padded`` rows from
+    :func:`prepare`'s sampling arguments (``sampling``: their names and values; scalars or one
+    value per prompt), and the host's :class:`HostConstraint` (None when no row has one)."""
     top_k = sampling["top_k"]
     if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32
         top_k = np.minimum(np.asarray(top_k, np.int64), target.vocab_size)
@@ -781,19 +862,59 @@ def _sampling_params(target, batch: int, padded: int, sampling: dict) -> Samplin
         "frequency_penalty",
         "no_repeat_ngram_size",
     )
+    ngram = sampling["no_repeat_ngram_size"]
+    if ngram is not None:
+        # An n-gram longer than the context can never repeat: such a row bans nothing, as n = 0
+        # does (so the static n-gram window never exceeds the context).
+        ngram = np.asarray(ngram, np.float64)
+        ngram = np.where(ngram > target.config.max_position_embeddings, 0, ngram).astype(np.int32)
+    sampling = dict(sampling, no_repeat_ngram_size=ngram)
     constraint = _constraint_rows(target, sampling["regex"], sampling["json_schema"], batch, padded)
-    return SamplingParams.make(
+    eos_ids = _eos_ids(target, sampling["eos_token_id"])
+    params = SamplingParams.make(
         padded,
         _per_row("temperature", sampling["temperature"], batch, padded),
         _per_row("top_k", top_k, batch, padded),
         _per_row("top_p", sampling["top_p"], batch, padded),
         _per_row("draft_temperature", sampling["draft_temperature"], batch, padded),
-        eos_ids=_eos_ids(target, sampling["eos_token_id"]),
+        eos_ids=eos_ids,
         logit_bias=_logit_bias_rows(sampling["logit_bias"], batch, padded, target.vocab_size),
         constraint=constraint,
         draft_stop=sampling["draft_stop"],
         **{name: _per_row(name, sampling[name], batch, padded) for name in controls},
     )
+    return params, None if constraint is None else HostConstraint(*constraint, eos_ids)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HostConstraint:
+    """The stacked constraint tables of a call, kept on the host to tell which rows' text the
+    constraint accepts (:meth:`incomplete_rows`): ``next int32[S, V]``, ``final bool[S]``,
+    ``start int32[rows]`` (:func:`asps_jax.constraints.stack`) and the EOS ids."""
+
+    next: np.ndarray
+    final: np.ndarray
+    start: np.ndarray
+    eos_ids: tuple[int, ...]
+
+    def incomplete_rows(self, tokens_BM, lengths_B, rows=None) -> np.ndarray:
+        """bool[B]: row b's tokens ``tokens[b, :lengths[b]]`` end where its constraint does not
+        accept the text (cut by ``max_new_tokens``, a stop string, an interruption or an
+        unusable law). A row that ended with EOS or at a state that allows nothing is complete:
+        EOS is allowed in accepting states only, and a dead state is accepting. ``rows``: the
+        prompt index of each of the B rows (default: the first B)."""
+        tokens = np.asarray(tokens_BM)
+        lengths = np.asarray(lengths_B)
+        rows = np.arange(lengths.shape[0]) if rows is None else np.asarray(rows)
+        state = self.start[rows].astype(np.int64)
+        live = np.ones(rows.shape[0], bool)
+        eos = np.asarray(self.eos_ids or (-1,))
+        for j in range(tokens.shape[1]):
+            token = tokens[:, j]
+            live &= (j < lengths) & ~np.isin(token, eos)
+            moved = self.next[state, np.clip(token, 0, self.next.shape[1] - 1)]
+            state = np.where(live, np.where(moved >= 0, moved, constraints.SINK), state)
+        return ~self.final[state]
 
 
 def _decoder(target, draft, spec, prompt_width: int, mesh, diagnostics, top_logprobs, shared):
@@ -923,9 +1044,16 @@ def prepare(
         options,
         dict(lookup_ngram=lookup_ngram, lookup_max=lookup_max, draft_stop=draft_stop),
     )
-    _validate_sampling(temperature, top_k, top_p, draft_temperature)
-    _validate_controls(
-        repetition_penalty, presence_penalty, frequency_penalty, no_repeat_ngram_size, min_p
+    _validate_numbers(
+        temperature=temperature,
+        draft_temperature=draft_temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
     )
     top_logprobs = _check_int("top_logprobs", top_logprobs, 0)
     if top_logprobs > target.vocab_size:
@@ -954,7 +1082,7 @@ def prepare(
             prompts_bp, lengths_b, sharding.batch_multiple(mesh)
         )
     padded = prompts_bp.shape[0]
-    sampling = _sampling_params(
+    sampling, constraint = _sampling_params(
         target,
         batch,
         padded,
@@ -1014,6 +1142,7 @@ def prepare(
         batch=batch,
         slots=slot_count,
         width=max(budgets),
+        constraint=constraint,
     )
 
 
@@ -1030,6 +1159,7 @@ def _finish(
     return_logprobs: bool,
     mesh=None,
     width: int | None = None,
+    constraint: HostConstraint | None = None,
 ) -> SampleOutput:
     width = spec.max_new_tokens if width is None else width
     # Several processes: every process gets every row (on its first device).
@@ -1056,12 +1186,15 @@ def _finish(
         emitted = (np.arange(width)[None, :] < lengths[:, None])[..., None]
         ids, lps = (np.asarray(a)[:batch, :width] for a in whole["top_logprobs"])
         top = jax.device_put((np.where(emitted, ids, -1), np.where(emitted, lps, 0.0)))
+    lengths = np.asarray(whole["lengths"])[:batch]
+    tokens = np.asarray(whole["tokens"])[:batch, :width]
     out = SampleOutput(
-        tokens=cut(whole["tokens"]),
-        lengths=jax.device_put(np.asarray(whole["lengths"])[:batch]),
+        tokens=jax.device_put(tokens),
+        lengths=jax.device_put(lengths),
         stats=whole["stats"],
         logprobs=cut(whole["logprobs"]) if return_logprobs else None,
         top_logprobs=top,
+        incomplete=None if constraint is None else constraint.incomplete_rows(tokens, lengths),
     )
     failed_at = np.asarray(out.stats["failed_at"])
     rows = np.flatnonzero(failed_at >= 0).tolist()
@@ -1097,7 +1230,9 @@ def sample(
     call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
     mesh = None if call.slots is not None else call.decoder.mesh
     width = call.output_width()
-    out = _finish(call.run(), call.decoder.spec, call.batch, return_logprobs, mesh, width)
+    out = _finish(
+        call.run(), call.decoder.spec, call.batch, return_logprobs, mesh, width, call.constraint
+    )
     if calibration is not None:
         out.stats["calibration"] = calibration
     return out
@@ -1156,8 +1291,18 @@ class Session:
     of :func:`sample`. ``compile()`` compiles prefill and the step ahead of time and returns the
     seconds it took; ``steps()`` yields each row's new tokens after every compiled step;
     ``result()`` gives the :class:`SampleOutput`. With ``batch_size`` (continuous batching),
-    ``steps()`` yields ``(prompt_index, new_tokens)`` and ``prompts_done`` counts the prompts
-    finished so far.
+    ``steps()`` yields ``(prompt_index, new_tokens)`` and, as each pair is yielded:
+    ``prompts_done`` counts the prompts finished so far; ``finished`` (bool[N], one per prompt) is
+    True for a prompt once the pair carrying its last tokens is yielded (or, for one that gets no
+    tokens in its last step, as that step's pairs are), so the pairs yielded up to then are all of
+    its tokens; ``prompts_started`` counts the prompts that have taken a slot (prompts
+    ``0 .. prompts_started - 1``: the started ones not ``finished`` are in flight, their tokens so
+    far the pairs yielded for them); ``step_end`` is True when the pair is the last of its
+    compiled step (a caller that stops there stops at a step boundary, every pair of the steps
+    run received). A KeyboardInterrupt from ``next()`` leaves ``finished``, ``prompts_done`` and
+    ``prompts_started`` as they were at the last pair yielded. ``constraint``: the call's
+    :class:`HostConstraint` under a ``regex`` / ``json_schema`` (None without), which tells
+    whether a row's tokens so far complete its text (:meth:`HostConstraint.incomplete_rows`).
     """
 
     def __init__(
@@ -1170,6 +1315,7 @@ class Session:
         call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
         self.batch_size = call.batch
         self._width = call.output_width()
+        self.constraint = call.constraint  # HostConstraint or None: which rows end incomplete
         self.decoder: decode.Decoder = call.decoder
         self.spec: decode.SpecConfig = self.decoder.spec
         inputs = call.inputs
@@ -1261,13 +1407,15 @@ class Session:
             first = functools.partial(slots.start, self.decoder, batch=a["batch"])
             step = functools.partial(slots.advance, self.decoder)
         first_args = {k: v for k, v in a.items() if k != "batch"}
+        # Updated as the pairs are yielded (the class docstring): a fresh array per run.
+        finished = self.finished = np.zeros(self.batch_size, bool)
+        self.prompts_done = self.prompts_started = 0
+        self.step_end = False
         with _sigint_recorded() as interrupt:
             s = first(**first_args)
         if interrupt.is_set():
             raise KeyboardInterrupt
         seen = np.zeros(self.batch_size, np.int64)
-        finished = np.zeros(self.batch_size, bool)
-        self.prompts_done = 0
         while True:
             with _sigint_recorded() as interrupt:
                 s = step(**self._params, prompts=a["prompts"], s=s)
@@ -1284,16 +1432,26 @@ class Session:
             running[prompt[prompt >= 0]] = True
             # Prompts that finished in this step (possibly started in it too): from the results.
             new_done = ~running & ~finished & (np.arange(self.batch_size) < started)
+            pairs = []  # (prompt, its new tokens, whether they are its last)
             for p in np.flatnonzero(new_done).tolist():
                 if res_len[p] > seen[p]:
-                    yield p, res_tokens[p, seen[p] : res_len[p]].tolist()
+                    pairs.append((p, res_tokens[p, seen[p] : res_len[p]].tolist(), True))
                     seen[p] = res_len[p]
-            finished |= new_done
-            self.prompts_done = int(finished.sum())
+                else:  # nothing new in its last step: finished as the step's pairs come
+                    finished[p] = True
             for slot, p in enumerate(prompt.tolist()):
                 if p >= 0 and generated[slot] > seen[p]:
-                    yield p, tokens[slot, seen[p] : generated[slot]].tolist()
+                    pairs.append((p, tokens[slot, seen[p] : generated[slot]].tolist(), False))
                     seen[p] = generated[slot]
+            self.prompts_started = started
+            self.prompts_done = int(finished.sum())
+            for i, (p, new, last) in enumerate(pairs):
+                if last:
+                    finished[p] = True
+                    self.prompts_done = int(finished.sum())
+                self.step_end = i == len(pairs) - 1
+                yield p, new
+            self.step_end = False
             if finished.all():
                 return
 
@@ -1308,9 +1466,16 @@ class Session:
                 self.return_logprobs,
                 None,
                 self._width,
+                self.constraint,
             )
         return _finish(
-            self._state, self.spec, self.batch_size, self.return_logprobs, self._mesh, self._width
+            self._state,
+            self.spec,
+            self.batch_size,
+            self.return_logprobs,
+            self._mesh,
+            self._width,
+            self.constraint,
         )
 
 

@@ -64,6 +64,11 @@ def parse_layers(spec: str, num_layers: int) -> int:
         layers = int(text, 10)
     except ValueError:
         layers = None
+    if num_layers < 2:
+        raise ValueError(
+            f"draft={spec!r}: self-drafting takes fewer layers than the target has, and the "
+            f"target has {num_layers}; give a draft model or draft='lookup'"
+        )
     if layers is None or not 0 < layers < num_layers:
         raise ValueError(
             f"draft={spec!r}: self-drafting takes the target's first L layers, an integer "

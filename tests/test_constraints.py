@@ -32,7 +32,7 @@ from test_verify_chain import code_outcome
 from test_verify_tree import enumerate_method
 
 import asps_jax
-from asps_jax import constraints, lookup, penalties, trees
+from asps_jax import constraints, lookup, penalties, sampler, trees
 from asps_jax.processors import SamplingParams
 from asps_jax.verify.registry import REGISTRY
 
@@ -705,3 +705,26 @@ def test_lookup_under_a_constraint_is_exact_by_enumeration(masked_models, method
         emitted = tab.emitted_law(stop, full, np.ones(1), x, p_rows[:, length], length)
         got = tab.continue_with_target(emitted, ref_target)
         np.testing.assert_allclose(got, want, atol=1e-10, err_msg=str(chains))
+
+
+def test_rows_cut_before_their_constraint_matched_are_flagged_incomplete(char_models):
+    """``SampleOutput.incomplete`` against Python's ``re``: a row is incomplete iff its text
+    (EOS, id 0, left out) is not a full match of its regex; budgets of 1 to 5 tokens cut the
+    4-token pattern's rows short, EOS or a dead state ends others."""
+    _, target, draft, _ = char_models
+    method = "specinfer"  # the flag is read from the emitted tokens, whatever the method
+    patterns = [R1] * 16 + [R2] * 16 + ["[a-e]{2}[f-k]{2}"] * 32  # the last: 4 tokens or none
+    budgets = [1 + b % 5 for b in range(64)]
+    out = asps_jax.sample(
+        target, draft, [PROMPT] * 64, key=jax.random.key(2), max_new_tokens=budgets,
+        method=method, regex=patterns, eos_token_id=0, num_drafts=2, num_draft_tokens=3,
+    )  # fmt: skip
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    expected = [
+        re.fullmatch(patterns[b], _text(tokens[b, : lengths[b]])) is None for b in range(64)
+    ]
+    assert out.incomplete.tolist() == expected
+    assert 0 < sum(expected) < 64, expected
+    # No constraint, no flag (SampleOutput.incomplete is None): nothing kept on the host.
+    plain = sampler.prepare(target, draft, [PROMPT], key=jax.random.key(2), max_new_tokens=2)
+    assert plain.constraint is None

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from asps_jax.kv_cache import KVBlock, KVCache
 from asps_jax.models.layers import check_inputs
@@ -202,14 +203,31 @@ def own_model(
     """
     from asps_jax.models.base import Model
 
-    treedef, specs = _specs(params, param_axes)
-    config = OwnConfig(
-        apply=forward,
+    sizes = dict(
         vocab_size=vocab_size,
         num_hidden_layers=num_hidden_layers,
         num_key_value_heads=num_key_value_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
+    )
+    for key, value in sizes.items():
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"own model: {key} must be an integer >= 1, got {value!r}")
+        if value < 1:
+            raise ValueError(f"own model: {key} must be an integer >= 1, got {value!r}")
+        sizes[key] = int(value)
+    vocab_size = sizes["vocab_size"]
+    if tokenizer is not None and vocab_size > len(tokenizer):
+        raise ValueError(
+            f"own model: vocab_size={vocab_size} exceeds the tokenizer's {len(tokenizer)} tokens, "
+            f"so ids {len(tokenizer)}..{vocab_size - 1} would be sampled with no text; give "
+            f"vocab_size={len(tokenizer)} (the forward's logits cut to it) or a tokenizer that "
+            "has them"
+        )
+    treedef, specs = _specs(params, param_axes)
+    config = OwnConfig(
+        apply=forward,
+        **sizes,
         eos_token_id=eos_token_id,
         treedef=treedef,
         specs=specs,
