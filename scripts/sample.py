@@ -111,15 +111,23 @@ def _draft_stop(text: str) -> str:
     return text
 
 
-# The loop runs in float32: a temperature beyond its range would overflow there.
+# The loop runs in float32: a number beyond its range (1e39 is finite here, inf there) would
+# overflow there.
+_F32_MAX = 3.4028234663852886e38
 _non_negative_float = _checked(
-    float, lambda v: 0.0 <= v <= 3.4028234663852886e38, "a finite number >= 0 (at most 3.4e38)"
+    float, lambda v: 0.0 <= v <= _F32_MAX, "a finite number >= 0 (at most 3.4e38)"
 )
 _top_p = _checked(float, lambda v: 0.0 < v <= 1.0, "a top-p in (0, 1]")
 _seed = _checked(int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
 _non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
-_finite_float = _checked(float, math.isfinite, "a finite number")
-_positive_float = _checked(float, lambda v: 0.0 < v < math.inf, "a finite number > 0")
+_finite_float = _checked(
+    float, lambda v: abs(v) <= _F32_MAX, "a finite number (|value| at most 3.4e38, float32)"
+)
+_positive_float = _checked(
+    float,
+    lambda v: 0.0 < v <= _F32_MAX and v >= 1.4e-45,
+    "a finite number > 0 that float32 holds (1.4e-45 to 3.4e38)",
+)
 _unit_float = _checked(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 
 
@@ -130,9 +138,15 @@ def _bias(text: str) -> tuple[int, float]:
         pair = (int(token), float(bias))
     except ValueError:
         pair = None
-    if not sep or pair is None or pair[0] < 0 or math.isnan(pair[1]) or pair[1] == math.inf:
+    if (
+        not sep
+        or pair is None
+        or pair[0] < 0
+        or not (abs(pair[1]) <= _F32_MAX or pair[1] == -math.inf)
+    ):
         raise argparse.ArgumentTypeError(
-            f"expected ID=BIAS (a token id >= 0, a finite bias or -inf), got {text!r}"
+            "expected ID=BIAS (a token id >= 0, a finite bias that float32 holds, |bias| at most "
+            f"3.4e38, or -inf), got {text!r}"
         )
     return pair
 
@@ -529,6 +543,8 @@ def _summary(session, out, args, compile_s, run_s, load_s) -> dict:
     }
     if getattr(session, "calibration", None) is not None:  # --num-draft-tokens auto
         summary["calibration"] = dataclasses.asdict(session.calibration)
+    if out.incomplete is not None:  # --regex / --json-schema: rows cut before the text matched
+        summary["incomplete"] = np.asarray(out.incomplete).tolist()
     return summary
 
 
@@ -546,6 +562,10 @@ def _print_summary(s: dict, stream) -> None:
             f"{s['load_seconds']} / {s['compile_seconds']} / {s['run_seconds']}",
         ),
     ]
+    if "incomplete" in s:
+        cut = [b for b, flag in enumerate(s["incomplete"]) if flag]
+        value = "none: every row's text matches" if not cut else f"rows {cut} (cut before the end)"
+        rows.insert(3, ("constraint incomplete", value))
     print("\n--- statistics ---", file=stream)
     for name, value in rows:
         print(f"{name:>26}: {value}", file=stream)
@@ -815,11 +835,12 @@ def _compile_counts(compile_cache) -> dict:
     }
 
 
-def _read_prompts(path) -> list[tuple[str, int | None]]:
-    """``--prompts FILE``: ``(text, max_new_tokens or None)`` per non-empty line; a line that
-    starts with ``{`` is a JSON object with ``prompt`` and an optional ``max_new_tokens``."""
+def _read_prompts(path) -> list[tuple[int, str, int | None]]:
+    """``--prompts FILE``: ``(line number, text, max_new_tokens or None)`` per non-empty line; a
+    line that starts with ``{`` is a JSON object with ``prompt`` and an optional
+    ``max_new_tokens``. A UTF-8 byte-order mark opening the file is not part of its first line."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as err:
         why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
@@ -829,7 +850,7 @@ def _read_prompts(path) -> list[tuple[str, int | None]]:
         if not line.strip():
             continue
         if not line.lstrip().startswith("{"):
-            out.append((line, None))
+            out.append((number, line, None))
             continue
         where = f"--prompts: {path}:{number}"
         try:
@@ -846,122 +867,209 @@ def _read_prompts(path) -> list[tuple[str, int | None]]:
         unknown = sorted(set(record) - {"prompt", "max_new_tokens"})
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown} (prompt, max_new_tokens)")
-        out.append((record["prompt"], budget))
+        out.append((number, record["prompt"], budget))
     if not out:
         raise ValueError(f"--prompts: {path} holds no prompts")
     return out
 
 
+def _check_prompt_sizes(path, records, encoded, budgets, target, draft) -> None:
+    """Each prompt of ``--prompts`` against the models' context, before anything is built: a
+    one-line error naming the file's line (the library's own check names no line)."""
+    context = target.config.max_position_embeddings
+    if draft is not None and not isinstance(draft, str):  # a drafter's name: the target's context
+        context = min(context, draft.config.max_position_embeddings)
+    for (number, _, own_budget), tokens, budget in zip(records, encoded, budgets):
+        where = f"--prompts: {path}:{number}"
+        if not tokens:
+            raise ValueError(f"{where}: the prompt encodes to no tokens")
+        if len(tokens) + budget > context:
+            lower = '"max_new_tokens"' if own_budget is not None else "--max-new-tokens"
+            raise ValueError(
+                f"{where}: prompt of {len(tokens)} tokens plus max_new_tokens={budget} exceeds "
+                f"the model context of {context} positions; shorten the prompt or lower {lower}"
+            )
+
+
+def _prompt_error(err: ValueError, path, records) -> ValueError:
+    """A library error naming ``prompts[i]``, with the line of ``--prompts`` FILE named instead."""
+    import re
+
+    match = re.match(r"prompts\[(\d+)\] (.*)", str(err), re.S)
+    if match is None or int(match[1]) >= len(records):
+        return err
+    return ValueError(f"--prompts: {path}:{records[int(match[1])][0]}: the prompt {match[2]}")
+
+
 def _run_prompts(args, target, draft, mesh, load_s, out_stream) -> int:
-    """``--prompts FILE``: every prompt through ``--batch-size`` slots (continuous batching);
-    JSON lines in prompt order, then one line of pooled statistics."""
+    """``--prompts FILE``: every prompt through ``--batch-size`` slots (continuous batching), step
+    by step so that a Ctrl-C is honoured at the next step boundary; JSON lines in prompt order,
+    then one line of pooled statistics.
+
+    Interrupted (exit status 130): the lines of the prompts that finished, as a normal run writes
+    them; one per prompt in flight with its tokens so far, ``"interrupted": true`` and null
+    statistics (a prompt's statistics are handed over when it finishes); nothing for the prompts
+    not started; the pooled line with ``"interrupted": true`` (docs/api.md §4)."""
+    import types
+
     import jax
     import numpy as np
 
-    from asps_jax import compile_cache, sampler
-    from asps_jax import slots as slots_module
+    from asps_jax import compile_cache
     from asps_jax.sampler import NonFiniteLogitsError, Session
 
     records = _read_prompts(args.prompts)
     tokenizer = target.tokenizer
-    texts = [t for t, _ in records]
+    texts = [t for _, t, _ in records]
     encoded = [tokenizer.encode(t, verbose=False) for t in texts]
-    for i, e in enumerate(encoded):
-        if not e:
-            raise ValueError(f"--prompts: prompt {i} encodes to no tokens")
-    budgets = [args.max_new_tokens if b is None else b for _, b in records]
+    budgets = [args.max_new_tokens if b is None else b for _, _, b in records]
+    _check_prompt_sizes(args.prompts, records, encoded, budgets, target, draft)
     slots = args.batch_size or 8
     kwargs = dict(
         key=jax.random.key(args.seed),
         max_new_tokens=budgets,
         batch_size=slots,
-        return_logprobs=True,
         **_sampling_kwargs(args),
     )
     if mesh is not None:
         raise ValueError("--prompts: continuous batching runs on one device; drop --mesh")
-    progress = sys.stderr.isatty()
-    failure = None
-    if progress:  # step by step, to report progress (a host round trip per step)
+    try:
         session = Session(target, draft, encoded, **kwargs)
-        _stop_if_interrupted("preparing the batch")
+    except ValueError as err:
+        raise _prompt_error(err, args.prompts, records) from None
+    _stop_if_interrupted("preparing the batch")
+    try:
         compile_s = session.compile()
-        start = time.perf_counter()
-        tokens = 0
-        for _, new in session.steps():
+    except KeyboardInterrupt:
+        raise _Interrupted("compiling") from None
+    _stop_if_interrupted("compiling")
+    progress = sys.stderr.isatty()
+    so_far = [[] for _ in records]  # each prompt's tokens as steps() yields them
+    pairs = tokens = 0
+    interrupted, failure = False, None
+    start = time.perf_counter()
+    try:
+        for p, new in session.steps():
+            so_far[p] += new
+            pairs += 1
             tokens += len(new)
-            rate = tokens / max(time.perf_counter() - start, 1e-9)
-            print(
-                f"\r[{session.prompts_done}/{len(records)} prompts, {tokens} tokens, "
-                f"{rate:.1f} tokens/s]",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-            if _CtrlC.requested:
+            if progress:  # a progress line where stderr is a terminal
+                rate = tokens / max(time.perf_counter() - start, 1e-9)
+                print(
+                    f"\r[{session.prompts_done}/{len(records)} prompts, {tokens} tokens, "
+                    f"{rate:.1f} tokens/s]",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if _CtrlC.requested and session.step_end:  # the boundary between two steps
                 break
-        print(file=sys.stderr)
-        try:
-            out = session.result()
-        except NonFiniteLogitsError as err:
-            out, failure = err.output, err
-    else:  # one compiled call for the whole set
-        kwargs.pop("return_logprobs")
-        call = sampler.prepare(target, draft, encoded, **kwargs)
-        width = call.output_width()
-        decoder = call.decoder
-        slot_args = call.slot_kwargs()
-        _stop_if_interrupted("preparing the batch")
-        start = time.perf_counter()
-        compiled = slots_module.run.lower(decoder, **slot_args).compile()
-        compile_s = time.perf_counter() - start
-        _stop_if_interrupted("compiling")
-        start = time.perf_counter()
-        results = compiled(**{k: v for k, v in slot_args.items() if k != "batch"})
-        jax.block_until_ready(results.tokens)
-        try:
-            out = sampler._finish(results, decoder.spec, call.batch, False, None, width)
-        except NonFiniteLogitsError as err:
-            out, failure = err.output, err
+    except KeyboardInterrupt:  # raised by steps() itself when SIGINT is Python's default
+        interrupted = True
     run_s = time.perf_counter() - start
+    if progress:
+        print(file=sys.stderr)
+    interrupted = interrupted or _CtrlC.requested
+    if interrupted and pairs == 0:
+        print(
+            "sample.py: interrupted before the first step; nothing was generated", file=sys.stderr
+        )
+        return INTERRUPTED
+    try:
+        out = session.result()
+    except NonFiniteLogitsError as err:
+        out, failure = err.output, err
+    n = len(records)
+    finished = session.finished.copy()  # all of them unless interrupted
+    in_flight = (np.arange(n) < session.prompts_started) & ~finished
     stats = {k: np.asarray(v) for k, v in out.stats.items()}
     lengths = np.asarray(out.lengths)
-    tokens = np.asarray(out.tokens)
-    for i in range(lengths.size):
-        row = tokens[i, : lengths[i]].tolist()
-        line = {
-            "index": i,
-            "prompt": texts[i],
-            "text": tokenizer.decode(row, skip_special_tokens=True),
-            "tokens": row,
-            "new_tokens": int(lengths[i]),
-            "max_new_tokens": budgets[i],
-            "target_calls": int(stats["target_calls"][i]),
-            "tokens_per_step": float(stats["tokens_per_step"][i]),
-            "acceptance": float(stats["acceptance"][i]),
-            "failed_at": int(stats["failed_at"][i]),
-        }
+    result_tokens = np.asarray(out.tokens)
+    written = []  # the number of tokens of each line written
+    for i in range(n):
+        if finished[i]:
+            row = result_tokens[i, : lengths[i]].tolist()
+            line = {
+                "index": i,
+                "prompt": texts[i],
+                "text": tokenizer.decode(row, skip_special_tokens=True),
+                "tokens": row,
+                "new_tokens": int(lengths[i]),
+                "max_new_tokens": budgets[i],
+                "target_calls": int(stats["target_calls"][i]),
+                "tokens_per_step": float(stats["tokens_per_step"][i]),
+                "acceptance": float(stats["acceptance"][i]),
+                "failed_at": int(stats["failed_at"][i]),
+            }
+            if out.incomplete is not None:  # cut before its --regex / --json-schema matched
+                line["incomplete"] = bool(out.incomplete[i])
+        elif in_flight[i]:
+            row = so_far[i]
+            line = {
+                "index": i,
+                "prompt": texts[i],
+                "text": tokenizer.decode(row, skip_special_tokens=True),
+                "tokens": row,
+                "new_tokens": len(row),
+                "max_new_tokens": budgets[i],
+                "target_calls": None,
+                "tokens_per_step": None,
+                "acceptance": None,
+                "failed_at": None,
+                "interrupted": True,
+            }
+            if session.constraint is not None:
+                cut = session.constraint.incomplete_rows([row or [-1]], [len(row)], rows=[i])
+                line["incomplete"] = bool(cut[0])
+        else:  # not started
+            continue
+        written.append(len(row))
         print(json.dumps(_strict_json(line), allow_nan=False), file=out_stream)
-    calls = int(stats["target_calls"].sum())
+    # The statistics of the finished prompts (every prompt unless interrupted).
+    calls = int(stats["target_calls"][finished].sum())
+    done_tokens = int(lengths[finished].sum())
+    new_tokens = sum(written)
     pooled = {
         "pooled": True,
         "method": args.method,
-        "prompts": int(lengths.size),
+        "prompts": len(written),
         "batch_size": slots,
-        "new_tokens": int(lengths.sum()),
+        "new_tokens": new_tokens,
         "target_calls": calls,
-        "tokens_per_step": float(lengths.sum() / max(calls, 1)),
-        "acceptance": float(stats["accepted"].sum() / max(stats["decisions"].sum(), 1)),
+        "tokens_per_step": float(done_tokens / max(calls, 1)),
+        "acceptance": float(
+            stats["accepted"][finished].sum() / max(stats["decisions"][finished].sum(), 1)
+        ),
         "load_seconds": round(load_s, 3),
         "compile_seconds": round(compile_s, 3),
         "run_seconds": round(run_s, 3),
-        "tokens_per_second": float(lengths.sum() / run_s) if run_s > 0 else float("nan"),
+        "tokens_per_second": float(new_tokens / run_s) if run_s > 0 else float("nan"),
         **_compile_counts(compile_cache),
     }
+    if interrupted:
+        if not finished.any():  # no finished prompt to pool
+            pooled["tokens_per_step"] = pooled["acceptance"] = None
+        pooled["interrupted"] = True
+        pooled["finished"] = int(finished.sum())
+        pooled["in_flight"] = int(in_flight.sum())
+        if failure is not None:  # only the rows written count
+            kept = [(r, q) for r, q in zip(failure.rows, failure.positions) if finished[r]]
+            failure = None
+            if kept:
+                rows, positions = zip(*kept)
+                failure = types.SimpleNamespace(rows=list(rows), positions=list(positions))
     print(json.dumps(_strict_json(pooled), allow_nan=False), file=out_stream)
     if failure is not None:
         print(f"sample.py: error: {_nonfinite_message(failure)}", file=sys.stderr)
         return 1
+    if interrupted:
+        print(
+            f"sample.py: interrupted after {int(finished.sum())} of {n} prompts "
+            f"({int(in_flight.sum())} in flight written with their tokens so far, "
+            f"{n - len(written)} not started)",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
     return 0
 
 
@@ -969,11 +1077,12 @@ def _read_schema(path):
     """The text of the --json-schema file (None without the flag)."""
     if path is None:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
+    try:  # a UTF-8 byte-order mark opening the file is not part of the schema
+        with open(path, encoding="utf-8-sig") as f:
             return f.read()
-    except OSError as err:
-        raise ValueError(f"--json-schema: cannot read {path} ({err.strerror})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+        raise ValueError(f"--json-schema: cannot read {path} ({why})") from None
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -289,3 +290,60 @@ def test_between_steps_sigint_is_the_callers(python_sigint):
         assert len(new) == 1
     assert seen and all(h is signal.default_int_handler for h in seen)
     assert int(session.result().lengths[0]) == 8
+
+
+def test_sigint_during_prompts_exits_130_with_the_prompts_so_far(tmp_path):
+    """The command as a process on a prompt set, stderr a terminal (a pseudo-terminal, so that
+    the progress line says when the steps have begun), SIGINT then: exit status 130, the JSON
+    lines of the prompts finished and in flight and a marked pooled line (the SIGINT used to be
+    dropped: the run went on, or its prompts in flight were printed as empty finished ones)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"ROMEO {i}:\n" for i in range(48)), encoding="utf-8")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    argv = ["--method", "ar", "--prompts", str(prompts), "--max-new-tokens", "200"]
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            as_from_a_terminal("-u", str(SCRIPT), *argv, "--batch-size", "4"),
+            stdout=subprocess.PIPE,
+            stderr=follower,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(follower)
+    err, begun = bytearray(), threading.Event()
+
+    def drain():  # the child never blocks on a full terminal
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            err.extend(chunk)
+            if b" prompts, " in err:
+                begun.set()
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        assert begun.wait(timeout=240), bytes(err)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        reader.join(timeout=10)
+        os.close(leader)
+    err = err.decode(errors="replace")
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "sample.py: interrupted after " in err, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    rows, pooled = lines[:-1], lines[-1]
+    assert pooled["interrupted"] is True and pooled["prompts"] == len(rows) < 48
+    assert [r["index"] for r in rows] == list(range(len(rows)))  # none after one not started
+    flying = [r for r in rows if r.get("interrupted")]
+    assert len(flying) == pooled["in_flight"] >= 1
+    assert all(1 <= r["new_tokens"] == len(r["tokens"]) < 200 for r in flying)
