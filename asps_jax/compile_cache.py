@@ -1,8 +1,11 @@
-"""A persistent JAX compilation cache for the command-line tools.
+"""A persistent JAX compilation cache, on by default for the command-line tools and for Python.
 
 Compiling the decoding loop takes most of a short run; XLA can keep the compiled programs on disk
-so that the next process with the same shapes loads them instead. The library itself never turns
-this on at import (no import-time side effects); the scripts call :func:`enable` first thing.
+so that the next process with the same shapes loads them instead. Nothing happens at import (no
+import-time side effects): the scripts call :func:`enable` first thing, and the library's entry
+points (``sample``, ``stream``, ``Session``, ``prepare``) call :func:`enable_default` before they
+build anything, which turns it on once per process unless the program chose a cache directory of
+its own (``jax_compilation_cache_dir`` already set: it is kept, as the tests' temporary one is).
 
 Where the cache lives, in order: the ``path`` argument, ``$ASPS_JAX_CACHE_DIR``,
 ``$XDG_CACHE_HOME/asps_jax/jax``, ``~/.cache/asps_jax/jax``. ``ASPS_JAX_NO_CACHE=1`` (or the
@@ -14,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 ENV_DIR = "ASPS_JAX_CACHE_DIR"
@@ -79,6 +83,33 @@ def enable(path: str | os.PathLike | None = None, notify=None) -> Path | None:
         # runs sharing the directory never read an entry the other is still writing.
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return directory
+
+
+_default_tried = False
+
+
+def enable_default() -> Path | None:
+    """The library's default: :func:`enable` with the default directory, once per process (the
+    first call decides; later ones return None), unless ``$ASPS_JAX_NO_CACHE`` is set or the
+    program already set ``jax_compilation_cache_dir`` (its own directory is left as it is). A
+    directory that cannot be used is said once, as a ``RuntimeWarning``, and the run compiles as
+    usual. Returns the directory it turned on, else None."""
+    global _default_tried
+    if _default_tried:
+        return None
+    _default_tried = True
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return None
+    return enable(notify=lambda message: warnings.warn(message, RuntimeWarning, stacklevel=3))
+
+
+def decline_default() -> None:
+    """Make :func:`enable_default` do nothing in this process: for a program that decided about
+    the cache itself (the command line's ``--no-compile-cache``, or its own :func:`enable`)."""
+    global _default_tried
+    _default_tried = True
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import numpy as np
 
 from asps_jax import (
     autotune,
+    compile_cache,
     constraints,
     decode,
     footprint,
@@ -1016,6 +1017,7 @@ def prepare(
     first token whose text completes an occurrence of one of them in the row's generated text,
     that token kept (:mod:`asps_jax.stopping`). Needs the target's tokenizer.
     """
+    compile_cache.enable_default()  # the persistent cache, as the command line has it
     if not isinstance(max_new_tokens, (list, tuple, np.ndarray)):
         _check_int("max_new_tokens", max_new_tokens, 1)
     if batch_size is not None:
@@ -1226,6 +1228,7 @@ def sample(
     tokens independent of B (docs/api.md §3).
     """
     _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+    compile_cache.enable_default()  # before the calibration of num_draft_tokens="auto" compiles
     calibration = _resolve_auto(target, draft, prompts, key, kwargs)
     call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
     mesh = None if call.slots is not None else call.decoder.mesh
@@ -1310,6 +1313,7 @@ class Session:
     ):
         self.return_logprobs = bool(return_logprobs)
         _check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+        compile_cache.enable_default()  # before the calibration of num_draft_tokens="auto"
         # num_draft_tokens="auto": the autotune.Calibration that chose n (else None).
         self.calibration = _resolve_auto(target, draft, prompts, key, kwargs)
         call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)

@@ -698,6 +698,7 @@ def run(args) -> int:
             args.mesh = f"data={jax.device_count()}"
     if not args.no_compile_cache:
         compile_cache.enable(notify=lambda m: print(f"sample.py: note: {m}", file=sys.stderr))
+    compile_cache.decline_default()  # decided here: the library's default does not try again
     compile_cache.count_compiles()
 
     # Built before loading the models: a mesh that does not fit the devices fails fast.

@@ -1,0 +1,72 @@
+"""The persistent compilation cache is on by default from Python (``sample``, ``stream``,
+``Session``, ``prepare``), in the command line's directory and with its opt-out, and a program's
+own choice of directory is kept (as the test run's is)."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from hf_checkpoints import write_tiny_llama
+
+import asps_jax
+from asps_jax import compile_cache, sampler
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache_default")
+    write_tiny_llama(root / "target", seed=0, vocab_size=12)
+    write_tiny_llama(root / "draft", seed=1, vocab_size=12)
+    return asps_jax.load_model(str(root / "target")), asps_jax.load_model(str(root / "draft"))
+
+
+@pytest.fixture
+def fresh_process(monkeypatch, tmp_path):
+    """As in a new Python process with no cache directory chosen (conftest restores JAX's
+    configuration after the test; the run's own cache, initialised already, keeps serving)."""
+    monkeypatch.setattr(compile_cache, "_default_tried", False)
+    monkeypatch.setenv(compile_cache.ENV_DIR, str(tmp_path / "cache"))
+    monkeypatch.delenv(compile_cache.ENV_OFF, raising=False)
+    jax.config.update("jax_compilation_cache_dir", None)
+    return tmp_path / "cache"
+
+
+def _prepare(pair):
+    target, draft = pair
+    return sampler.prepare(target, draft, [[1, 2]], key=jax.random.key(0), max_new_tokens=2)
+
+
+def test_prepare_turns_the_default_cache_on(pair, fresh_process):
+    _prepare(pair)
+    assert jax.config.jax_compilation_cache_dir == str(fresh_process)
+    assert fresh_process.is_dir()
+
+
+def test_the_opt_out_keeps_it_off(pair, fresh_process, monkeypatch):
+    monkeypatch.setenv(compile_cache.ENV_OFF, "1")
+    _prepare(pair)
+    assert not jax.config.jax_compilation_cache_dir
+
+
+def test_a_directory_the_program_chose_is_kept(pair, fresh_process, tmp_path):
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+    _prepare(pair)
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+
+
+def test_the_command_line_decides_once(pair, fresh_process):
+    """``--no-compile-cache``: the CLI declines the default, so the library leaves it off."""
+    compile_cache.decline_default()
+    _prepare(pair)
+    assert not jax.config.jax_compilation_cache_dir
+
+
+def test_an_unusable_directory_is_one_warning(pair, fresh_process, monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(compile_cache.ENV_DIR, str(blocker / "cache"))
+    with pytest.warns(RuntimeWarning, match="cannot be used") as caught:
+        _prepare(pair)
+        _prepare(pair)
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    assert not jax.config.jax_compilation_cache_dir
