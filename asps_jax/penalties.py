@@ -193,8 +193,10 @@ def apply_controls(sampling, history: History, logits_BXV, path_BXD, depth_X) ->
         | jnp.any(sampling.frequency_penalty != 0.0)
         | jnp.any(sampling.logit_bias != 0.0)
     )
-    # Batch-level predicates: real branches, so a run without controls does none of this work.
-    logits_BXV = jax.lax.cond(any_penalty, penalties, lambda x: x, logits_BXV)
+    # Batch-level predicates: real branches, so a run without controls does none of this work;
+    # a call that gives none of them does not compile it (static).
+    if sampling.penalized:
+        logits_BXV = jax.lax.cond(any_penalty, penalties, lambda x: x, logits_BXV)
     window = sampling.ngram_window
     if window == 0:
         return logits_BXV

@@ -167,6 +167,11 @@ class SamplingParams:
       dfa_final: bool[S], the accepting states.
       dfa_start: int32[B], each row's start state.
       constrained: static bool, some row has a constraint (else none of its code is compiled).
+      filters: static, the names of the filters the call gives (``"top_k"``, ``"top_p"``,
+        ``"min_p"``): only their code is compiled (their values stay arrays: changing one does
+        not recompile; giving one the call did not give compiles once).
+      penalized: static bool, the call gives a repetition, presence or frequency penalty or a
+        logit bias (else none of that code is compiled).
       draft_stop: float32[B], the confidence stop τ of each row (``draft_stop="confidence:τ"``:
         a draft chain stops growing at the first draft law whose top probability is below τ;
         read only when the decoder's ``SpecConfig.draft_stop`` is on; 0 never stops).
@@ -195,6 +200,8 @@ class SamplingParams:
     draft_stop: jax.Array = _laid_out("rows")
     ngram_window: int = dataclasses.field(default=0, metadata=dict(static=True))
     constrained: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    filters: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    penalized: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
     def make(
@@ -216,7 +223,14 @@ class SamplingParams:
         draft_stop=None,
     ):
         """``constraint``: None, or ``(next int32[S, V], final bool[S], start int32[B])`` from
-        :func:`asps_jax.constraints.stack`."""
+        :func:`asps_jax.constraints.stack`. A control or filter left None is absent: its code is
+        not compiled (:attr:`filters`, :attr:`penalized`)."""
+        given = dict(top_k=top_k, top_p=top_p, min_p=min_p)
+        filters = tuple(name for name, value in given.items() if value is not None)
+        penalized = any(
+            v is not None
+            for v in (repetition_penalty, presence_penalty, frequency_penalty, logit_bias)
+        )
 
         def rows(value, dtype, default):
             value = default if value is None else value
@@ -248,6 +262,8 @@ class SamplingParams:
             draft_stop=rows(draft_stop, jnp.float32, 0.0),
             ngram_window=ngram_window(np.asarray(ngram).reshape(-1).tolist()),
             constrained=constraint is not None,
+            filters=filters,
+            penalized=penalized,
         )
 
     @classmethod
@@ -266,22 +282,34 @@ class SamplingParams:
         (temperature, top-k, top-p, min-p; the path-dependent controls come first, see
         :func:`asps_jax.penalties.process`)."""
         temperature = self.draft_temperature if draft else self.temperature
+        # Only the filters the call gives are compiled (static); among those, batch-level
+        # predicates skip the ones no row uses at run time (real branches: a per-row cond under
+        # vmap would run both sides).
+        top_k = self.top_k if "top_k" in self.filters else None
+        top_p = self.top_p if "top_p" in self.filters else None
+        min_p = self.min_p if "min_p" in self.filters else None
 
         def filtered(logits):
-            return jax.vmap(process_logits)(logits, temperature, self.top_k, self.top_p, self.min_p)
+            return jax.vmap(process_logits)(logits, temperature, top_k, top_p, min_p)
 
         def min_p_only(logits):  # min-p needs no sort
-            return jax.vmap(process_logits)(logits, temperature, None, None, self.min_p)
+            return jax.vmap(process_logits)(logits, temperature, None, None, min_p)
 
         def temperature_only(logits):  # no V-sized sort: the common case, and much cheaper
             return jax.vmap(process_logits)(logits, temperature)
 
         def unsorted(logits):
-            return jax.lax.cond(jnp.any(self.min_p > 0.0), min_p_only, temperature_only, logits)
+            if min_p is None:
+                return temperature_only(logits)
+            return jax.lax.cond(jnp.any(min_p > 0.0), min_p_only, temperature_only, logits)
 
-        # Batch-level predicates, so these are real branches (a per-row cond under vmap would
-        # run both sides).
-        any_filter = jnp.any(self.top_k > 0) | jnp.any(self.top_p < 1.0)
+        if top_k is None and top_p is None:
+            return unsorted(logits_BV)
+        any_filter = jnp.zeros((), bool)
+        if top_k is not None:
+            any_filter |= jnp.any(top_k > 0)
+        if top_p is not None:
+            any_filter |= jnp.any(top_p < 1.0)
         return jax.lax.cond(any_filter, filtered, unsorted, logits_BV)
 
     def repeat(self, k: int) -> SamplingParams:

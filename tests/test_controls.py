@@ -434,12 +434,15 @@ def test_bad_control_values_are_one_line_errors(models, kwargs, match):
 
 
 def test_controls_change_no_compiled_shape():
-    """Values of every control are arrays: two settings give the same tree structure and shapes
-    (no recompile); n-gram sizes within one power-of-two window share it too."""
+    """Values of every control are arrays: two settings of the same controls give the same tree
+    structure and shapes (no recompile); n-gram sizes within one power-of-two window share it
+    too. Giving a control the call did not give is a new structure (its code enters the
+    program: tests/test_program_families.py)."""
     vocab = 10
     a = SamplingParams.make(
-        3, repetition_penalty=1.2, no_repeat_ngram_size=2, logit_bias=np.ones(vocab)
-    )
+        3, repetition_penalty=1.2, no_repeat_ngram_size=2, logit_bias=np.ones(vocab), min_p=0.0,
+        presence_penalty=0.0, frequency_penalty=0.5,
+    )  # fmt: skip
     b = SamplingParams.make(
         3, repetition_penalty=[1.0, 2.0, 3.0], no_repeat_ngram_size=[4, 0, 1], min_p=0.3,
         presence_penalty=-1.0, frequency_penalty=2.0, logit_bias=np.zeros((3, vocab)),
@@ -447,6 +450,9 @@ def test_controls_change_no_compiled_shape():
     shapes = [jax.tree.map(lambda x: (x.shape, x.dtype), s) for s in (a, b)]
     assert jax.tree.structure(a) == jax.tree.structure(b) and shapes[0] == shapes[1]
     assert a.ngram_window == b.ngram_window == 4
+    plain = jax.tree.structure(SamplingParams.make(3))
+    for given in (dict(min_p=0.3), dict(top_k=2), dict(top_p=0.9), dict(presence_penalty=1.0)):
+        assert jax.tree.structure(SamplingParams.make(3, **given)) != plain, given
     assert SamplingParams.make(3).ngram_window == 0
     assert SamplingParams.make(3, no_repeat_ngram_size=5).ngram_window == 8
     for name in SamplingParams.array_fields():
