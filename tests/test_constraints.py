@@ -254,6 +254,7 @@ def test_lookup_with_a_constraint_and_a_penalty_is_exact_by_enumeration(masked_m
         _hand_tables().repeat(len(rows)),
         repetition_penalty=jnp.full(len(rows), REP, jnp.float32),
         temperature=jnp.full(len(rows), TEMP, jnp.float32),
+        penalized=True,  # the penalties' code is compiled in only when the call gives them
     )
     lp, ok = _process(
         sampling, history, jnp.asarray(logits), jnp.asarray(path), jnp.asarray(depth), False
