@@ -845,7 +845,7 @@ def _check_tree_size(spec: decode.SpecConfig) -> None:
         )
         raise ValueError(
             f"the draft tree has {nodes} nodes, past the bound of {MAX_TREE_NODES} nodes a step "
-            f"verifies (a larger step compiles for minutes and does not pay): {lower}"
+            f"verifies (a larger step compiles for minutes): {lower}"
         )
 
 
