@@ -682,7 +682,7 @@ def run(args) -> int:
 
     import asps_jax
     from asps_jax import compile_cache
-    from asps_jax.sampler import NonFiniteLogitsError, Session, named_draft
+    from asps_jax.sampler import Session, named_draft
     from asps_jax.sharding import init_distributed, make_mesh
     from asps_jax.textstream import TextStream
 
@@ -761,7 +761,7 @@ def run(args) -> int:
         print(texts[0], end="", file=out_stream, flush=True)
     start = time.perf_counter()
     text_stream = TextStream(tokenizer, skip_special_tokens=True)
-    step, interrupted, failure = 0, False, None
+    step, interrupted = 0, False
     try:
         for new in session.steps():
             step += 1
@@ -780,10 +780,7 @@ def run(args) -> int:
             "\nsample.py: interrupted before the first step; nothing was generated", file=sys.stderr
         )
         return INTERRUPTED
-    try:
-        out = session.result()
-    except NonFiniteLogitsError as err:
-        out, failure = err.output, err
+    out, failure = _result(session)
     summary = _summary(session, out, args, compile_s, run_s, load_s)
     summary["interrupted"] = interrupted
     if args.json:
@@ -824,6 +821,17 @@ def run(args) -> int:
         )
         return INTERRUPTED
     return 0
+
+
+def _result(session):
+    """``(SampleOutput, failure)``: the session's output, and the NonFiniteLogitsError of a model
+    that produced an unusable law (its ``.output`` keeps the tokens before), else None."""
+    from asps_jax.sampler import NonFiniteLogitsError
+
+    try:
+        return session.result(), None
+    except NonFiniteLogitsError as err:
+        return err.output, err
 
 
 def _compile_counts(compile_cache) -> dict:
@@ -917,7 +925,7 @@ def _run_prompts(args, target, draft, mesh, load_s, out_stream) -> int:
     import numpy as np
 
     from asps_jax import compile_cache
-    from asps_jax.sampler import NonFiniteLogitsError, Session
+    from asps_jax.sampler import Session
 
     records = _read_prompts(args.prompts)
     tokenizer = target.tokenizer
@@ -947,7 +955,7 @@ def _run_prompts(args, target, draft, mesh, load_s, out_stream) -> int:
     progress = sys.stderr.isatty()
     so_far = [[] for _ in records]  # each prompt's tokens as steps() yields them
     pairs = tokens = 0
-    interrupted, failure = False, None
+    interrupted = False
     start = time.perf_counter()
     try:
         for p, new in session.steps():
@@ -976,10 +984,7 @@ def _run_prompts(args, target, draft, mesh, load_s, out_stream) -> int:
             "sample.py: interrupted before the first step; nothing was generated", file=sys.stderr
         )
         return INTERRUPTED
-    try:
-        out = session.result()
-    except NonFiniteLogitsError as err:
-        out, failure = err.output, err
+    out, failure = _result(session)
     n = len(records)
     finished = session.finished.copy()  # all of them unless interrupted
     in_flight = (np.arange(n) < session.prompts_started) & ~finished

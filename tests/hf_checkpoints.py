@@ -77,6 +77,16 @@ def write_tiny_llama(path, **kwargs) -> transformers.LlamaForCausalLM:
     return model
 
 
+def load_tiny_pair(root, vocab_size: int = 12):
+    """A tiny Llama target (seed 0) and draft (seed 1) written under ``root`` and loaded
+    through asps_jax's loader: ``(target, draft)``."""
+    import asps_jax
+
+    write_tiny_llama(root / "target", seed=0, vocab_size=vocab_size)
+    write_tiny_llama(root / "draft", seed=1, vocab_size=vocab_size)
+    return asps_jax.load_model(str(root / "target")), asps_jax.load_model(str(root / "draft"))
+
+
 # The learned-position families: tiny shapes (tests override any of them by keyword). GPT-Neo's
 # window of 4 is shorter than the tests' sequences, so its local layers are exercised. Weights of
 # std 0.2 (not HF's 0.02) give logits of order 1, so a 1e-4 tolerance is a tight check.

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import jax
 import pytest
-from hf_checkpoints import write_tiny_llama
+from hf_checkpoints import load_tiny_pair
 
-import asps_jax
 from asps_jax import compile_cache, sampler
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cache_default")
-    write_tiny_llama(root / "target", seed=0, vocab_size=12)
-    write_tiny_llama(root / "draft", seed=1, vocab_size=12)
-    return asps_jax.load_model(str(root / "target")), asps_jax.load_model(str(root / "draft"))
+    return load_tiny_pair(tmp_path_factory.mktemp("cache_default"))
 
 
 @pytest.fixture
