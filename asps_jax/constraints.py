@@ -284,10 +284,11 @@ COMPILE_MEMORY_BYTES = max(2 << 30, _half_the_memory())
 2 GiB), in a child process (:mod:`asps_jax.dfa_worker`): past it the child stops and the pattern
 is refused in one line, where the index builder would exhaust the memory or abort the process."""
 
-COMPILE_SECONDS = 300.0
+COMPILE_SECONDS = 120.0
 """The time outlines-core may take to build one DFA (seconds): past it the child is stopped and
 the pattern refused. An ordinary schema takes well under a second at 2 048 tokens and 7-15 s at
-a 100 k vocabulary."""
+a 100 k vocabulary; a top-level ``{"type": "string", "maxLength": 50}`` would run on (its
+search automaton explodes inside outlines-core) until the memory limit, minutes later."""
 
 
 def _compile(pattern: str, tokens: list[bytes | None], key: str, what: str) -> TokenDFA:
