@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import compile_cache
+from asps_jax import compile_cache, tokenbytes
 
 MAX_TABLE_ENTRIES = 1 << 26
 """The bound on ``states x vocabulary`` of a batch's stacked DFA table (int32: 256 MiB)."""
@@ -102,66 +102,13 @@ def _one_line(err) -> str:
 # The vocabulary
 
 
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: printable stand-in character -> byte."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-def _decoder_kinds(tokenizer) -> set[str]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return set()
-    kinds = set()
-
-    def walk(node):
-        if isinstance(node, dict):
-            if "type" in node:
-                kinds.add(node["type"])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(json.loads(backend.to_str()).get("decoder"))
-    return kinds
-
-
 def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
-    """The byte string each token id in ``[0, vocab_size)`` adds to the text; None for special
-    tokens and ids the tokenizer does not have (the constraint never allows them)."""
-    kinds = _decoder_kinds(tokenizer)
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    size = min(len(tokenizer), vocab_size)
-    pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
-    byte_level = _bytes_to_unicode() if "ByteLevel" in kinds else None
-    metaspace = bool(kinds & {"Metaspace", "ByteFallback"}) or any(
-        isinstance(p, str) and p.startswith("\u2581") for p in pieces[:1000]
-    )
-    out: list[bytes | None] = []
-    for i, piece in enumerate(pieces):
-        if i in special or piece is None or piece == "":
-            out.append(None)
-        elif byte_level is not None:
-            try:
-                out.append(bytes(byte_level[c] for c in piece))
-            except KeyError:  # an added (non byte-level) token
-                out.append(piece.encode())
-        elif metaspace and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            out.append(bytes([int(piece[3:5], 16)]))
-        elif metaspace:
-            out.append(piece.replace("\u2581", " ").encode())
-        else:
-            out.append(piece.encode())
-    return out + [None] * (vocab_size - size)
+    """The byte string each token id in ``[0, vocab_size)`` adds to the text — the table stop
+    strings read too (:func:`asps_jax.tokenbytes.token_bytes`) — with None where a constraint
+    never allows the id: special tokens, ids the tokenizer does not have, tokens of no text."""
+    special = tokenbytes.special_ids(tokenizer)
+    pieces = tokenbytes.token_bytes(tokenizer, vocab_size)
+    return [None if i in special or not piece else piece for i, piece in enumerate(pieces)]
 
 
 def _vocabulary_hash(tokens: list[bytes | None]) -> str:

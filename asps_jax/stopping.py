@@ -1,15 +1,15 @@
 """Stop strings: a row ends after the first occurrence of a stop string in its generated text.
 
-The text is the UTF-8 bytes of the generated tokens. Each token's bytes come from a table built
-once per tokenizer on the host (:func:`token_byte_table`): byte-level BPE (GPT-2's byte-to-unicode
-alphabet), SentencePiece-style vocabularies (``▁`` is a space, ``<0xNN>`` a raw byte), and, for any
-other tokenizer, ``decode([id])``; special tokens add no bytes. Matching runs on device, inside the
-jitted loop, once per step on the emitted block (:func:`advance`): the block's bytes are laid out
-after the last ``Ls - 1`` bytes of the row's earlier text (its *tail*, carried in the decode
-state), and every window ending at a new byte is compared with every stop string. The first token
-whose bytes complete an occurrence is the row's last; the rest of the block is dropped. A stop
-string may end partway into that token (the token's remaining bytes are kept, as transformers'
-``stop_strings`` keeps them) and may span tokens and steps.
+The text is the UTF-8 bytes of the generated tokens. Each token's bytes come from the one table
+per tokenizer that constraints read too (:func:`asps_jax.tokenbytes.token_bytes`), laid out as
+device arrays once (:func:`token_byte_table`); special tokens add no bytes. Matching runs on
+device, inside the jitted loop, once per step on the emitted block (:func:`advance`): the
+block's bytes are laid out after the last ``Ls - 1`` bytes of the row's earlier text (its
+*tail*, carried in the decode state), and every window ending at a new byte is compared with
+every stop string. The first token whose bytes complete an occurrence is the row's last; the
+rest of the block is dropped. A stop string may end partway into that token (the token's
+remaining bytes are kept, as transformers' ``stop_strings`` keeps them) and may span tokens and
+steps.
 
 The stop strings are arrays padded to a bucket (:func:`stop_strings`): changing them within the
 bucket (at most ``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_BYTES`` bytes) never recompiles.
@@ -18,12 +18,12 @@ bucket (at most ``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_BYTES`` bytes
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from asps_jax.tokenbytes import token_bytes
 
 __all__ = [
     "MAX_STOP_BYTES",
@@ -43,8 +43,6 @@ _MIN_BYTES = 8  # string-length buckets (bytes): 8, 16, 32, 64
 _TOKEN_BYTES_MULTIPLE = 8
 _ABSENT = -1  # a tail slot before the start of the text: equals no byte
 _PAD = -2  # a stop string's left padding: matches anything
-
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def validate_stop(stop, name: str = "stop") -> tuple[bytes, ...]:
@@ -84,79 +82,6 @@ def validate_stop(stop, name: str = "stop") -> tuple[bytes, ...]:
 
 # --------------------------------------------------------------------------------------------
 # The token byte table (host, once per tokenizer)
-
-
-def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the printable Latin-1 bytes stand for themselves,
-    every other byte b for chr(256 + its rank among those others)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = {b: chr(b) for b in printable}
-    others = [b for b in range(256) if b not in chars]
-    chars.update({b: chr(256 + rank) for rank, b in enumerate(others)})
-    return {c: b for b, c in chars.items()}
-
-
-def _decoder_types(tokenizer) -> set[str]:
-    """The ``type`` of the fast tokenizer's decoder and of every decoder in a Sequence, plus
-    ``"ReplaceMetaspace"`` for a Replace of ``▁`` (Llama's tokenizer.json)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return {"SentencePiece"} if hasattr(tokenizer, "sp_model") else set()
-    found: set[str] = set()
-
-    def walk(dec):
-        if not isinstance(dec, dict):
-            return
-        found.add(dec.get("type", ""))
-        if dec.get("type") == "Replace" and "▁" in json.dumps(dec, ensure_ascii=False):
-            found.add("ReplaceMetaspace")
-        for sub in dec.get("decoders") or ():
-            walk(sub)
-
-    walk(json.loads(backend.to_str()).get("decoder"))
-    return found
-
-
-def _special_ids(tokenizer) -> set[int]:
-    ids = set(int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ())
-    for i, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-        if getattr(added, "special", False):
-            ids.add(int(i))
-    return ids
-
-
-def token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
-    """The UTF-8 bytes each token id adds to the text, ``vocab_size`` entries (ids past the
-    tokenizer's vocabulary, and special tokens, add none)."""
-    types = _decoder_types(tokenizer)
-    special = _special_ids(tokenizer)
-    added = {
-        int(i): t.content
-        for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
-        if int(i) not in special
-    }
-    size = min(int(vocab_size), len(tokenizer))
-    pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
-    alphabet = _byte_alphabet() if "ByteLevel" in types else None
-    metaspace = bool(types & {"Metaspace", "ByteFallback", "ReplaceMetaspace", "SentencePiece"})
-    out: list[bytes] = []
-    for i, piece in enumerate(pieces):
-        if i in special or piece is None:
-            out.append(b"")
-        elif i in added:
-            out.append(added[i].encode("utf-8"))
-        elif alphabet is not None and all(c in alphabet for c in piece):
-            out.append(bytes(alphabet[c] for c in piece))
-        elif metaspace:
-            fallback = _BYTE_FALLBACK.fullmatch(piece)
-            if fallback and "ByteLevel" not in types:
-                out.append(bytes([int(fallback.group(1), 16)]))
-            else:
-                out.append(piece.replace("▁", " ").encode("utf-8"))
-        else:  # e.g. a character-level vocabulary: the token decoded alone
-            out.append(tokenizer.decode([i]).encode("utf-8"))
-    out.extend(b"" for _ in range(int(vocab_size) - size))
-    return out
 
 
 def token_byte_table(pieces: list[bytes]) -> tuple[np.ndarray, np.ndarray]:

@@ -492,3 +492,30 @@ def test_bounds_and_buckets():
         ([b"x" * 64] * 1 + [bytes([65 + i]) for i in range(15)], (16, 64)),
     ):
         assert stopping.stop_strings(table, tuple(strings), 2).strings.shape == shape
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS) + ["added"])
+def test_constraints_and_stop_strings_read_one_token_text(name):
+    """One table per tokenizer: a constraint sees the bytes a stop string sees (None only where
+    a constraint never allows the id). They used to differ on an added token of byte-level
+    alphabet characters ('ÿé', 'aĠb'): the constraints read the byte-level bytes (ff e9, 'a b'),
+    as the fast tokenizer's decode does, the stop strings the content's UTF-8 (c3 bf c3 a9)."""
+    from asps_jax import constraints
+
+    if name == "added":
+        tok = gpt2_like_tokenizer()
+        tok.add_tokens(["ÿé", "aĠb", "hello world", "日本"])
+    else:
+        tok = TOKENIZERS[name]()
+    vocab = len(tok) + 2
+    text = stopping.token_bytes(tok, vocab)
+    allowed = constraints.token_bytes(tok, vocab)
+    assert [b if b is not None else b"" for b in allowed] == text
+    for i in tok.all_special_ids:
+        assert allowed[i] is None
+    if name == "added":  # decode's text, an added token alone and after another token
+        ids = tok.convert_tokens_to_ids(["ÿé", "aĠb", "hello world", "日本"])
+        assert [text[i] for i in ids] == [b"\xff\xe9", b"a b", b"hello world", "日本".encode()]
+        for i in ids[1:]:
+            lead = tok.encode("x")[-1]
+            assert (text[lead] + text[i]).decode() == tok.decode([lead, i])
