@@ -855,7 +855,8 @@ def _sampling_params(target, batch: int, padded: int, sampling: dict):
     value per prompt), and the host's :class:`HostConstraint` (None when no row has one)."""
     top_k = sampling["top_k"]
     if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32
-        top_k = np.minimum(np.asarray(top_k, np.int64), target.vocab_size)
+        # (clamped as floats: an int past int64, e.g. 10**20, overflows np.int64)
+        top_k = np.minimum(np.asarray(top_k, np.float64), target.vocab_size).astype(np.int64)
     controls = (
         "min_p",
         "repetition_penalty",

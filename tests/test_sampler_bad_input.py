@@ -378,6 +378,15 @@ def test_the_largest_float32_values_are_accepted(pair):
     _prepare(pair, method="tv", tree=(32, 31))  # 1024 nodes: the bound itself
 
 
+def test_integers_past_int64_are_clamped_or_refused(pair):
+    """``top_k=10**20`` raised OverflowError converting to int64 (a traceback, exit 1 in the
+    CLI); it keeps every token, as any top_k >= V does."""
+    call = _prepare(pair, top_k=10**20)
+    assert np.asarray(call.inputs.sampling.top_k).tolist() == [VOCAB]
+    with pytest.raises(ValueError, match="token id 100000000000000000000 lies outside"):
+        _prepare(pair, logit_bias={10**20: 1.0})
+
+
 def test_an_ngram_longer_than_the_context_bans_nothing(pair):
     """``no_repeat_ngram_size`` past the context can never repeat: it is the setting 0 (no
     n-gram code in the program), where 10^9 used to trace a loop to 2^30."""
