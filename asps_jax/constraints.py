@@ -152,6 +152,13 @@ def compile_regex(
     """
     if not isinstance(pattern, str):
         raise ValueError(f"{what} must be a string, got {type(pattern).__name__}")
+    try:
+        pattern.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{what}: the pattern is not valid Unicode text (a lone surrogate at character "
+            f"{err.start}?)"
+        ) from None
     if len(pattern) > MAX_PATTERN_LENGTH:
         raise ValueError(
             f"{what}: the pattern has {len(pattern)} characters, past the bound of "

@@ -397,7 +397,15 @@ def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
         eos_token_id = getattr(target.config, "eos_token_id", None)
     if eos_token_id is None:
         return ()
-    ids = tuple(int(i) for i in np.atleast_1d(eos_token_id))
+    values = list(np.atleast_1d(np.asarray(eos_token_id, dtype=object)).reshape(-1))
+    if not values or any(
+        isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) for i in values
+    ):
+        raise ValueError(
+            f"eos_token_id must be a token id, a list of them, or a negative int to disable "
+            f"stopping; got {eos_token_id!r}"
+        )
+    ids = tuple(int(i) for i in values)
     if any(i < 0 for i in ids):
         return ()
     if any(i >= target.vocab_size for i in ids):
@@ -415,6 +423,8 @@ def _check_tree(tree, method, num_drafts, num_draft_tokens) -> tuple[int, ...]:
         return ()
     try:
         widths = tuple(operator.index(w) for w in tree)
+        if any(isinstance(w, (bool, np.bool_)) for w in tree):
+            widths = None
     except TypeError:
         widths = None
     if not widths or any(w < 1 for w in widths):

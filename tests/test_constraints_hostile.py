@@ -440,3 +440,9 @@ def test_the_child_reports_what_outlines_core_refuses(uncached):
     with pytest.raises(ValueError, match=r"regex '\(a' does not compile: ") as info:
         constraints.compile_regex("(a", BYTES)
     assert "\n" not in str(info.value)
+
+
+def test_a_pattern_that_is_not_unicode_text_names_its_flag(uncached):
+    """A lone surrogate raised "'utf-8' codec can't encode ...", naming no argument."""
+    with pytest.raises(ValueError, match="regex: the pattern is not valid Unicode text"):
+        constraints.compile_regex("ab\ud800", BYTES)

@@ -348,6 +348,9 @@ def test_top_k_beyond_int32_keeps_every_token(pair):
         (dict(top_k=[True]), "top_k must be a number"),
         (dict(logit_bias={2: True}), "the bias of token 2"),
         (dict(logit_bias={2: "1.5"}), "the bias of token 2"),
+        (dict(eos_token_id=True), "eos_token_id must be a token id"),
+        (dict(eos_token_id=[2, "3"]), "eos_token_id must be a token id"),
+        (dict(method="tv", tree=(True, 2)), "every width >= 1"),
         # int(nan) raised "cannot convert float NaN to integer", naming nothing.
         (dict(no_repeat_ngram_size=float("nan")), "no_repeat_ngram_size must be an integer"),
         (dict(top_k=float("nan")), "top_k must be an integer"),
