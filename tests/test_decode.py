@@ -336,10 +336,13 @@ def test_max_new_tokens_is_honoured_exactly(pair, max_new):
 
 
 def test_no_recompile_across_prompts_temperatures_and_keys(pair):
+    """Values never recompile: the filters given (top-k, top-p: their code is in the program
+    only when a call gives them, tests/test_program_families.py) at their off values first."""
     _, target, draft = pair
-    _sample(target, draft, [PROMPT, [4, 4]], "asps", key=jax.random.key(1))
+    off = dict(top_p=1.0, top_k=0)
+    _sample(target, draft, [PROMPT, [4, 4]], "asps", key=jax.random.key(1), **off)
     before = decode.generate._cache_size()
-    _sample(target, draft, [[9, 8, 7], [1]], "asps", key=jax.random.key(2), temperature=0.5)
+    _sample(target, draft, [[9, 8, 7], [1]], "asps", key=jax.random.key(2), temperature=0.5, **off)
     _sample(
         target,
         draft,
