@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -jnp.inf
+F32_MAX = float(jnp.finfo(jnp.float32).max)  # past it, float32 (what the device uses) is inf
 
 
 def log_minus_exp(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import constraints
-from asps_jax.logspace import NEG_INF
+from asps_jax.logspace import F32_MAX, NEG_INF
 
 
 @jax.tree_util.register_dataclass
@@ -102,9 +102,6 @@ class History:
         return jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), self)
 
 
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
-
-
 def _penalize(logits, counts, seen, rep, presence, frequency):
     """Repetition, presence and frequency penalties, elementwise (broadcasting).
 
@@ -115,7 +112,7 @@ def _penalize(logits, counts, seen, rep, presence, frequency):
     repeated = jnp.where(logits < 0, logits * rep, logits / rep)
     out = jnp.where(seen, repeated, logits)
     out = out - presence * (counts > 0) - frequency * counts.astype(logits.dtype)
-    return jnp.where(logits == NEG_INF, NEG_INF, jnp.minimum(out, _F32_MAX))
+    return jnp.where(logits == NEG_INF, NEG_INF, jnp.minimum(out, F32_MAX))
 
 
 def _ngram_banned(tokens_H, length, path_XD, depth_X, n, window: int, vocab: int):
@@ -162,7 +159,7 @@ def apply_controls(sampling, history: History, logits_BXV, path_BXD, depth_X) ->
 
     def penalties(logits_BXV):
         def row(logits, bias, rep, presence, frequency, counts, seen, path, depth):
-            logits = jnp.minimum(logits + bias, _F32_MAX)
+            logits = jnp.minimum(logits + bias, F32_MAX)
             out = _penalize(logits, counts[None], seen[None], rep, presence, frequency)
             if depth_cap == 0:
                 return out

@@ -36,6 +36,7 @@ from asps_jax import (
     statistics,
     stopping,
 )
+from asps_jax.logspace import F32_MAX
 from asps_jax.models import check_compatible
 from asps_jax.models.base import run_params
 from asps_jax.models.vocab import align_vocabularies
@@ -259,10 +260,6 @@ def _constraint_rows(target, regex, json_schema, batch: int, padded: int):
     return constraints.stack(dfas + [None] * (padded - batch), target.vocab_size)
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
-"""The device computes in float32: a number past this overflows to inf there."""
-
-
 def _numbers(name: str, value) -> list[float]:
     """The values of a numeric argument (a scalar, or one per prompt) as Python floats; a
     one-line error for anything that is not a real number: bools and strings included (NumPy
@@ -272,17 +269,21 @@ def _numbers(name: str, value) -> list[float]:
             raise ValueError(f"{name} must be a number (or one per prompt), got {value!r}")
         return np.asarray(value, np.float64).reshape(-1).tolist()
     items = list(value) if isinstance(value, (list, tuple)) else [value]
-    for v in items:
-        if isinstance(v, (bool, np.bool_)) or not isinstance(
-            v, (int, float, np.integer, np.floating)
-        ):
-            raise ValueError(f"{name} must be a number (or one per prompt), got {value!r}")
+    if not all(_is_real(v) for v in items):
+        raise ValueError(f"{name} must be a number (or one per prompt), got {value!r}")
     return [float(v) for v in items]
+
+
+def _is_real(v) -> bool:
+    """A Python or NumPy real number, not a bool (which NumPy would take as 0 / 1)."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(
+        v, (bool, np.bool_)
+    )
 
 
 def _in_float32(v: float) -> bool:
     """``v`` stays finite in float32."""
-    return math.isfinite(v) and abs(v) <= _F32_MAX
+    return math.isfinite(v) and abs(v) <= F32_MAX
 
 
 def _integral(v: float) -> bool:
@@ -292,13 +293,13 @@ def _integral(v: float) -> bool:
 # Every numeric sampling argument: (name, valid(value), what is expected). Each is checked in
 # float32, what the device uses: 1e39 is finite here and inf there.
 _NUMERIC_CHECKS = (
-    ("temperature", lambda v: 0.0 <= v <= _F32_MAX, "a finite number >= 0 (at most 3.4e38)"),
-    ("draft_temperature", lambda v: 0.0 <= v <= _F32_MAX,
+    ("temperature", lambda v: 0.0 <= v <= F32_MAX, "a finite number >= 0 (at most 3.4e38)"),
+    ("draft_temperature", lambda v: 0.0 <= v <= F32_MAX,
      "a finite number >= 0 (at most 3.4e38)"),
     ("top_k", lambda v: _integral(v) and v >= 0, "an integer >= 0 (0 or None disables it)"),
     ("top_p", lambda v: 0.0 < v <= 1.0 and np.float32(v) > 0, "in (0, 1]"),
     ("min_p", lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 disables it)"),
-    ("repetition_penalty", lambda v: 0.0 < v <= _F32_MAX and np.float32(v) > 0,
+    ("repetition_penalty", lambda v: 0.0 < v <= F32_MAX and np.float32(v) > 0,
      "a finite number > 0 that float32 holds (1 disables it; at most 3.4e38)"),
     ("presence_penalty", _in_float32,
      "a finite number that float32 holds (0 disables it; |value| at most 3.4e38)"),
@@ -349,11 +350,7 @@ def _logit_bias_rows(logit_bias, batch: int, padded: int, vocab: int):
                 raise ValueError(
                     f"logit_bias: token id {token} lies outside the vocabulary [0, {vocab})"
                 )
-            value = np.nan
-            if not isinstance(bias, (bool, np.bool_)) and isinstance(
-                bias, (int, float, np.integer, np.floating)
-            ):
-                value = float(bias)
+            value = float(bias) if _is_real(bias) else np.nan
             if not (_in_float32(value) or value == -np.inf):
                 raise ValueError(
                     f"logit_bias: the bias of token {token} must be a finite number that "
@@ -1029,23 +1026,7 @@ def prepare(
     that token kept (:mod:`asps_jax.stopping`). Needs the target's tokenizer.
     """
     compile_cache.enable_default()  # the persistent cache, as the command line has it
-    if not isinstance(max_new_tokens, (list, tuple, np.ndarray)):
-        _check_int("max_new_tokens", max_new_tokens, 1)
-    if batch_size is not None:
-        batch_size = _check_int("batch_size", batch_size, 1)
-        if mesh is not None:
-            raise ValueError(
-                "batch_size: continuous batching runs on one device for now; omit batch_size "
-                "(or mesh)"
-            )
-    stop_bytes = stopping.validate_stop(stop)
-    if stop_bytes and getattr(target, "tokenizer", None) is None:
-        raise ValueError(
-            "stop: stop strings are matched against the tokens' text, and the target model was "
-            "loaded without a tokenizer"
-        )
-    many = isinstance(max_new_tokens, (list, tuple, np.ndarray))
-    largest = max(_budgets(max_new_tokens, len(max_new_tokens) if many else 1))
+    batch_size, stop_bytes, largest = _check_call(target, max_new_tokens, batch_size, mesh, stop)
     target, draft, spec, tau = _check_spec(
         target,
         draft,
@@ -1078,14 +1059,7 @@ def prepare(
         mesh = sharding.check_mesh(mesh)
     if isinstance(prompts, (list, tuple)) and not prompts and prompt_lengths is None:
         raise ValueError("prompts: the list is empty; give at least one prompt")
-    shared = isinstance(draft, selfdraft.SelfDraft) and selfdraft.can_share_cache(draft.config)
-    if isinstance(draft, selfdraft.SelfDraft) and mesh is not None:
-        raise ValueError("draft='self:L' does not run on a mesh yet; pass mesh=None")
-    if shared and spec.draft_stop:
-        raise ValueError(
-            "draft_stop: confidence-stopped chains need the draft's own cache; draft='self:L' "
-            "shares the target's (drop draft_stop)"
-        )
+    shared = _check_self_draft(draft, spec, mesh)
     prompts_bp, lengths_b, batch = _as_prompt_array(prompts, prompt_lengths, target.vocab_size)
     budgets = _budgets(max_new_tokens, batch)
     slot_count = None if batch_size is None else min(batch_size, prompts_bp.shape[0])
@@ -1119,25 +1093,87 @@ def prepare(
     decoder = _decoder(
         target, draft, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs, shared
     )
-    row_keys = _row_keys(key, batch, padded)
-    budget_b = np.ones(padded, np.int32)  # the padding rows start done
+    inputs = _decode_inputs(
+        target, draft, sampling, prompts_bp, lengths_b, key, batch, budgets, stop_bytes, slot_count
+    )
+    _check_same_everywhere(mesh, decoder, inputs)
+    return Prepared(
+        decoder=decoder,
+        inputs=_placed(inputs, mesh, target, draft),
+        batch=batch,
+        slots=slot_count,
+        width=max(budgets),
+        constraint=constraint,
+    )
+
+
+def _check_call(target, max_new_tokens, batch_size, mesh, stop):
+    """The call-level arguments of :func:`prepare`: ``(batch_size, stop strings as bytes, the
+    largest budget)``, one-line errors otherwise."""
+    many = isinstance(max_new_tokens, (list, tuple, np.ndarray))
+    if not many:
+        _check_int("max_new_tokens", max_new_tokens, 1)
+    if batch_size is not None:
+        batch_size = _check_int("batch_size", batch_size, 1)
+        if mesh is not None:
+            raise ValueError(
+                "batch_size: continuous batching runs on one device for now; omit batch_size "
+                "(or mesh)"
+            )
+    stop_bytes = stopping.validate_stop(stop)
+    if stop_bytes and getattr(target, "tokenizer", None) is None:
+        raise ValueError(
+            "stop: stop strings are matched against the tokens' text, and the target model was "
+            "loaded without a tokenizer"
+        )
+    largest = max(_budgets(max_new_tokens, len(max_new_tokens) if many else 1))
+    return batch_size, stop_bytes, largest
+
+
+def _check_self_draft(draft, spec: decode.SpecConfig, mesh) -> bool:
+    """Whether a ``draft="self:L"`` shares the target's cache; one-line errors for what a
+    self-draft cannot do yet (a mesh, a confidence stop on a shared cache)."""
+    if not isinstance(draft, selfdraft.SelfDraft):
+        return False
+    if mesh is not None:
+        raise ValueError("draft='self:L' does not run on a mesh yet; pass mesh=None")
+    shared = selfdraft.can_share_cache(draft.config)
+    if shared and spec.draft_stop:
+        raise ValueError(
+            "draft_stop: confidence-stopped chains need the draft's own cache; draft='self:L' "
+            "shares the target's (drop draft_stop)"
+        )
+    return shared
+
+
+def _decode_inputs(
+    target, draft, sampling, prompts_bp, lengths_b, key, batch, budgets, stop_bytes, slot_count
+) -> DecodeInputs:
+    """The array inputs of the loop (unplaced): parameters, sampling, prompts, row keys, the
+    stop strings' state (one tail per loop row: per slot with ``batch_size``) and the budgets
+    (padding rows start done)."""
+    padded = prompts_bp.shape[0]
+    budget_b = np.ones(padded, np.int32)
     budget_b[:batch] = budgets
     stop_state = None
-    if stop_bytes:  # one tail per row of the loop: per slot with batch_size
+    if stop_bytes:
         table = stopping.cached_table(target.tokenizer, target.vocab_size)
         stop_state = stopping.stop_strings(table, stop_bytes, slot_count or padded)
-    inputs = DecodeInputs(
+    return DecodeInputs(
         target_params=target.params,
         draft_params=None if draft is None else draft.params,
         sampling=sampling,
         prompts_BP=jnp.asarray(prompts_bp),
         prompt_lengths_B=jnp.asarray(lengths_b),
-        row_keys_B=row_keys,
+        row_keys_B=_row_keys(key, batch, padded),
         stop=stop_state,
         budget_B=jnp.asarray(budget_b),
     )
-    # Several processes: each passes the full batch, so row keys follow the global row index.
-    # Every input but the parameters (which the decoder's repr stands for) is compared.
+
+
+def _check_same_everywhere(mesh, decoder, inputs: DecodeInputs) -> None:
+    """Several processes: each passes the full batch (so row keys follow the global row index),
+    and every input but the parameters (which the decoder's repr stands for) must agree."""
     per_call = [
         getattr(inputs, f.name)
         for f in dataclasses.fields(inputs)
@@ -1148,14 +1184,6 @@ def prepare(
         "the prompts, key, models, method or sampling arguments",
         np.frombuffer(repr(decoder).encode(), np.uint8),  # models, method, shapes
         *jax.tree.leaves(per_call),
-    )
-    return Prepared(
-        decoder=decoder,
-        inputs=_placed(inputs, mesh, target, draft),
-        batch=batch,
-        slots=slot_count,
-        width=max(budgets),
-        constraint=constraint,
     )
 
 

@@ -211,9 +211,8 @@ def own_model(
         max_position_embeddings=max_position_embeddings,
     )
     for key, value in sizes.items():
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"own model: {key} must be an integer >= 1, got {value!r}")
-        if value < 1:
+        bad = isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+        if bad or value < 1:
             raise ValueError(f"own model: {key} must be an integer >= 1, got {value!r}")
         sizes[key] = int(value)
     vocab_size = sizes["vocab_size"]
