@@ -8,7 +8,8 @@ and the shared logits processor (:func:`process_logits`).
 
 from asps_jax.models import Model, check_compatible, load_model
 from asps_jax.processors import process_logits
-from asps_jax.sampler import NonFiniteLogitsError, SampleOutput, Session, sample, stream
+from asps_jax.sampler import NonFiniteLogitsError, SampleOutput
+from asps_jax.session import Session, sample, stream
 from asps_jax.sharding import ShardingRules, init_distributed, make_mesh
 from asps_jax.verify import Verdict, verify_chain, verify_drafts
 from asps_jax.verify.acceptance import optimal_acceptance

@@ -24,6 +24,9 @@ import time
 
 import numpy as np
 
+from asps_jax.sampling import Sampling
+from asps_jax.verify import registry
+
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
@@ -98,10 +101,10 @@ def calibrate(
 ):
     """Measure and choose n (module docstring); ``kwargs`` are the call's other arguments of
     :func:`asps_jax.sample` (its ``max_new_tokens`` is replaced by what the runs need).
-    ``session_type``: :class:`asps_jax.sampler.Session`, passed in by the sampler (this module
-    sits below it: no import back)."""
+    ``session_type``: :class:`asps_jax.session.Session`, passed in by the session module (this
+    module sits below it: no import back)."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("num_draft_tokens", "max_new_tokens")}
-    method = kwargs.pop("method", "asps")
+    method = kwargs.pop("method", registry.DEFAULT_METHOD)
     ar_kwargs = {k: v for k, v in kwargs.items() if k in _SAMPLE_ARGS}  # what "ar" takes
     budget = (steps + 1) * (max_n + 1)
     t_ar, _ = _timed_steps(
@@ -130,20 +133,7 @@ def calibrate(
     return choose(hist, t_ar, t_max)
 
 
-_SAMPLE_ARGS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "eos_token_id",
-    "stop",
-    "mesh",
-    "prompt_lengths",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "no_repeat_ngram_size",
-    "logit_bias",
-    "regex",
-    "json_schema",
+# What the "ar" baseline takes of the call: the target's sampling arguments and the call's own.
+_SAMPLE_ARGS = ("stop", "mesh", "prompt_lengths") + tuple(
+    name for name in Sampling.names() if name != "draft_temperature"
 )

@@ -10,8 +10,9 @@ Every stage reads one static tree, ``SpecConfig.tree`` (a :class:`~asps_jax.tree
 K chains are the tree of widths ``(K, 1, ..., 1)``, a branching tree its own widths; one draft cache
 replica per root path. The stages see the tree by node:
 
-1. ``draft``: the replicas draw the tree (``rollout.py``), laid out by node: each node's token and
-   the draft law it was drawn from, and each replica's usable length;
+1. ``draft``: the drafter (``Decoder.drafter``, :mod:`asps_jax.drafters`) proposes the tree's root
+   paths, laid out by node: each node's token and the draft law it was drawn from, and each root
+   path's usable length;
 2. ``score``: one target forward over the tree (``scoring.py``), each slot attending to the scored
    slots of its root path; a verifier that merges equal siblings has each merged node scored
    once (``verify.step.scored_slots``); the target laws are processed per node from its path;
@@ -20,7 +21,8 @@ replica per root path. The stages see the tree by node:
    verdict, the accepted path as nodes and the replica that drew it; then EOS and stop-string
    truncation of the emitted block (``stopping.py``);
 4. ``commit``: the accepted path (root, then the accepted nodes) into the target cache, and the
-   draft replicas synced to the replica that drew it;
+   drafter's state after it (``Drafter.commit``: a draft model's replicas synced to the replica
+   that drew it);
 5. ``metrics``: the per-row counters (``statistics.update``);
 6. ``emit``: the emitted tokens, and the target's log-probability of each (gathered from the laws
    the score stage already processed, along the accepted path), into each row's output.
@@ -31,8 +33,8 @@ the step-wise entry points for streaming.
 Cache layout: both caches hold every committed token *except* the last emitted one, the *root*,
 which is fed at the start of the next step. A step that emits l tokens therefore commits l slots:
 the root and the l - 1 accepted draft tokens. Every row advances by its own l.
-A self-draft (``draft="self:L"``, ``Decoder.share_draft_cache``) keeps no cache of its own: it
-reads the target cache's first L layers (``selfdraft.py``).
+The drafter keeps its own state in ``DecodeState.draft`` (a draft model's cache replicas; nothing
+for a lookup or for a self-draft that reads the target cache's first L layers).
 
 Randomness: one key per row; step keys are ``fold_in(row_key, tokens generated so far)``, then split
 by purpose (draft chain k, verification). A row's tokens thus depend only on its key, its prompt and
@@ -56,15 +58,14 @@ from jax.sharding import Mesh
 from asps_jax import (
     constraints,
     kv_cache,
-    lookup,
     penalties,
-    rollout,
     scoring,
     sharding,
     statistics,
     stopping,
     trees,
 )
+from asps_jax.drafters.base import Drafter, Proposal, step_keys
 from asps_jax.models import forward_for
 from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
@@ -75,49 +76,44 @@ from asps_jax.verify.step import scored_slots, verify_step
 
 __all__ = ["DecodeState", "DecodeStats", "Decoder", "SamplingParams", "SpecConfig"]
 
-_PURPOSE_DRAFT = 0
-_PURPOSE_VERIFY = 1
+_PURPOSE_VERIFY = 1  # (drafting is purpose 0: drafters.base.PURPOSE_DRAFT)
 _PURPOSE_AR = 2
 _ROWS = "rows"  # the vmap axis over a batch's rows in verification
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """Static (hashable) description of the decoding method; changing it recompiles."""
+    """Static (hashable) description of the decoding method; changing it recompiles.
 
-    method: str  # a registry method (verify/registry.py), or "ar": no draft, plain sampling
+    ``method``: the registry :class:`~asps_jax.verify.registry.Method` (a name is resolved
+    through the registry), or None for autoregressive decoding (no draft, plain sampling);
+    ``options``: its options, validated once by the caller (sorted ``(name, value)`` pairs).
+    """
+
+    method: Method | None
     num_draft_tokens: int  # n (= D, the tree depth)
     num_drafts: int  # K
     max_new_tokens: int  # the output width: every row's budget (DecodeState.budget) is <= this
-    options: tuple = ()  # sorted (name, value) pairs passed to verify_drafts
+    options: tuple = ()
     widths: tuple = ()  # a branching draft tree (tree methods): children per node at each depth
-    # Who drafts (sampler.parse_draft): "model" (a draft model), "lookup" (prompt lookup,
-    # lookup.py: no draft model, point-mass laws; lookup_ngram = m, lookup_max caps the chains).
-    drafter: str = "model"
-    lookup_ngram: int = 3
-    lookup_max: int = 0  # 0: num_draft_tokens
-    # Confidence-stopped chains (rollout.rollout_stopped): a chain stops growing at the first
-    # draft law whose top probability is below SamplingParams.draft_stop (per row, an array).
-    draft_stop: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.method, str):
+            object.__setattr__(self, "method", REGISTRY.get(self.method))
 
     @property
     def uses_draft(self) -> bool:
-        return self.resolved is not None
-
-    @functools.cached_property
-    def resolved(self) -> Method | None:
-        """The method's registry entry; None for autoregressive decoding (no draft)."""
-        return REGISTRY.get(self.method)
+        return self.method is not None
 
     @property
-    def drafts_from_model(self) -> bool:
-        """A draft model rolls the chains out (it has parameters and a KV cache)."""
-        return self.uses_draft and self.drafter == "model"
+    def name(self) -> str:
+        """The method's name (``"ar"`` without a draft)."""
+        return "ar" if self.method is None else self.method.name
 
     @functools.cached_property
     def tree(self) -> trees.DraftTree:
         """The step's one draft tree: K chains, or the branching tree ``widths``."""
-        return self.resolved.draft_tree(self.num_drafts, self.num_draft_tokens, self.widths)
+        return self.method.draft_tree(self.num_drafts, self.num_draft_tokens, self.widths)
 
 
 @jax.tree_util.register_dataclass
@@ -127,8 +123,8 @@ class DecodeState:
 
     Attributes:
       target_cache: the target's KV cache, batch B.
-      draft_cache: the draft's KV cache, batch B * K (row b, chain k at ``b * K + k``); None for
-        ``"ar"``.
+      draft: the drafter's own state (``Drafter.init``): a draft model's KV cache, batch B * K
+        (row b, chain k at ``b * K + k``); None for ``"ar"`` and for a drafter without one.
       root: int32[B], the last emitted token, not yet in the caches.
       tokens: int32[B, max_new_tokens + D + 1], each row's emitted tokens, -1 after its end (the
         D + 1 extra columns absorb the block of the last step).
@@ -152,7 +148,7 @@ class DecodeState:
     """
 
     target_cache: kv_cache.KVCache
-    draft_cache: kv_cache.KVCache | None
+    draft: Any
     root: jax.Array
     tokens: jax.Array
     logprobs: jax.Array
@@ -170,13 +166,12 @@ class DecodeState:
 @dataclasses.dataclass(frozen=True)
 class Drafts:
     """What the draft stage of one step hands to the others: the drawn tree, node-indexed
-    (N nodes of ``SpecConfig.tree``), and per draft replica (L = K root paths) its usable length.
+    (N nodes of ``SpecConfig.tree``), and per root path (L = K replicas) its usable length.
 
     Attributes:
-      cache: the draft cache (batch B * L) with the rollout's D + 1 slots written; with
-        ``Decoder.share_draft_cache``, the target cache with the rollout's scratch slots
-        written; None for a drafter without a cache (lookup).
-      start_B: int32[B], the draft cache length of each row before the rollout.
+      state: the drafter's state after drawing (``Proposal.state``; ``Drafter.commit`` takes it).
+      target_cache: the target cache with the drafter's scratch slots written, or None
+        (``Proposal.target_cache``).
       tokens_BN: int32[B, N], each node's token (node 0: the root, the last emitted token).
       logprobs_BNV: float32[B, N, V], the law each node's token was drawn from (row 0: the law
         the root's children were drawn from, chain 0's first).
@@ -192,8 +187,8 @@ class Drafts:
         node for a verifier that merges equal siblings, else the slot itself).
     """
 
-    cache: kv_cache.KVCache
-    start_B: jax.Array
+    state: Any
+    target_cache: Any
     tokens_BN: jax.Array
     logprobs_BNV: jax.Array
     lengths_BL: jax.Array
@@ -209,7 +204,8 @@ class Decoder:
 
     Attributes:
       target_config: the target model's config (hashable).
-      draft_config: the draft model's config; None without a draft.
+      drafter: who drafts (:class:`~asps_jax.drafters.Drafter`, a frozen value); None for
+        ``"ar"``.
       spec: the method and its static sizes.
       cache_len: S, the KV cache slots per row.
       mesh: the device mesh of a sharded run, for activation sharding constraints
@@ -223,21 +219,16 @@ class Decoder:
         tokens; kept to compare the two).
       top_logprobs: k, the most likely tokens of each emitted token's law recorded in
         ``DecodeState.top_logprobs`` (0: none).
-      share_draft_cache: the draft is the target's first layers (``draft="self:L"``) and keeps
-        no cache: it reads the target cache's first layers and writes its rollout into scratch
-        slots past each row's committed length (:mod:`asps_jax.selfdraft`);
-        ``DecodeState.draft_cache`` is then None.
     """
 
     target_config: Any
-    draft_config: Any
+    drafter: Drafter | None
     spec: SpecConfig
     cache_len: int
     mesh: Mesh | None = None
     diagnostics: bool = False
     merge_tree: bool = True
     top_logprobs: int = 0
-    share_draft_cache: bool = False
 
     # ----------------------------------------------------------------------------------------
     # Entry points (jitted; ``self`` is static)
@@ -315,23 +306,6 @@ generate = Decoder.generate
 # Prefill
 
 
-def _prefill_cache(forward, params, cache, prompts_BP, num_B):
-    """Commit the first ``num_B`` prompt tokens of each row into ``cache``."""
-    rows, width = prompts_BP.shape
-    valid_BP = jnp.arange(width)[None, :] < num_B[:, None]
-    _, new_kv = scoring.score_chain(forward, params, cache, prompts_BP, valid_BP)
-    nodes_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
-    return kv_cache.commit(cache, new_kv, nodes_BP, num_B)
-
-
-def _per_layer_cache(params) -> bool:
-    """Parameters whose layers are separate arrays (a run layout, e.g. Llama's
-    ``prepare_params``) run the layers one by one; their cache is then one buffer per layer, read
-    in place (a layer of a stacked cache is a copy per forward: 0.5b shape, 1024 slots, 189 ->
-    135 ms CPU per one-token forward)."""
-    return isinstance(params, dict) and isinstance(params.get("layers"), (tuple, list))
-
-
 def _prefill(
     dec: Decoder,
     target_params,
@@ -346,56 +320,50 @@ def _prefill(
 ):
     """``run_forward=False``: the caches stay empty (continuous batching starts from empty slots
     and fills them with :func:`_refill`)."""
+    batch = prompts_BP.shape[0]
+    prompt_lengths_B = prompt_lengths_B.astype(jnp.int32)
+    committed_B = jnp.maximum(prompt_lengths_B - 1, 0)
+    t_cache = kv_cache.init_cache(
+        dec.target_config,
+        batch,
+        dec.cache_len,
+        jax.tree.leaves(target_params)[0].dtype,
+        per_layer=kv_cache.per_layer_params(target_params),
+    )
+    draft = None
+    if dec.drafter is not None:
+        draft = dec.drafter.init(dec, draft_params, batch)
+    if run_forward:
+        forward = forward_for(dec.target_config)
+        t_cache = scoring.prefill_cache(forward, target_params, t_cache, prompts_BP, committed_B)
+        if dec.drafter is not None:
+            draft = dec.drafter.prefill(dec, draft_params, draft, prompts_BP, committed_B)
+    fresh = _fresh_rows(dec, prompts_BP, prompt_lengths_B, committed_B, row_keys_B, budget_B)
+    return DecodeState(target_cache=t_cache, draft=draft, stop=stop, **fresh)
+
+
+def _fresh_rows(dec: Decoder, prompts_BP, lengths_B, committed_B, row_keys_B, budget_B) -> dict:
+    """Every per-row field of a fresh state but the caches and the stop strings: the root (the
+    last prompt token), empty outputs and counters, the keys, the controls' history, the budget;
+    rows of length 0 start done (they pad the batch to its bucket)."""
     spec = dec.spec
     batch = prompts_BP.shape[0]
     n = spec.num_draft_tokens if spec.uses_draft else 0
-    prompt_lengths_B = prompt_lengths_B.astype(jnp.int32)
-    committed_B = jnp.maximum(prompt_lengths_B - 1, 0)
-    t_dtype = jax.tree.leaves(target_params)[0].dtype
-    t_cache = kv_cache.init_cache(
-        dec.target_config, batch, dec.cache_len, t_dtype, per_layer=_per_layer_cache(target_params)
-    )
-    if run_forward:
-        t_cache = _prefill_cache(
-            forward_for(dec.target_config), target_params, t_cache, prompts_BP, committed_B
-        )
-    d_cache = None
-    if spec.drafts_from_model and not dec.share_draft_cache:
-        k = spec.num_drafts
-        d_dtype = jax.tree.leaves(draft_params)[0].dtype
-        d_cache = kv_cache.init_cache(
-            dec.draft_config,
-            batch * k,
-            dec.cache_len,
-            d_dtype,
-            per_layer=_per_layer_cache(draft_params),
-        )
-        if run_forward:
-            d_cache = _prefill_cache(
-                forward_for(dec.draft_config),
-                draft_params,
-                d_cache,
-                jnp.repeat(prompts_BP, k, axis=0),
-                jnp.repeat(committed_B, k),
-            )
-    root_B = jnp.take_along_axis(prompts_BP, committed_B[:, None], axis=1)[:, 0]
     out_width = spec.max_new_tokens + n + 1
     top_shape = (batch, out_width, dec.top_logprobs)
-    return DecodeState(
-        target_cache=t_cache,
-        draft_cache=d_cache,
+    root_B = jnp.take_along_axis(prompts_BP, committed_B[:, None], axis=1)[:, 0]
+    return dict(
         root=root_B.astype(jnp.int32),
-        tokens=jnp.full((batch, spec.max_new_tokens + n + 1), -1, jnp.int32),
-        logprobs=jnp.zeros((batch, spec.max_new_tokens + n + 1), jnp.float32),
+        tokens=jnp.full((batch, out_width), -1, jnp.int32),
+        logprobs=jnp.zeros((batch, out_width), jnp.float32),
         num_generated=jnp.zeros((batch,), jnp.int32),
-        done=prompt_lengths_B <= 0,  # rows of length 0 pad the batch to its bucket
+        done=lengths_B <= 0,
         row_keys=row_keys_B,
         stats=DecodeStats.zeros(batch, n),
         history=penalties.History.init(
-            prompts_BP, prompt_lengths_B, dec.target_config.vocab_size, out_width
+            prompts_BP, lengths_B, dec.target_config.vocab_size, out_width
         ),
         top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
-        stop=stop,
         budget=_budget(spec, batch, budget_B),
     )
 
@@ -413,87 +381,23 @@ def _refill(
 ) -> DecodeState:
     """Start new prompts in the rows ``take_B`` (bool[B]) of a running state (continuous
     batching, :mod:`asps_jax.slots`): their caches take the prompt's committed tokens (one
-    single-row prefill forward per row filled, over the prompt width only); every
+    single-row prefill forward per row filled, over the prompt width only,
+    :func:`asps_jax.scoring.refill_rows`; the drafter's state by ``Drafter.refill``); every
     per-row field of theirs (root, outputs, counters, key, statistics, the controls' history,
     the stop-string tail, the budget) is that of a fresh :func:`_prefill`. The other rows are
     unchanged. Stale cache slots past a row's new length are masked, as after any rejection."""
-    spec = dec.spec
     batch = prompts_BP.shape[0]
     lengths_B = jnp.where(take_B, prompt_lengths_B.astype(jnp.int32), 0)
     committed_B = jnp.maximum(lengths_B - 1, 0)
-
-    width = prompts_BP.shape[1]
-    k = spec.num_drafts if spec.uses_draft else 1
-    # The slots to fill, in slot order (entries past their count unused).
-    (slots_R,) = jnp.nonzero(take_B, size=batch, fill_value=0)
-
-    def prefill_row(config, params, prompt_1P, committed_1, cache):
-        """One prompt's keys / values in a 1-row cache of the prompt's width only (no attention
-        over the long cache), in ``cache``'s layout and dtype."""
-        dtype = jax.tree.leaves(cache.k)[0].dtype
-        row = kv_cache.init_cache(config, 1, width, dtype, per_layer=cache.per_layer)
-        return _prefill_cache(forward_for(config), params, row, prompt_1P, committed_1)
-
-    def write_rows(cache, row, first, count):
-        """Rows ``first .. first + count - 1`` of ``cache`` take ``row``'s slots ``0 .. P - 1``."""
-
-        def put(a, r):  # a: [L', B', KVH, S, H], r: [L', 1, KVH, P, H]
-            r = jnp.broadcast_to(r, (r.shape[0], count) + r.shape[2:])
-            return jax.lax.dynamic_update_slice(a, r.astype(a.dtype), (0, first, 0, 0, 0))
-
-        if cache.per_layer:
-            rk = tuple(x[None] for x in row.k)
-            rv = tuple(x[None] for x in row.v)
-            ks = tuple(put(a[None], r)[0] for a, r in zip(cache.k, rk))
-            vs = tuple(put(a[None], r)[0] for a, r in zip(cache.v, rv))
-        else:
-            ks, vs = put(cache.k, row.k), put(cache.v, row.v)
-        return dataclasses.replace(cache, k=ks, v=vs)
-
-    def fill(i, caches):
-        t_cache, d_cache = caches
-        b = slots_R[i]
-        prompt_1P = jax.lax.dynamic_slice_in_dim(prompts_BP, b, 1)
-        committed_1 = jax.lax.dynamic_slice_in_dim(committed_B, b, 1)
-        row = prefill_row(dec.target_config, target_params, prompt_1P, committed_1, t_cache)
-        t_cache = write_rows(t_cache, row, b, 1)
-        if d_cache is not None:  # the K replicas of the slot all start from the prompt
-            row = prefill_row(dec.draft_config, draft_params, prompt_1P, committed_1, d_cache)
-            d_cache = write_rows(d_cache, row, b * k, k)
-        return t_cache, d_cache
-
-    # One single-row prefill per slot filled: the work of a refill is its prompts' tokens,
-    # whatever the number of slots.
-    t_cache, d_cache = jax.lax.fori_loop(
-        0, jnp.sum(take_B), fill, (state.target_cache, state.draft_cache)
-    )
-    t_cache = dataclasses.replace(t_cache, lengths=jnp.where(take_B, committed_B, t_cache.lengths))
-    if d_cache is not None:
-        d_cache = dataclasses.replace(
-            d_cache,
-            lengths=jnp.where(jnp.repeat(take_B, k), jnp.repeat(committed_B, k), d_cache.lengths),
-        )
-    n = spec.num_draft_tokens if spec.uses_draft else 0
-    out_width = state.tokens.shape[1]
-    top_shape = state.top_logprobs[0].shape
-    stop = state.stop
-    if stop is not None:
-        stop = dataclasses.replace(stop, tail=jnp.full(stop.tail.shape, -1, stop.tail.dtype))
-    fresh = dict(
-        root=jnp.take_along_axis(prompts_BP, committed_B[:, None], axis=1)[:, 0].astype(jnp.int32),
-        tokens=jnp.full((batch, out_width), -1, jnp.int32),
-        logprobs=jnp.zeros((batch, out_width), jnp.float32),
-        num_generated=jnp.zeros((batch,), jnp.int32),
-        done=lengths_B <= 0,
-        row_keys=row_keys_B,
-        stats=DecodeStats.zeros(batch, n),
-        history=penalties.History.init(
-            prompts_BP, lengths_B, dec.target_config.vocab_size, out_width
-        ),
-        top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
-        stop=stop,
-        budget=_budget(spec, batch, budget_B),
-    )
+    forward = forward_for(dec.target_config)
+    t_cache = scoring.refill_rows(
+        forward, dec.target_config, target_params, state.target_cache, take_B, prompts_BP,
+        committed_B,
+    )  # fmt: skip
+    draft = state.draft
+    if dec.drafter is not None:
+        draft = dec.drafter.refill(dec, draft_params, draft, take_B, prompts_BP, committed_B)
+    fresh = _fresh_rows(dec, prompts_BP, lengths_B, committed_B, row_keys_B, budget_B)
 
     def pick(new, old):
         if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
@@ -502,16 +406,13 @@ def _refill(
         keep = take_B.reshape((batch,) + (1,) * (new.ndim - 1))
         return jnp.where(keep, new, old)
 
-    merged = {}
-    for name, value in fresh.items():
-        old = getattr(state, name)
-        if name == "stop" and value is not None:  # only the per-row tail
-            merged[name] = dataclasses.replace(old, tail=pick(value.tail, old.tail))
-        elif name == "done":
-            merged[name] = jnp.where(take_B, value, old)
-        else:
-            merged[name] = jax.tree.map(pick, value, old)
-    return dataclasses.replace(state, target_cache=t_cache, draft_cache=d_cache, **merged)
+    merged = {name: jax.tree.map(pick, new, getattr(state, name)) for name, new in fresh.items()}
+    merged["done"] = jnp.where(take_B, fresh["done"], state.done)
+    stop = state.stop
+    if stop is not None:  # only the per-row tail, fresh for the rows taken
+        fresh_tail = jnp.full(stop.tail.shape, -1, stop.tail.dtype)
+        stop = dataclasses.replace(stop, tail=pick(fresh_tail, stop.tail))
+    return dataclasses.replace(state, target_cache=t_cache, draft=draft, stop=stop, **merged)
 
 
 def _budget(spec: SpecConfig, batch: int, budget_B) -> jax.Array:
@@ -524,12 +425,6 @@ def _budget(spec: SpecConfig, batch: int, budget_B) -> jax.Array:
 
 # --------------------------------------------------------------------------------------------
 # One step
-
-
-def _step_keys(state: DecodeState, purpose: int) -> jax.Array:
-    fold = jax.vmap(jax.random.fold_in)
-    step = fold(state.row_keys, state.num_generated)
-    return fold(step, jnp.full(step.shape, purpose, jnp.uint32))
 
 
 def _is_eos(tokens, eos_ids) -> jax.Array:
@@ -599,7 +494,7 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
         )
         logprobs_BV = logprobs_BTV[:, 0]
     with jax.named_scope("verify"):
-        next_B = jax.vmap(sample_token)(_step_keys(state, _PURPOSE_AR), logprobs_BV)
+        next_B = jax.vmap(sample_token)(step_keys(state, _PURPOSE_AR), logprobs_BV)
         active_B = ~state.done
         # A row whose law is unusable emits nothing and stops there.
         failed_B = active_B & ~(logits_ok(logits_BTV[:, 0]) & has_mass_BT[:, 0])
@@ -628,133 +523,28 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
         return _emit(dec, state, next_B[:, None], next_lp_BT, num_B, hit | failed_B)
 
 
-def _sync_draft_replicas(cache: kv_cache.KVCache, start_B, winner_B, num_drafts: int, width: int):
-    """Copy slots ``[start, start + width)`` of the winning chain's replica to all K replicas."""
-    batch = start_B.shape[0]
-
-    def sync(a):  # [L, B * K, KVH, S, H]
-        layers = a.shape[0]
-        a_LBKS = a.reshape((layers, batch, num_drafts) + a.shape[2:])
-
-        def per_row(row_a, start, winner):  # row_a: [L, K, KVH, S, H]
-            window = jax.lax.dynamic_slice_in_dim(row_a, start, width, axis=3)
-            chosen = jnp.take(window, winner, axis=1)[:, None]
-            window = jnp.broadcast_to(chosen, window.shape)
-            return jax.lax.dynamic_update_slice_in_dim(row_a, window, start, axis=3)
-
-        a_LBKS = jax.vmap(per_row, in_axes=(1, 0, 0), out_axes=1)(a_LBKS, start_B, winner_B)
-        return a_LBKS.reshape(a.shape)
-
-    k, v = (kv_cache.map_layers(sync, a) for a in (cache.k, cache.v))
-    return dataclasses.replace(cache, k=k, v=v)
-
-
 def _draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
-    """Stage 1: draw the step's tree (``SpecConfig.tree``) and lay it out by node: rolled out by
-    the draft model (one draft cache replica per root path, cache rows b*L + l), or K chains
-    copied from the row's text by prompt lookup (``lookup.py``, no cache)."""
-    if dec.spec.drafter == "lookup":
-        return _lookup_draft(dec, sampling, state)
-    return _model_draft(dec, draft_params, sampling, state)
+    """Stage 1: the drafter's K root paths (``Drafter.propose``), cut and laid out by node."""
+    proposal = dec.drafter.propose(dec, draft_params, sampling, state)
+    return _finish_drafts(dec, sampling, state, proposal)
 
 
-def _lookup_draft(dec: Decoder, sampling, state) -> Drafts:
-    """Prompt lookup's K chains (point-mass draft laws), cut to each chain's match length."""
-    spec = dec.spec
-    n, k = spec.num_draft_tokens, spec.tree.num_chains
-    batch = state.root.shape[0]
-    tokens_BKD, draft_lp_BKDV, found_BK = lookup.lookup_drafts(
-        state.history,
-        ngram=spec.lookup_ngram,
-        cap=spec.lookup_max or n,
-        num_chains=k,
-        draft_len=n,
-        vocab=dec.target_config.vocab_size,
-        sampling=sampling,
-    )
-    return _finish_drafts(
-        dec,
-        sampling,
-        state,
-        None,
-        jnp.zeros((batch,), jnp.int32),
-        tokens_BKD,
-        draft_lp_BKDV,
-        jnp.ones((batch, k, n), bool),
-        found_BK,
-    )
-
-
-def _model_draft(dec: Decoder, draft_params, sampling, state) -> Drafts:
-    """The draft model's rollout: one draft cache replica per root path (cache rows b*L + l)."""
-    spec, tree = dec.spec, dec.spec.tree
-    n, k = spec.num_draft_tokens, tree.num_chains
-    batch = state.root.shape[0]
-    draft_keys_B = _step_keys(state, _PURPOSE_DRAFT)
-    chain_keys = jax.vmap(
-        lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(k))
-    )(draft_keys_B).reshape(batch * k)
-    cache = state.target_cache if dec.share_draft_cache else state.draft_cache
-    start_B = cache.lengths.reshape(batch, -1)[:, 0]
-    run = rollout.rollout
-    if dec.share_draft_cache:  # the target's first layers over its own cache (selfdraft.py)
-        run = functools.partial(rollout.rollout, shared_layers=dec.draft_config.num_hidden_layers)
-    if spec.draft_stop:  # no chain grows past what the step can use (never a shared cache)
-        limit_B = jnp.where(state.done, 0, spec.max_new_tokens - state.num_generated - 1)
-        run = functools.partial(rollout.rollout_stopped, limit_R=jnp.repeat(limit_B, k))
-    d_cache, drafts, draft_lp, draft_ok_RD, *stopped = run(
-        forward_for(dec.draft_config),
-        draft_params,
-        cache,
-        jnp.repeat(state.root, k),
-        chain_keys,
-        draft_len=n,
-        sampling=sampling.repeat(k),
-        mesh=dec.mesh,
-        plan=tree.plan,
-        history=state.history.repeat(k),
-    )
-    vocab = draft_lp.shape[-1]
-    stop_BK = stopped[0].reshape(batch, k) if stopped else jnp.full((batch, k), n, jnp.int32)
-    return _finish_drafts(
-        dec,
-        sampling,
-        state,
-        d_cache,
-        start_B,
-        drafts.reshape(batch, k, n),
-        draft_lp.reshape(batch, k, n, vocab),
-        draft_ok_RD.reshape(batch, k, n),
-        stop_BK,
-    )
-
-
-def _finish_drafts(
-    dec: Decoder,
-    sampling,
-    state,
-    d_cache,
-    start_B,
-    tokens_BKD,
-    draft_lp_BKDV,
-    draft_ok_BKD,
-    usable_BK,
-) -> Drafts:
+def _finish_drafts(dec: Decoder, sampling, state, proposal: Proposal) -> Drafts:
     """The drafter's root paths (K = L replicas) cut to their usable lengths (``usable_BK``: the
     drafter's own, e.g. a lookup match's or a confidence stop's), then the common cuts below, and
     laid out by node."""
     spec, tree = dec.spec, dec.spec.tree
     n = spec.num_draft_tokens
-    batch, k = usable_BK.shape
+    tokens_BKD, draft_lp_BKDV = proposal.tokens_BKD, proposal.logprobs_BKDV
     # Drafts are shortened so that a step never emits past max_new_tokens, and end at an EOS.
     remaining_B = state.budget - state.num_generated
-    lengths_BK = jnp.minimum(jnp.clip(remaining_B - 1, 0, n)[:, None], usable_BK)
+    lengths_BK = jnp.minimum(jnp.clip(remaining_B - 1, 0, n)[:, None], proposal.usable_BK)
     is_eos = _is_eos(tokens_BKD, sampling.eos_ids)
     first_eos = jnp.where(jnp.any(is_eos, -1), jnp.argmax(is_eos, -1) + 1, n)
     lengths_BK = jnp.minimum(lengths_BK, first_eos)
     # A chain ends before the token drawn from an unusable law (a stopping time: the law at depth
     # i depends on the chain's first i tokens only); only the depths the chain uses count.
-    bad_BK = _first_false(draft_ok_BKD, n + 2)
+    bad_BK = _first_false(proposal.ok_BKD, n + 2)
     bad_BK = jnp.where(bad_BK < lengths_BK, bad_BK, n + 2)
     # A sibling drawn without replacement after its law's support ran out has probability 0: it
     # was not drawn, and the chain ends before it (never the case for independent draws).
@@ -766,13 +556,13 @@ def _finish_drafts(
     tokens_BN = tree.to_nodes(state.root, tokens_BKD)
     valid_BN = tree.node_validity(lengths_BK)
     return Drafts(
-        cache=d_cache,
-        start_B=start_B,
+        state=proposal.state,
+        target_cache=proposal.target_cache,
         tokens_BN=tokens_BN,
         logprobs_BNV=tree.to_nodes(None, draft_lp_BKDV),
         lengths_BL=lengths_BK,
         bad_depth_BL=bad_BK,
-        scored_BN=scored_slots(spec.resolved, tree, tokens_BN, valid_BN, dec.merge_tree),
+        scored_BN=scored_slots(spec.method, tree, tokens_BN, valid_BN, dec.merge_tree),
     )
 
 
@@ -810,11 +600,11 @@ def _verify(dec: Decoder, state, drafts: Drafts, target_lp_BNV) -> tuple[Verdict
     options = dict(spec.options)
     return jax.vmap(
         lambda key, x, lq, lp, valid: verify_step(
-            spec.resolved, tree, key, x, lq, lp, valid, options, _ROWS
+            spec.method, tree, key, x, lq, lp, valid, options, _ROWS
         ),
         axis_name=_ROWS,
     )(
-        _step_keys(state, _PURPOSE_VERIFY),
+        step_keys(state, _PURPOSE_VERIFY),
         drafts.tokens_BN,
         drafts.logprobs_BNV,
         target_lp_BNV,
@@ -824,20 +614,12 @@ def _verify(dec: Decoder, state, drafts: Drafts, target_lp_BNV) -> tuple[Verdict
 
 def _commit(dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B) -> DecodeState:
     """Stage 4: commit the first ``num_B`` nodes of the accepted path (the root and the accepted
-    draft tokens) into the target cache; the draft replicas take replica ``chain_B``'s slots (a
-    root path whose prefix is the accepted path)."""
-    n, k = dec.spec.num_draft_tokens, dec.spec.tree.num_chains
+    draft tokens) into the target cache, and the drafter's state after it (``Drafter.commit``:
+    replica ``chain_B`` drew the accepted path)."""
     row_loop = kv_cache.row_loop_for(dec.mesh)
     t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=row_loop)
-    d_cache = drafts.cache
-    # No draft cache of its own: a lookup has none; a self-draft's rollout scratch past the
-    # committed slots of the target cache is stale now.
-    if d_cache is None or dec.share_draft_cache:
-        return dataclasses.replace(state, target_cache=t_cache)
-    if k > 1:
-        d_cache = _sync_draft_replicas(d_cache, drafts.start_B, chain_B, k, n + 1)
-    d_cache = dataclasses.replace(d_cache, lengths=jnp.repeat(drafts.start_B + num_B, k))
-    return dataclasses.replace(state, target_cache=t_cache, draft_cache=d_cache)
+    draft = dec.drafter.commit(dec, state.draft, drafts.state, chain_B, num_B)
+    return dataclasses.replace(state, target_cache=t_cache, draft=draft)
 
 
 def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, root_lp_BV) -> jax.Array:
@@ -848,8 +630,8 @@ def _root_optimal_acceptance(dec: Decoder, drafts: Drafts, root_lp_BV) -> jax.Ar
     if dec.spec.num_drafts == 1:  # 1 - TV(p, q): no sort needed
         overlap_BV = jnp.minimum(root_lp_BV, root_draft_BV)
         return jnp.exp(jax.nn.logsumexp(overlap_BV, axis=-1))
-    if not dec.diagnostics or dec.spec.drafter == "lookup":  # lookup: K different point masses
-        return jnp.full(drafts.start_B.shape, jnp.nan, jnp.float32)
+    if not dec.diagnostics or not dec.drafter.one_root_law:  # e.g. K different point masses
+        return jnp.full(drafts.tokens_BN.shape[:1], jnp.nan, jnp.float32)
     return identical_drafts_acceptance(root_lp_BV, root_draft_BV, dec.spec.tree.widths[0])
 
 
@@ -867,8 +649,8 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     active_B = ~state.done
     with jax.named_scope("draft"):
         drafts = _draft(dec, draft_params, sampling, state)
-        if dec.share_draft_cache:  # the target cache, with the rollout's scratch slots written
-            state = dataclasses.replace(state, target_cache=drafts.cache)
+        if drafts.target_cache is not None:  # with the drafter's scratch slots written
+            state = dataclasses.replace(state, target_cache=drafts.target_cache)
     with jax.named_scope("score"):
         target_lp, target_ok, new_kv, scored_B = _score(dec, target_params, sampling, state, drafts)
         # A chain is verified only up to its first unusable target law: the tokens before it are

@@ -35,16 +35,18 @@ tests/test_sampler_bad_input.py compares the total with the measured peak of rea
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-_F32 = 4
+F32 = 4
 _RACE_LEVELS = 16  # the level race's default number of levels (verify/registry.py)
 # The padding of sampler.prepare: prompt width, cache length, batch rows (sampler uses these).
 BUCKETS = _PROMPT_BUCKET, _CACHE_BUCKET, _BATCH_BUCKET = 16, 64, 8
 _PY_OBJECT = 64  # bytes per entry of a Python list / tuple of ints, the ints included
 
 
-def _round_up(x: int, multiple: int) -> int:
+def round_up(x: int, multiple: int) -> int:
     return -(-max(int(x), 1) // multiple) * multiple
 
 
@@ -61,7 +63,7 @@ def tree_shape(num_drafts: int, num_draft_tokens: int, widths=()) -> tuple[int, 
     return 1 + num_drafts * num_draft_tokens, num_drafts, num_drafts
 
 
-def _model(config) -> dict:
+def model_sizes(config) -> dict:
     """The sizes of a model config the estimate needs (any family)."""
     kvh, head = config.num_key_value_heads, config.head_dim
     heads = getattr(config, "num_attention_heads", None) or kvh
@@ -75,22 +77,94 @@ def _model(config) -> dict:
     )
 
 
-def _forward(m: dict, rows: int, tokens: int, slots: int, itemsize: int) -> int:
+def forward_bytes(m: dict, rows: int, tokens: int, slots: int, itemsize: int) -> int:
     """One forward of ``tokens`` queries per row over ``slots`` cached keys: attention scores
     (float32: scores, masked, softmax), the mask, activations and the new keys / values."""
     keys = slots + tokens
-    scores = 3 * _F32 * rows * m["heads"] * tokens * keys
+    scores = 3 * F32 * rows * m["heads"] * tokens * keys
     mask = 2 * rows * tokens * keys
-    activations = _F32 * rows * tokens * m["width"]
+    activations = F32 * rows * tokens * m["width"]
     new_kv = itemsize * rows * tokens * m["kv_slot"]
     return scores + mask + activations + new_kv
 
 
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The sizes of one call that a drafter's :meth:`~asps_jax.drafters.Drafter.footprint`
+    reads: ``rows`` B (padded), ``replicas`` the root paths per row (K, or ``prod(widths)``),
+    ``depth`` D, ``slots`` S per cache row, ``prompt`` the padded prompt width, ``history`` the
+    text width H of a row, ``vocab`` V, ``draft_itemsize`` bytes per draft weight / cache entry."""
+
+    rows: int
+    replicas: int
+    depth: int
+    slots: int
+    prompt: int
+    history: int
+    vocab: int
+    draft_itemsize: int
+
+
+def rollout_law_bytes(sizes: Shape) -> int:
+    """A rollout's per-depth laws, ``[R, D, V]`` stacked per depth, transposed and gathered."""
+    return 3 * F32 * sizes.rows * sizes.replicas * sizes.depth * sizes.vocab
+
+
+def _method(method):
+    """A registry :class:`~asps_jax.verify.registry.Method` (or None: ``"ar"``) from a value or
+    a name."""
+    if isinstance(method, str):
+        from asps_jax.verify.registry import REGISTRY
+
+        return REGISTRY.get(method)
+    return method
+
+
+def _selection(method, options: dict, k: int, rows: int, walkers: int, nodes: int, vocab: int):
+    """Bytes of the method's selection: the level race (``[W, W, levels, W/2]`` per node) of a
+    racing method, or the ``alive="count"`` tables of a tree selection (``[W, N+1, N+1]``)."""
+    if method.rows_option is None:  # no selection that races
+        return 0
+    levels = None
+    if method.kind == "drafts":
+        if k > 1 and options.get("rule") in (None, "level_race"):
+            levels = options.get("levels", _RACE_LEVELS)
+    elif options.get("alive", "walkers") == "count":
+        size = nodes + 1  # the law of the number of drafts alive, per walker: [W, N+1, N+1]
+        return 3 * F32 * rows * walkers * size**2 + _PY_OBJECT * size**2
+    else:
+        rule = options.get("rule", "level_race")
+        levels = getattr(rule, "levels", _RACE_LEVELS) if rule != "fixed_order" else None
+    if levels is None:
+        return 0
+    levels = levels if isinstance(levels, int) else _RACE_LEVELS
+    gauss = -(-walkers // 2)  # [W, W, levels, W/2] products per node, a few rows [W, V]
+    return rows * F32 * (2 * walkers**2 * levels * gauss + 3 * (walkers + levels) * vocab)
+
+
+def _tree_parts(method, rows, nodes, depth, k, n, vocab) -> tuple[int, int, int]:
+    """``(tree tables, tree masks, step laws)`` of the verification of a drafted tree."""
+    # Host: the parents as Python ints, root paths, the [N, N] ancestor tables (the chain
+    # table and the token tree's, and their copies as constants of the compiled program).
+    tables = nodes * (2 * _PY_OBJECT + F32 * (depth + 1)) + 4 * nodes**2
+    if method.kind == "tree":
+        # Merged attention mask (float32 ancestors, one-hot, reach), the sibling merge's
+        # [N, N, D] path comparison, the traversal's q(x_j) and tried-before tables.
+        masks = rows * nodes**2 * (10 + depth + 3 + 17)
+        laws = 10 * F32 * rows * nodes * vocab  # per row: q, p, P, emit, scan copies
+    else:
+        # The attention mask of the scored slots (float32 ancestors, one-hot, reach).
+        masks = 10 * rows * nodes**2
+        laws = F32 * rows * nodes * vocab  # the draft laws laid out by node
+        laws += 3 * F32 * rows * k * (n + 1) * vocab  # laws along each chain's root path
+    return tables, masks, laws
+
+
 def estimate(
     target_config,
-    draft_config,
+    drafter,
     *,
-    method: str,
+    method,
     batch: int,
     prompt_len: int,
     max_new_tokens: int,
@@ -101,107 +175,61 @@ def estimate(
     target_itemsize: int = 4,
     draft_itemsize: int = 4,
     num_prompts: int | None = None,
-    drafter: str = "model",
-    shared_draft_cache: bool = False,
 ) -> dict[str, int]:
     """Bytes per part (see the module docstring) of one sampling call, from its shapes alone.
 
-    ``num_prompts``: continuous batching (:mod:`asps_jax.slots`): ``batch`` is then the number
-    of slots (the rows of the caches and of every per-step buffer), and the prompt set and its
-    per-prompt outputs, ``num_prompts`` rows each, are on device too.
-
-    ``draft_config`` is None for ``method="ar"`` and for ``drafter="lookup"`` (prompt lookup,
-    no draft model); ``shared_draft_cache``: a self-draft reading the target's cache
-    (``decode.Decoder.share_draft_cache``); ``widths`` a branching tree (tree methods);
-    ``options`` the method options (``levels``, ``alive``, ``rule`` change the selection's size).
-    Weights are not included (the caller knows them).
+    ``drafter``: the call's :class:`~asps_jax.drafters.Drafter` (None for ``method="ar"``),
+    whose own buffers are its :meth:`~asps_jax.drafters.Drafter.footprint`; ``method`` the
+    registry method (or its name; None or ``"ar"``: no draft). ``num_prompts``: continuous
+    batching (:mod:`asps_jax.slots`): ``batch`` is then the number of slots (the rows of the
+    caches and of every per-step buffer), and the prompt set and its per-prompt outputs,
+    ``num_prompts`` rows each, are on device too. ``widths`` a branching tree (tree methods);
+    ``options`` the method options (``levels``, ``alive``, ``rule`` change the selection's
+    size). Weights are not included (the caller knows them).
     """
-    options = dict(options or {})
-    tree_method = method in ("tv", "tv_wr", "is_bv")
-    rows = _round_up(batch, _BATCH_BUCKET) if batch > 1 else 1
-    t = _model(target_config)
+    method = _method(method)
+    drafting = method is not None and drafter is not None
+    rows = round_up(batch, _BATCH_BUCKET) if batch > 1 else 1
+    t = model_sizes(target_config)
     vocab = t["vocab"]
-    prompt = _round_up(prompt_len, _PROMPT_BUCKET)
-    lookup = drafter == "lookup" and method != "ar"
-    shared = shared_draft_cache and draft_config is not None and method != "ar"
-    if method == "ar" or (draft_config is None and not lookup):
-        n = k = 1
-        nodes, replicas, walkers, depth = 1, 0, 1, 0
-    else:
+    prompt = round_up(prompt_len, _PROMPT_BUCKET)
+    n = k = 1
+    nodes, replicas, walkers, depth = 1, 0, 1, 0
+    if drafting:
         n, k = num_draft_tokens, num_drafts
         nodes, replicas, walkers = tree_shape(k, n, widths)
         depth = len(widths) if widths else n
-    scratch = n * k if shared else 0  # a shared self-draft's rollout slots (sampler._decoder)
-    slots = _round_up(prompt + max_new_tokens + n + 2 + scratch, _CACHE_BUCKET)
-    draft_rows = rows * replicas
+    scratch = drafter.cache_slots(n, k) if drafting else 0
+    slots = round_up(prompt + max_new_tokens + n + 2 + scratch, _CACHE_BUCKET)
     parts = {
         "kv caches": rows * slots * t["kv_slot"] * target_itemsize,
-        "outputs": 2 * _F32 * rows * (max_new_tokens + n + 1)
+        "outputs": 2 * F32 * rows * (max_new_tokens + n + 1)
         + (
             0
             if num_prompts is None
-            else _round_up(num_prompts, _BATCH_BUCKET)
-            * (2 * _F32 * (max_new_tokens + n + 1) + _F32 * prompt)
+            else round_up(num_prompts, _BATCH_BUCKET)
+            * (2 * F32 * (max_new_tokens + n + 1) + F32 * prompt)
         ),
         "tree tables": 0,
         "tree masks": 0,
         "target forward": max(
-            _forward(t, rows, nodes, slots, target_itemsize),
-            _forward(t, rows, prompt, slots, target_itemsize),
+            forward_bytes(t, rows, nodes, slots, target_itemsize),
+            forward_bytes(t, rows, prompt, slots, target_itemsize),
         ),
-        "step laws": 0,
+        "step laws": 4 * F32 * rows * nodes * vocab,  # target logits, processed laws, usable
         "draft rollout": 0,
         "selection": 0,
     }
-    laws = 4 * _F32 * rows * nodes * vocab  # target logits, processed laws, usable flags
-    if lookup:
-        # The search: per row, the [H, n] windows, their positions, cuts and DFA states, one
-        # [H, n] comparison per chain taken; the point-mass laws [B, K, n, V] (and the ids).
+    if drafting:
         history = prompt + max_new_tokens + n + 1
-        parts["draft rollout"] = rows * history * n * (6 * _F32 + 2 * k)
-        laws += 2 * _F32 * rows * k * n * vocab
-    elif draft_config is not None and method != "ar":
-        d = _model(draft_config)
-        step_laws = 3 * _F32 * draft_rows * vocab  # one depth's logits and laws
-        if shared:  # K queries per row over the target cache's first layers; no prefill
-            parts["draft rollout"] = _forward(d, rows, k, slots, draft_itemsize) + step_laws
-        else:
-            parts["kv caches"] += draft_rows * slots * d["kv_slot"] * draft_itemsize
-            parts["draft rollout"] = max(
-                _forward(d, draft_rows, 1, slots, draft_itemsize) + step_laws,
-                _forward(d, draft_rows, prompt, slots, draft_itemsize),
-            )
-        laws += 3 * _F32 * draft_rows * depth * vocab  # stacked per depth, transposed, gathered
-    if lookup or (draft_config is not None and method != "ar"):
-        # Host: the parents as Python ints, root paths, the [N, N] ancestor tables (the chain
-        # table and the token tree's, and their copies as constants of the compiled program).
-        parts["tree tables"] = nodes * (2 * _PY_OBJECT + _F32 * (depth + 1)) + 4 * nodes**2
-        if tree_method:
-            # Merged attention mask (float32 ancestors, one-hot, reach), the sibling merge's
-            # [N, N, D] path comparison, the traversal's q(x_j) and tried-before tables.
-            parts["tree masks"] = rows * nodes**2 * (10 + depth + 3 + 17)
-            laws += 10 * _F32 * rows * nodes * vocab  # per row: q, p, P, emit, scan copies
-        else:
-            # The attention mask of the scored slots (float32 ancestors, one-hot, reach).
-            parts["tree masks"] = 10 * rows * nodes**2
-            laws += _F32 * rows * nodes * vocab  # the draft laws laid out by node
-            laws += 3 * _F32 * rows * k * (n + 1) * vocab  # laws along each chain's root path
-        levels = None  # the level race's, where the method runs one
-        if method in ("is", "optimal") and k > 1 and options.get("rule") in (None, "level_race"):
-            levels = options.get("levels", _RACE_LEVELS)
-        elif method == "is_bv" and options.get("alive", "walkers") == "count":
-            size = nodes + 1  # the law of the number of drafts alive, per walker: [W, N+1, N+1]
-            parts["selection"] = 3 * _F32 * rows * walkers * size**2 + _PY_OBJECT * size**2
-        elif method == "is_bv":
-            rule = options.get("rule", "level_race")
-            levels = getattr(rule, "levels", _RACE_LEVELS) if rule != "fixed_order" else None
-        if levels is not None:
-            levels = levels if isinstance(levels, int) else _RACE_LEVELS
-            gauss = -(-walkers // 2)  # [W, W, levels, W/2] products per node, a few rows [W, V]
-            parts["selection"] = (
-                rows * _F32 * (2 * walkers**2 * levels * gauss + 3 * (walkers + levels) * vocab)
-            )
-    parts["step laws"] = laws
+        sizes = Shape(rows, replicas, depth, slots, prompt, history, vocab, draft_itemsize)
+        own = drafter.footprint(sizes)
+        parts["kv caches"] += own.get("kv caches", 0)
+        parts["draft rollout"] = own.get("draft rollout", 0)
+        tables, masks, laws = _tree_parts(method, rows, nodes, depth, k, n, vocab)
+        parts["tree tables"], parts["tree masks"] = tables, masks
+        parts["step laws"] += own.get("laws", 0) + laws
+        parts["selection"] = _selection(method, dict(options or {}), k, rows, walkers, nodes, vocab)
     return parts
 
 
@@ -231,7 +259,7 @@ def _smaller(shape: dict) -> dict[str, dict]:
             widths.pop()
         if tuple(widths) != tuple(shape["widths"]):
             out["tree"] = {**shape, "widths": tuple(widths)}
-    elif shape["method"] != "ar":
+    elif _method(shape["method"]) is not None:
         for name in ("num_drafts", "num_draft_tokens"):
             if shape[name] > 1:
                 out[name] = {**shape, name: shape[name] // 2}
@@ -245,7 +273,7 @@ def _gib(size: int) -> str:
 
 def check(
     target_config,
-    draft_config,
+    drafter,
     *,
     available: int,
     weights: int = 0,
@@ -256,12 +284,12 @@ def check(
     halving saves the most. Returns the estimate's parts otherwise."""
     shape.setdefault("widths", ())
     shape.setdefault("options", None)
-    parts = estimate(target_config, draft_config, **shape)
+    parts = estimate(target_config, drafter, **shape)
     need = sum(parts.values()) + weights
     if need <= available:
         return parts
     gain = {
-        name: need - weights - sum(estimate(target_config, draft_config, **smaller).values())
+        name: need - weights - sum(estimate(target_config, drafter, **smaller).values())
         for name, smaller in _smaller(shape).items()
     }
     order = sorted(gain, key=gain.get, reverse=True)
@@ -271,10 +299,10 @@ def check(
     detail = ", ".join(f"{name} {_gib(parts[name])}" for name in biggest)
     nodes, replicas, _ = tree_shape(shape["num_drafts"], shape["num_draft_tokens"], shape["widths"])
     what = f"{shape['batch']} rows"
-    if shape["method"] != "ar" and shape.get("drafter") == "lookup":
+    if _method(shape["method"]) is not None and drafter is not None:
         what += f", {nodes} tree nodes"
-    elif draft_config is not None and shape["method"] != "ar":
-        what += f", {nodes} tree nodes, {replicas} draft replicas per row"
+        if drafter.replicated:
+            what += f", {replicas} draft replicas per row"
     raise ValueError(
         f"this call needs about {_gib(need)} ({what}; {detail}) but the device has "
         f"{_gib(available)}: lower {' or '.join(lower) or 'the model size'}"

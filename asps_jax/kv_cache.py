@@ -99,6 +99,14 @@ def init_cache(
 ROW_LOOP_MIN_ROW_BYTES = 64 * 1024
 
 
+def per_layer_params(params) -> bool:
+    """Parameters whose layers are separate arrays (a run layout, e.g. Llama's
+    ``prepare_params``) run the layers one by one; their cache is then one buffer per layer, read
+    in place (a layer of a stacked cache is a copy per forward: 0.5b shape, 1024 slots, 189 ->
+    135 ms CPU per one-token forward)."""
+    return isinstance(params, dict) and isinstance(params.get("layers"), (tuple, list))
+
+
 def row_loop_for(mesh) -> bool | None:
     """:func:`commit`'s ``row_loop`` for a decoding loop: its own choice (None) on one device, the
     batch scatter (False) on a mesh, where a loop over rows would gather the split batch axis."""

@@ -9,10 +9,12 @@ values without writing them; ``kv_cache.commit`` later appends only the accepted
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from asps_jax.kv_cache import KVBlock, KVCache, cache_mask
+from asps_jax.kv_cache import KVBlock, KVCache, cache_mask, commit, init_cache
 from asps_jax.trees import Tree, attention_mask
 
 
@@ -89,3 +91,55 @@ def score_chain(
     if cache is not None:
         mask_BTT = jnp.concatenate([cache_mask(cache, T), mask_BTT], axis=-1)
     return forward(params, tokens.astype(jnp.int32), positions_BT, mask_BTT, cache)
+
+
+def prefill_cache(forward, params, cache: KVCache, prompts_BP, num_B) -> KVCache:
+    """Commit the first ``num_B`` prompt tokens of each row into ``cache`` (one forward)."""
+    rows, width = prompts_BP.shape
+    valid_BP = jnp.arange(width)[None, :] < num_B[:, None]
+    _, new_kv = score_chain(forward, params, cache, prompts_BP, valid_BP)
+    nodes_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
+    return commit(cache, new_kv, nodes_BP, num_B)
+
+
+def _write_rows(cache: KVCache, row: KVCache, first, count: int) -> KVCache:
+    """Rows ``first .. first + count - 1`` of ``cache`` take ``row``'s slots ``0 .. P - 1``."""
+
+    def put(a, r):  # a: [L', B', KVH, S, H], r: [L', 1, KVH, P, H]
+        r = jnp.broadcast_to(r, (r.shape[0], count) + r.shape[2:])
+        return jax.lax.dynamic_update_slice(a, r.astype(a.dtype), (0, first, 0, 0, 0))
+
+    if cache.per_layer:
+        ks = tuple(put(a[None], r[None])[0] for a, r in zip(cache.k, row.k))
+        vs = tuple(put(a[None], r[None])[0] for a, r in zip(cache.v, row.v))
+    else:
+        ks, vs = put(cache.k, row.k), put(cache.v, row.v)
+    return dataclasses.replace(cache, k=ks, v=vs)
+
+
+def refill_rows(
+    forward, config, params, cache: KVCache, take_B, prompts_BP, committed_B, replicas: int = 1
+) -> KVCache:
+    """Start new prompts in the rows ``take_B`` (bool[B]) of a running cache (continuous
+    batching): each taken row's ``replicas`` cache rows (``b * replicas ..``) take its prompt's
+    first ``committed_B`` tokens, one single-row prefill forward per row over the prompt width
+    only (no attention over the long cache), in the cache's layout and dtype; their lengths are
+    set, the other rows unchanged (stale slots past a length are masked, as after a rejection)."""
+    batch, width = prompts_BP.shape
+    (slots_R,) = jnp.nonzero(take_B, size=batch, fill_value=0)  # the rows to fill, in order
+    dtype = jax.tree.leaves(cache.k)[0].dtype
+
+    def fill(i, cache):
+        b = slots_R[i]
+        prompt_1P = jax.lax.dynamic_slice_in_dim(prompts_BP, b, 1)
+        committed_1 = jax.lax.dynamic_slice_in_dim(committed_B, b, 1)
+        row = init_cache(config, 1, width, dtype, per_layer=cache.per_layer)
+        row = prefill_cache(forward, params, row, prompt_1P, committed_1)
+        return _write_rows(cache, row, b * replicas, replicas)
+
+    # The work of a refill is its prompts' tokens, whatever the number of rows.
+    cache = jax.lax.fori_loop(0, jnp.sum(take_B), fill, cache)
+    take = jnp.repeat(take_B, replicas)
+    return dataclasses.replace(
+        cache, lengths=jnp.where(take, jnp.repeat(committed_B, replicas), cache.lengths)
+    )

@@ -54,7 +54,7 @@ class Prompts:
 @dataclasses.dataclass(frozen=True)
 class Results:
     """Each prompt's outputs, written when its slot finishes (the field names of
-    :class:`~asps_jax.decode.DecodeState` that :func:`asps_jax.sampler._finish` reads)."""
+    :class:`~asps_jax.decode.DecodeState` that :func:`asps_jax.sampler.finish` reads)."""
 
     tokens: jax.Array  # int32[N, W]
     logprobs: jax.Array  # float32[N, W]

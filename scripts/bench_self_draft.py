@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 import asps_jax
-from asps_jax import decode, sampler
+from asps_jax import decode, drafters, sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     # AR only when timed: its tokens per step is 1.
     configs = [("ar", None)] * (args.repeats > 0) + [(m, draft) for m in args.methods]
     configs += [
-        (m, sampler.parse_draft(target, f"self:{L}")[1]) for L in layers for m in args.methods
+        (m, drafters.draft_model(target, f"self:{L}")) for L in layers for m in args.methods
     ]
     rows = []
     print(

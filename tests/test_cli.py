@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from asps_jax.cli.args import DEFAULT_PROMPT, build_parser
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "sample.py"
 
@@ -30,8 +32,8 @@ cli = _load_cli()
 def test_default_run_streams_text_and_statistics(capsys):
     assert cli.main(["--max-new-tokens", "12", "--num-draft-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(cli.DEFAULT_PROMPT)
-    body = out.split("--- statistics ---")[0][len(cli.DEFAULT_PROMPT) :]
+    assert out.startswith(DEFAULT_PROMPT)
+    body = out.split("--- statistics ---")[0][len(DEFAULT_PROMPT) :]
     assert len(body.strip()) > 0
     for name in ("method", "tokens per step", "target calls", "tokens/s", "draft acceptance"):
         assert name in out
@@ -146,7 +148,7 @@ def test_help_explains_every_flag(capsys):
         cli.main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for action in cli.build_parser()._actions:
+    for action in build_parser()._actions:
         for flag in action.option_strings:
             assert flag in out
         assert action.help
@@ -154,7 +156,7 @@ def test_help_explains_every_flag(capsys):
 
 def test_optimal_is_python_only(capsys):
     """ "optimal" (a reference construction, far slower per step) is not a --method choice."""
-    parser = cli.build_parser()
+    parser = build_parser()
     with pytest.raises(SystemExit) as info:
         parser.parse_args(["--method", "optimal"])
     assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
@@ -162,7 +164,7 @@ def test_optimal_is_python_only(capsys):
 
 
 def test_tree_methods_are_method_choices():
-    parser = cli.build_parser()
+    parser = build_parser()
     for method in ("tv", "tv_wr", "is_bv"):
         assert parser.parse_args(["--method", method, "--num-drafts", "4"]).method == method
 

@@ -13,6 +13,7 @@ import pytest
 from test_cli import _strict_json, cli
 
 import asps_jax
+from asps_jax.cli.args import DEFAULT_PROMPT
 from asps_jax.models import save_checkpoint
 
 SHORT = ["--max-new-tokens", "6", "--num-draft-tokens", "2"]
@@ -149,7 +150,7 @@ def nan_target(tmp_path_factory):
     """The bundled target with a NaN embedding for the 3rd token its greedy run emits (the
     logits turn NaN once that token is generated), and that greedy run."""
     model = asps_jax.load_model("tinyshakespeare-target")
-    prompt = model.tokenizer.encode(cli.DEFAULT_PROMPT)
+    prompt = model.tokenizer.encode(DEFAULT_PROMPT)
     out = asps_jax.sample(
         model,
         None,
@@ -181,4 +182,4 @@ def test_nan_logits_print_the_text_before_and_exit_1(capsys, nan_target, method)
     assert cli.main(argv) == 1
     out = capsys.readouterr().out
     text = asps_jax.load_model(str(path)).tokenizer.decode(before, skip_special_tokens=True)
-    assert out.startswith(cli.DEFAULT_PROMPT + text) and "--- statistics ---" in out
+    assert out.startswith(DEFAULT_PROMPT + text) and "--- statistics ---" in out

@@ -13,7 +13,9 @@ import pytest
 from test_cli import cli
 
 import asps_jax
-from asps_jax.sampler import Session
+from asps_jax.cli.args import read_schema
+from asps_jax.cli.output import print_summary
+from asps_jax.session import Session
 
 
 def _jsonl(capsys) -> list[dict]:
@@ -260,7 +262,7 @@ def test_byte_order_mark_is_not_part_of_a_json_schema_file(tmp_path):
     path = tmp_path / "schema.json"
     schema = json.dumps({"type": "integer"})
     path.write_bytes(b"\xef\xbb\xbf" + schema.encode())
-    assert cli._read_schema(str(path)) == schema
+    assert read_schema(str(path)) == schema
 
 
 def test_json_schema_file_not_utf8_is_one_line_naming_flag_and_file(tmp_path, capsys):
@@ -335,11 +337,11 @@ def test_statistics_block_names_the_incomplete_rows():
         target_calls=4, tokens_per_step=2.0, tokens_per_step_stderr=0.1, acceptance=0.5,
         tokens_per_second=10.0, load_seconds=1, compile_seconds=2, run_seconds=3,
     )  # fmt: skip
-    cli._print_summary(dict(summary, incomplete=[False, True, True]), out)
+    print_summary(dict(summary, incomplete=[False, True, True]), out)
     assert "constraint incomplete: rows [1, 2] (cut before the end)" in out.getvalue()
     out = io.StringIO()
-    cli._print_summary(dict(summary, incomplete=[False] * 3), out)
+    print_summary(dict(summary, incomplete=[False] * 3), out)
     assert "constraint incomplete: none" in out.getvalue()
     out = io.StringIO()
-    cli._print_summary(summary, out)  # no constraint: no line
+    print_summary(summary, out)  # no constraint: no line
     assert "constraint" not in out.getvalue()

@@ -20,7 +20,8 @@ from sigint_in_a_finaliser import sigint_in_a_finaliser
 from test_cli import ROOT, SCRIPT, cli
 
 import asps_jax
-from asps_jax.sampler import Session
+from asps_jax.cli.args import DEFAULT_PROMPT
+from asps_jax.session import Session
 
 SHORT = ["--max-new-tokens", "6", "--num-draft-tokens", "2"]
 
@@ -69,7 +70,7 @@ def _interrupted_run(capsys, monkeypatch, steps, target_calls):
     monkeypatch.setattr(Session, "steps", steps)
     assert cli.main(SHORT + ["--max-new-tokens", "40"]) == 130
     captured = capsys.readouterr()
-    assert captured.out.startswith(cli.DEFAULT_PROMPT) and "--- statistics ---" in captured.out
+    assert captured.out.startswith(DEFAULT_PROMPT) and "--- statistics ---" in captured.out
     assert f"target calls: {target_calls}" in captured.out
     assert "interrupted after" in captured.err.strip().splitlines()[-1]
     return captured
@@ -220,8 +221,8 @@ def test_sigint_while_streaming_exits_130_with_statistics():
         cwd=ROOT,
     )
     try:
-        first = proc.stdout.read(len(cli.DEFAULT_PROMPT) + 1)  # the prompt, then a token
-        assert first.startswith(cli.DEFAULT_PROMPT), first
+        first = proc.stdout.read(len(DEFAULT_PROMPT) + 1)  # the prompt, then a token
+        assert first.startswith(DEFAULT_PROMPT), first
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:

@@ -16,6 +16,7 @@ import jax
 import pytest
 
 from asps_jax import compile_cache
+from asps_jax.cli.args import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "sample.py"
@@ -167,9 +168,8 @@ def test_enable_sets_the_cache_and_the_switches_turn_it_off(monkeypatch, tmp_pat
 
 
 def test_cli_flag_turns_the_cache_off():
-    cli = _load_cli()
-    assert cli.build_parser().parse_args(["--no-compile-cache"]).no_compile_cache
-    assert not cli.build_parser().parse_args([]).no_compile_cache
+    assert build_parser().parse_args(["--no-compile-cache"]).no_compile_cache
+    assert not build_parser().parse_args([]).no_compile_cache
 
 
 def _refuse_files_in(monkeypatch, directory):

@@ -32,7 +32,8 @@ from test_verify_chain import code_outcome
 from test_verify_tree import enumerate_method
 
 import asps_jax
-from asps_jax import constraints, lookup, penalties, sampler, trees
+from asps_jax import constraints, penalties, sampler, trees
+from asps_jax.drafters import lookup
 from asps_jax.processors import SamplingParams
 from asps_jax.verify.registry import REGISTRY
 

@@ -90,7 +90,7 @@ def test_merged_tree_scores_fewer_nodes_and_gives_the_same_tokens(pair, method):
     every_slot = dataclasses.replace(merged_decoder, merge_tree=False)
     merged_state = merged_decoder.generate(**args)
     # Llama's run layout unrolls the layers; the loop then keeps one cache buffer per layer.
-    assert merged_state.target_cache.per_layer and merged_state.draft_cache.per_layer
+    assert merged_state.target_cache.per_layer and merged_state.draft.per_layer
     merged = sampler.summarize_stats(merged_state, batch)
     merged_tokens = np.asarray(merged_state.tokens)
     full_state = every_slot.generate(**args)
@@ -153,7 +153,7 @@ def test_tree_verdict_names_the_chain_that_drew_the_accepted_path(method):
     draft_lp = jnp.broadcast_to(uniform, (7, vocab))
     verify = jax.jit(
         lambda lp, key: verify_step(
-            spec.resolved, spec.tree, key, tokens_N, draft_lp, lp, jnp.ones(7, bool), {}
+            spec.method, spec.tree, key, tokens_N, draft_lp, lp, jnp.ones(7, bool), {}
         )
     )
     verdict, path = jax.tree.map(lambda a: a[None], verify(target_lp, jax.random.key(0)))

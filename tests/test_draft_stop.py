@@ -1,4 +1,5 @@
-"""Confidence-stopped draft chains (``draft_stop="confidence:τ"``, rollout.rollout_stopped).
+"""Confidence-stopped draft chains (``draft_stop="confidence:τ"``, the stop of the model
+drafter's rollout, ``asps_jax/drafters/model.py``).
 
 τ = 0 must be the fixed-length rollout draw for draw; the stopped rollout must leave its loop
 early; the output law stays exact (enumeration on tabular models with the code's outcome laws, a
@@ -19,7 +20,8 @@ from hf_checkpoints import write_tiny_llama
 from tabular import all_strings, code, continue_with_target, joint, rows_along
 
 import asps_jax
-from asps_jax import decode, rollout
+from asps_jax import decode
+from asps_jax.drafters import model as model_draft
 from asps_jax.models import forward_for
 from asps_jax.verify import chain
 
@@ -86,24 +88,24 @@ def test_the_stopped_rollout_leaves_its_loop_early(pair):
         inputs.prompt_lengths_B,
         inputs.row_keys_B,
     )
-    start = np.asarray(state.draft_cache.lengths)
+    start = np.asarray(state.draft.lengths)
     batch = start.shape[0]  # the rows padded to the batch bucket
     for tau, fed, usable in ((1.0, 1, 0), (0.0, n + 1, n)):
         sampling = dataclasses.replace(
             inputs.sampling, draft_stop=jnp.full((batch,), tau, jnp.float32)
         )
         cache, _, _, _, stop = jax.jit(
-            lambda c, s: rollout.rollout_stopped(
-                forward_for(dec.draft_config),
-                inputs.draft_params,
+            lambda c, s: model_draft.rollout(
+                model_draft.own_feed(forward_for(dec.drafter.config), inputs.draft_params, None),
                 c,
                 state.root,
                 jax.random.split(jax.random.key(1), batch),
                 draft_len=n,
                 sampling=s,
                 history=state.history,
+                limit_R=jnp.full((batch,), n, jnp.int32),
             )
-        )(state.draft_cache, sampling)
+        )(state.draft, sampling)
         np.testing.assert_array_equal(np.asarray(cache.lengths), start + fed)
         assert np.asarray(stop).tolist() == [usable] * batch
 
@@ -269,7 +271,7 @@ def test_decoder_without_stop_uses_the_scan_rollout(pair):
     call = asps_jax.sampler.prepare(target, draft, [PROMPT], key=jax.random.key(0),
                                     max_new_tokens=2)  # fmt: skip
     assert isinstance(call.decoder, decode.Decoder)
-    assert not call.decoder.spec.draft_stop
+    assert not call.decoder.drafter.confidence_stop
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Prompt-lookup drafting (asps_jax/lookup.py, ``draft="lookup"``).
+"""Prompt-lookup drafting (asps_jax/drafters/lookup.py, ``draft="lookup"``).
 
 The search is checked on literal texts; exactness by enumerating the verifiers' output law with
 point-mass drafts on tabular targets (NumPy float64, every string), and by a chi-square test of
@@ -18,7 +18,8 @@ from multidraft_reference import continuation_error, random_laws, tree_law
 from tabular import code, continue_with_target, joint, rows_along
 
 import asps_jax
-from asps_jax import lookup, penalties
+from asps_jax import penalties
+from asps_jax.drafters import lookup
 from asps_jax.verify import chain
 
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from hf_checkpoints import load_tiny_pair, write_tiny_llama
 from subprocess_env import xla_flags
 
 import asps_jax
-from asps_jax import footprint, penalties, sampler, trees
+from asps_jax import drafters, footprint, penalties, sampler, trees
+from asps_jax.drafters import self_layers
 from asps_jax.processors import SamplingParams
 from asps_jax.verify import registry
 
@@ -162,7 +163,7 @@ def test_size_estimate_counts_what_a_lookup_allocates():
     common = dict(batch=8, prompt_len=10, max_new_tokens=28, target_itemsize=2)
     ar = footprint.estimate(_Llama7B, None, method="ar", num_draft_tokens=1, num_drafts=1, **common)
     lookup = footprint.estimate(
-        _Llama7B, None, method="specinfer", drafter="lookup", num_draft_tokens=8, num_drafts=4,
+        _Llama7B, drafters.Lookup(), method="specinfer", num_draft_tokens=8, num_drafts=4,
         **common,
     )  # fmt: skip
     nodes = 1 + 4 * 8
@@ -183,8 +184,8 @@ def test_size_estimate_of_a_shared_self_draft_counts_scratch_not_a_cache():
         method="specinfer", batch=1, prompt_len=1000, max_new_tokens=30, num_draft_tokens=8,
         num_drafts=4, target_itemsize=2, draft_itemsize=2,
     )  # fmt: skip
-    shared = footprint.estimate(_Llama7B, _Llama7BFirst2, shared_draft_cache=True, **common)
-    own = footprint.estimate(_Llama7B, _Llama7BFirst2, **common)
+    shared = footprint.estimate(_Llama7B, drafters.SharedLayers(_Llama7BFirst2), **common)
+    own = footprint.estimate(_Llama7B, drafters.ModelDraft(_Llama7BFirst2), **common)
     slot = 2 * 32 * 32 * 128 * 2  # bytes per slot of the target (k, v; layers, heads, dims)
     # 1000 -> 1008 prompt + 30 + 8 + 2 = 1048 (+ 32 scratch = 1080) -> 1088 slots either way.
     assert shared["kv caches"] == 1088 * slot
@@ -206,7 +207,7 @@ def test_check_memory_reads_the_drafter(pair, monkeypatch):
     )
     assert lookup["step laws"] > ar["step laws"] and lookup["kv caches"] == ar["kv caches"]
     shared = sampler.check_memory(target, "self:1", **shape, method="specinfer")
-    monkeypatch.setattr(sampler.selfdraft, "can_share_cache", lambda config: False)
+    monkeypatch.setattr(self_layers, "can_share_cache", lambda config: False)
     own = sampler.check_memory(target, "self:1", **shape, method="specinfer")
     assert shared["kv caches"] < own["kv caches"]
 

@@ -27,12 +27,13 @@ from multidraft_laws import node_law
 from multidraft_reference import continuation_error, tree_law
 
 import asps_jax
-from asps_jax import decode, kv_cache, selfdraft
+from asps_jax import decode, drafters, kv_cache
+from asps_jax.drafters import self_layers as selfdraft
 from asps_jax.models import LlamaConfig, MistralConfig, Model, Qwen3Config, own_model
 from asps_jax.models.base import run_params
 from asps_jax.models.decoder import init_params as decoder_init
 from asps_jax.models.llama import init_params as llama_init
-from asps_jax.sampler import parse_draft, prepare
+from asps_jax.sampler import prepare
 from asps_jax.verify import chain
 
 VOCAB = 5
@@ -73,8 +74,8 @@ def _laws(hf_model, depth: int) -> list[np.ndarray]:
 def test_the_draft_is_the_cut_target_and_shares_its_weights(models):
     hf, cut, target = models
     for layers in (1, 2):
-        draft = parse_draft(target, f"self:{layers}")[1]
-        assert draft is parse_draft(target, f"self:{layers}")[1]  # one object per (target, L)
+        draft = drafters.draft_model(target, f"self:{layers}")
+        assert draft is drafters.draft_model(target, f"self:{layers}")  # one object per (target, L)
         assert draft.config.num_hidden_layers == layers
         tokens = jnp.asarray([PROMPT + [0, 3]])
         positions = jnp.arange(5)[None]
@@ -243,12 +244,12 @@ def test_shared_cache_gives_the_laws_of_a_separate_cache(models):
     )
     args = dict(call.inputs.kwargs(), decoder=call.decoder)
     shared = args["decoder"]
-    assert shared.share_draft_cache
-    separate = dataclasses.replace(shared, share_draft_cache=False)
+    assert isinstance(shared.drafter, drafters.SharedLayers)
+    separate = dataclasses.replace(shared, drafter=drafters.ModelDraft(shared.drafter.config))
     arrays = [args[k] for k in ("target_params", "draft_params", "prompts_BP")]
     arrays += [args["prompt_lengths_B"], args["row_keys_B"]]
     state = jax.eval_shape(functools.partial(decode._prefill, shared), *arrays)
-    assert state.draft_cache is None  # no draft cache: the target's is read
+    assert state.draft is None  # no draft cache: the target's is read
     (laws, tokens, counts), (sep_laws, sep_tokens, sep_counts) = _both_runs(
         shared,
         separate,
@@ -300,9 +301,9 @@ def test_decoder_families(make, shared):
     scratch slots do not keep key positions), and both sample."""
     model = make()
     decoder = prepare(model, "self:2", [[1, 2, 3]], key=jax.random.key(0), max_new_tokens=4).decoder
-    assert decoder.share_draft_cache is shared
-    assert selfdraft.can_share_cache(decoder.draft_config) is shared
-    assert decoder.draft_config.num_hidden_layers == 2
+    assert isinstance(decoder.drafter, drafters.SharedLayers) is shared
+    assert selfdraft.can_share_cache(decoder.drafter.config) is shared
+    assert decoder.drafter.config.num_hidden_layers == 2
     if shared:  # sampling with a separate draft cache is the existing path (test_decode.py)
         out = asps_jax.sample(
             model, "self:2", [[1, 2, 3]], key=jax.random.key(0), max_new_tokens=4,
@@ -357,7 +358,7 @@ def test_shared_feed_on_a_stacked_cache_equals_a_per_layer_one():
         max_position_embeddings=32,
     )
     target = Model("t", "", config, llama_init(config, jax.random.key(0)))
-    draft = parse_draft(target, "self:2")[1]
+    draft = drafters.draft_model(target, "self:2")
     keys = jax.random.split(jax.random.key(1), 2)
     shape = (3, 2, 1, 16, config.head_dim)  # L, B, KVH, S, H
     k, v = (jax.random.normal(key, shape) for key in keys)

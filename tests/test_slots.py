@@ -224,12 +224,15 @@ def test_size_check_counts_slots_and_the_prompt_set(pair):
     there too: 64 prompts through 8 slots need more than 8 prompts in one batch and much less
     than 64 (literal byte counts of the two extra buffers)."""
     from asps_jax import footprint
+    from asps_jax.drafters import ModelDraft
 
     target, draft = pair
     shape = dict(method="asps", prompt_len=5, max_new_tokens=16, num_draft_tokens=2, num_drafts=1)
-    eight = footprint.estimate(target.config, draft.config, batch=8, **shape)
-    slots = footprint.estimate(target.config, draft.config, batch=8, num_prompts=64, **shape)
-    all_rows = footprint.estimate(target.config, draft.config, batch=64, **shape)
+    eight = footprint.estimate(target.config, ModelDraft(draft.config), batch=8, **shape)
+    slots = footprint.estimate(
+        target.config, ModelDraft(draft.config), batch=8, num_prompts=64, **shape
+    )
+    all_rows = footprint.estimate(target.config, ModelDraft(draft.config), batch=64, **shape)
     # Per prompt: tokens + log-probs, 4 bytes each, over M + n + 1 = 19 columns, and the prompt's
     # 16-token bucket at 4 bytes.
     assert sum(slots.values()) - sum(eight.values()) == 64 * (2 * 4 * 19 + 4 * 16)

@@ -45,6 +45,21 @@ class ModelConfig(Protocol):
     def to_hf(self) -> dict: ...
 
 
+class FirstLayers:
+    """A config whose first ``L`` layers, final norm and head make a model of their own (the
+    draft of ``draft="self:L"``, :mod:`asps_jax.drafters.self_layers`): families mix it in, and
+    override its methods where a layer has per-layer fields or an attention window."""
+
+    def first_layers(self, layers: int):
+        """This config cut to its first ``layers`` layers."""
+        return dataclasses.replace(self, num_hidden_layers=layers)
+
+    def has_window(self) -> bool:
+        """Whether some layer attends through a sliding window (its key positions come from slot
+        indices, so a draft of these layers cannot read the target's cache in scratch slots)."""
+        return False
+
+
 class Forward(Protocol):
     """``forward(config, params, tokens, positions, mask, cache) -> (logits, new_kv)``.
 

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax.kv_cache import KVBlock, KVCache
+from asps_jax.models.base import FirstLayers
 from asps_jax.models.hf_table import HFTensor
 from asps_jax.models.layers import (
     activation,
@@ -66,7 +67,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(FirstLayers):
     """The fields of every RoPE-decoder family; a family subclass sets the class switches."""
 
     vocab_size: int  # V
@@ -120,6 +121,13 @@ class DecoderConfig:
             if value is not None and not float(value) > 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
         activation(self.hidden_act)
+
+    def first_layers(self, layers: int) -> DecoderConfig:
+        types = None if self.layer_types is None else self.layer_types[:layers]
+        return dataclasses.replace(self, num_hidden_layers=layers, layer_types=types)
+
+    def has_window(self) -> bool:
+        return any(self.window(i) is not None for i in range(self.num_hidden_layers))
 
     def is_sliding(self, i: int) -> bool:
         return self.layer_types is not None and self.layer_types[i] == "sliding_attention"

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax.kv_cache import KVBlock, KVCache
+from asps_jax.models.base import FirstLayers
 from asps_jax.models.hf_table import HFTensor
 from asps_jax.models.layers import (
     activation,
@@ -44,7 +45,7 @@ ARCHITECTURE = "GPT2LMHeadModel"
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(FirstLayers):
     vocab_size: int  # V
     hidden_size: int  # E (HF "n_embd")
     num_hidden_layers: int  # L ("n_layer")

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax.kv_cache import KVBlock, KVCache
+from asps_jax.models.base import FirstLayers
 from asps_jax.models.hf_table import HFTensor
 from asps_jax.models.layers import (
     activation,
@@ -47,7 +48,7 @@ ATTENTION_KINDS = ("global", "local")
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTNeoConfig:
+class GPTNeoConfig(FirstLayers):
     vocab_size: int  # V
     hidden_size: int  # E
     num_hidden_layers: int  # L (HF "num_layers")
@@ -89,6 +90,15 @@ class GPTNeoConfig:
         activation(self.activation_function)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    def first_layers(self, layers: int) -> GPTNeoConfig:
+        kinds = self.attention_layers[:layers]
+        return dataclasses.replace(
+            self, num_hidden_layers=layers, attention_types=tuple(((k,), 1) for k in kinds)
+        )
+
+    def has_window(self) -> bool:
+        return "local" in self.attention_layers
 
     @property
     def attention_layers(self) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax.kv_cache import KVBlock, KVCache
+from asps_jax.models.base import FirstLayers
 from asps_jax.models.hf_table import HFTensor
 from asps_jax.models.layers import (
     attention,
@@ -42,7 +43,7 @@ ARCHITECTURE = "LlamaForCausalLM"
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(FirstLayers):
     vocab_size: int  # V
     hidden_size: int  # E
     intermediate_size: int  # F

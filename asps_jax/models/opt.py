@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax.kv_cache import KVBlock, KVCache
+from asps_jax.models.base import FirstLayers
 from asps_jax.models.hf_table import HFTensor
 from asps_jax.models.layers import (
     activation,
@@ -48,7 +49,7 @@ LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default; OPT's config has no epsil
 
 
 @dataclasses.dataclass(frozen=True)
-class OPTConfig:
+class OPTConfig(FirstLayers):
     vocab_size: int  # V (embedding rows: 50272, more than the tokenizer's 50265 entries)
     hidden_size: int  # E
     ffn_dim: int  # F

@@ -162,6 +162,13 @@ def _entries():
 REGISTRY: dict[str, Method] = {m.name: m for m in _entries()}
 """Every verification method, in the order the public lists follow."""
 
+DEFAULT_METHOD = "asps"
+"""The method of ``sample`` / ``Session`` / the command line when none is given."""
+
+REFERENCE_METHODS = ("optimal",)
+"""Methods available from Python only, not as a ``--method`` choice: reference constructions
+whose per-step fit costs several decode steps."""
+
 
 def resolve(name, known=None, fn_name: str = "method") -> Method:
     """The :class:`Method` called ``name`` (one of ``known``, default every method); an unknown

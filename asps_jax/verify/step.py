@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import trees
-from asps_jax.verify.api import verify_chain, verify_drafts, verify_tree
 from asps_jax.verify.verdict import Verdict
 
 
@@ -48,7 +47,9 @@ def verify_step(
     per accepted draft token; entries from ``num_tokens`` on are never read).
 
     Args:
-      method: the :class:`~asps_jax.verify.registry.Method`.
+      method: the :class:`~asps_jax.verify.registry.Method`; its verifier is called directly
+        (the step's inputs are well-formed by construction, and the options were validated once
+        by the caller: nothing here goes back through the public, validating entry points).
       node_tokens_N: int32[N] (entry 0 the root); draft_lp_NV: float32[N, V], node i's draft law;
       target_lp_NV: float32[N, V], the target law after node i; valid_N: bool[N].
       options: the method's options (plain values).
@@ -59,10 +60,9 @@ def verify_step(
         options = method.rows_option(options, axis_name)
     layout = tree.layout
     if method.kind == "tree":
-        found = verify_tree(
-            key, tree.nodes, node_tokens_N, draft_lp_NV, target_lp_NV, valid_N,
-            method=method.name, **options,
-        )  # fmt: skip
+        found = method.verifier(
+            key, tree.nodes, node_tokens_N, draft_lp_NV, target_lp_NV, valid_N, **options
+        )
         deepest = found.path[found.num_tokens - 1]
         verdict = Verdict(
             tokens=found.tokens,
@@ -77,15 +77,11 @@ def verify_step(
     target_lp_LTV = target_lp_NV[layout.chain_paths]
     lengths_L = jnp.sum(valid_N[layout.chain_nodes], axis=-1, dtype=jnp.int32)
     if method.kind == "chain":
-        verdict = verify_chain(
-            key, tokens_LD[0], draft_lp_LDV[0], target_lp_LTV[0], method=method.name,
-            draft_length=lengths_L[0],
-        )  # fmt: skip
+        verdict = method.verifier(
+            key, tokens_LD[0], draft_lp_LDV[0], target_lp_LTV[0], lengths_L[0]
+        )
     else:
-        verdict = verify_drafts(
-            key, tokens_LD, draft_lp_LDV, target_lp_LTV, method=method.name,
-            draft_length=lengths_L, **options,
-        )  # fmt: skip
+        verdict = method.verifier(key, tokens_LD, draft_lp_LDV, target_lp_LTV, lengths_L, **options)
     return verdict, jnp.asarray(layout.chain_paths)[verdict.draft_index]
 
 

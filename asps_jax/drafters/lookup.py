@@ -25,10 +25,13 @@ Shape letters: B batch, H history width, K chains, D draft length (n), V vocabul
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from asps_jax import constraints
+from asps_jax import constraints, footprint
+from asps_jax.drafters.base import Drafter, Proposal
 from asps_jax.logspace import NEG_INF
 
 DEFAULT_NGRAM = 3
@@ -146,3 +149,59 @@ def point_mass_laws(tokens, vocab: int) -> jax.Array:
     """float32[..., V]: log-prob 0 at each token, ``-inf`` elsewhere."""
     ids = jnp.arange(vocab).reshape((1,) * tokens.ndim + (vocab,))
     return jnp.where(ids == tokens[..., None], 0.0, NEG_INF).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup(Drafter):
+    """``draft="lookup"``: K chains copied from each row's own text (see the module docstring);
+    no parameters, no state. ``ngram``: m, the suffix searched for; ``cap``: the longest chain
+    (0: ``num_draft_tokens``)."""
+
+    ngram: int = DEFAULT_NGRAM
+    cap: int = 0
+
+    one_root_law = False  # K different point masses
+
+    @property
+    def name(self) -> str:
+        return "lookup"
+
+    def check(self, target, spec) -> None:
+        if spec.method.kind == "tree":
+            raise ValueError(
+                f"draft='lookup': method {spec.method.name!r} verifies a tree of draws from one "
+                "law per node; lookup chains are point masses per chain: use a chain method "
+                "(sps, asps) or a multi-draft one (specinfer, spectr, is, optimal)"
+            )
+
+    def default_draft_len(self) -> int | None:
+        return self.cap or None  # the chains are at most lookup_max long
+
+    def footprint(self, sizes) -> dict[str, int]:
+        # The search: per row, the [H, n] windows, their positions, cuts and DFA states, one
+        # [H, n] comparison per chain taken; the point-mass laws [B, K, n, V] (and the ids).
+        k, n = sizes.replicas, sizes.depth
+        return {
+            "draft rollout": sizes.rows * sizes.history * n * (6 * footprint.F32 + 2 * k),
+            "laws": 2 * footprint.F32 * sizes.rows * k * n * sizes.vocab,
+        }
+
+    def propose(self, dec, params, sampling, state) -> Proposal:
+        spec = dec.spec
+        n, k = spec.num_draft_tokens, spec.tree.num_chains
+        tokens_BKD, draft_lp_BKDV, found_BK = lookup_drafts(
+            state.history,
+            ngram=self.ngram,
+            cap=min(self.cap, n) or n,
+            num_chains=k,
+            draft_len=n,
+            vocab=dec.target_config.vocab_size,
+            sampling=sampling,
+        )
+        batch = tokens_BKD.shape[0]
+        return Proposal(
+            tokens_BKD=tokens_BKD,
+            logprobs_BKDV=draft_lp_BKDV,
+            ok_BKD=jnp.ones((batch, k, n), bool),
+            usable_BK=found_BK,
+        )

@@ -1,0 +1,152 @@
+"""The drafter protocol: what the decode loop asks of whoever proposes the step's draft tree.
+
+A drafter is a frozen, hashable value (static under ``jax.jit``: it is a field of the
+:class:`~asps_jax.decode.Decoder`, so two equal drafters share a compiled program). It answers the
+host's questions once per call (:meth:`Drafter.check`, :meth:`Drafter.footprint`,
+:meth:`Drafter.cache_slots`) and, inside the compiled step, keeps a state of its own (a draft KV
+cache, nothing, or scratch slots in the target's cache) through five device methods:
+
+* :meth:`Drafter.init` / :meth:`Drafter.prefill`: its state for a batch, then with the prompts'
+  committed tokens;
+* :meth:`Drafter.refill`: new prompts in some rows of a running state (continuous batching);
+* :meth:`Drafter.propose`: the step's K root paths (tokens, the laws they were drawn from, which
+  laws were usable, each path's usable length) as a :class:`Proposal`;
+* :meth:`Drafter.commit`: its state after verification accepted a path (the replica that drew it
+  and the number of slots committed).
+
+The loop owns everything else: the common cuts of a proposal (budget, EOS, unusable laws), the
+tree layout by node, the target forward, verification and the emitted block. Exactness needs one
+thing of a drafter: ``logprobs`` is the law each token was actually drawn from, and the law at
+depth i depends on the path's first i tokens only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PURPOSE_DRAFT = 0  # the step key's purpose for drafting (decode folds in the others)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """What :meth:`Drafter.propose` returns for one step (B rows, K = L root paths of depth D).
+
+    Attributes:
+      tokens_BKD: int32[B, K, D], each root path's draft tokens (replica k of row b).
+      logprobs_BKDV: float32[B, K, D, V], the law each token was drawn from (exactly that law:
+        verification compares against it).
+      ok_BKD: bool[B, K, D], whether each law was usable (finite logits, some mass); a path ends
+        before its first unusable law.
+      usable_BK: int32[B, K], the drafter's own usable length of each path (D for all of it;
+        e.g. a lookup's match length or a confidence stop).
+      state: the drafter's state after drawing (passed to :meth:`Drafter.commit`).
+      target_cache: the target cache with the drafter's scratch slots written, for a drafter
+        that drafts inside the target's cache; None leaves it as it was.
+    """
+
+    tokens_BKD: jax.Array
+    logprobs_BKDV: jax.Array
+    ok_BKD: jax.Array
+    usable_BK: jax.Array
+    state: Any = None
+    target_cache: Any = None
+
+
+class Drafter:
+    """The protocol (and its defaults) of a drafter; see the module docstring.
+
+    Subclass it as a frozen dataclass whose fields are static (configs, sizes, flags). Device
+    methods take ``dec``, the :class:`~asps_jax.decode.Decoder` (its ``spec``: the method, the
+    tree, sizes; ``target_config``, ``mesh``, ``cache_len``), ``params`` (the drafter's weights,
+    ``DecodeInputs.draft_params``: None for a drafter without any), and ``state`` (the drafter's
+    own, as :meth:`init` made it).
+    """
+
+    #: Whether every root child is drawn from one law (the tree's root law); False for a
+    #: drafter whose K paths are different point masses (the root's optimal acceptance, a
+    #: diagnostic, is then not measured).
+    one_root_law: bool = True
+    #: Whether the K root paths are K replicas of a model's rollout (memory messages say so).
+    replicated: bool = False
+
+    @property
+    def name(self) -> str:
+        """How the drafter is named in messages and statistics."""
+        return type(self).__name__
+
+    # ---------------------------------------------------------------------------------------
+    # Host
+
+    def check(self, target, spec) -> None:
+        """Refuse, with a one-line ``ValueError``, a call this drafter cannot draft for
+        (``target``: the target :class:`~asps_jax.models.Model`; ``spec``: the
+        :class:`~asps_jax.decode.SpecConfig`, method and tree resolved)."""
+
+    def context(self) -> int | None:
+        """The most positions the drafter can attend over (a draft model's context), None for no
+        bound of its own."""
+        return None
+
+    def default_draft_len(self) -> int | None:
+        """The draft length when the call gives no ``num_draft_tokens`` (None: the default 8)."""
+        return None
+
+    def cache_slots(self, num_draft_tokens: int, num_chains: int) -> int:
+        """Slots per row the drafter needs in the target cache past the committed ones (for
+        draft trees of ``num_chains`` root paths of ``num_draft_tokens``)."""
+        return 0
+
+    def footprint(self, sizes) -> dict[str, int]:
+        """Bytes of the drafter's own buffers for one call: ``{"kv caches", "draft rollout",
+        "laws"}`` (any subset) from ``sizes``, a :class:`~asps_jax.footprint.Shape`."""
+        return {}
+
+    # ---------------------------------------------------------------------------------------
+    # Device (inside the compiled step)
+
+    def init(self, dec, params, batch: int):
+        """The drafter's state for ``batch`` rows before any prompt (None: it keeps none)."""
+        return None
+
+    def prefill(self, dec, params, state, prompts_BP, committed_B):
+        """The state after the prompts' first ``committed_B`` tokens."""
+        return state
+
+    def refill(self, dec, params, state, take_B, prompts_BP, committed_B):
+        """The rows ``take_B`` (bool[B]) restart from their new prompts; the others unchanged."""
+        return state
+
+    def propose(self, dec, params, sampling, state) -> Proposal:
+        """The step's K root paths from ``state``, the :class:`~asps_jax.decode.DecodeState`
+        (``state.draft`` is the drafter's own; ``state.root`` the last emitted token of each
+        row; ``state.history`` the committed text; ``sampling`` the rows' sampling parameters;
+        :func:`step_keys` the per-row keys of this step)."""
+        raise NotImplementedError(f"{self.name}.propose")
+
+    def commit(self, dec, before, after, winner_B, num_B):
+        """The drafter's state after the step: ``before`` its state before drawing, ``after``
+        the one :meth:`propose` returned (``Proposal.state``), ``winner_B`` int32[B] the replica
+        whose path was accepted, ``num_B`` int32[B] the slots committed (the root and the
+        accepted draft tokens)."""
+        return after
+
+
+def step_keys(state, purpose: int = PURPOSE_DRAFT) -> jax.Array:
+    """Each row's key for this step and ``purpose``: ``fold_in(fold_in(row key, tokens generated
+    so far), purpose)``, so a row's draws depend on its key and its text only."""
+    fold = jax.vmap(jax.random.fold_in)
+    step = fold(state.row_keys, state.num_generated)
+    return fold(step, jnp.full(step.shape, purpose, jnp.uint32))
+
+
+def chain_keys(state, num_chains: int) -> jax.Array:
+    """One key per (row, chain), rows major (``b * K + k``): chain k's is ``fold_in(row's draft
+    key, k)``."""
+    keys_B = step_keys(state)
+    fold = lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(num_chains))  # noqa: E731
+    return jax.vmap(fold)(keys_B).reshape(-1)

@@ -1,0 +1,339 @@
+"""The sampling arguments of a call as one typed value, :class:`Sampling`: validated once
+(one-line errors naming the argument), documented once, and lowered once into the per-row
+:class:`~asps_jax.processors.SamplingParams` of the compiled loop (:meth:`Sampling.lower`), with the
+host's view of the rows' constraints (:class:`HostConstraint`).
+
+Every sampling argument may be one value for all prompts or one per prompt (``logit_bias``: one
+``{token id: bias}`` dict, or one per prompt; ``regex`` / ``json_schema``: one pattern, or one per
+prompt with None for an unconstrained row). docs/api.md gives the controls' order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from asps_jax import constraints
+from asps_jax.logspace import F32_MAX
+from asps_jax.processors import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sampling:
+    """Every sampling argument of ``sample`` / ``Session`` / ``prepare`` (None: off, or the
+    model's default), checked when the value is made.
+
+    Attributes:
+      temperature: the target's temperature (0: greedy); default 1.
+      top_k, top_p: the target law's top-k / nucleus cuts, as transformers applies them.
+      draft_temperature: the temperature a draft model samples at (default: ``temperature``);
+        the output law does not depend on it.
+      min_p: tokens below ``min_p`` times the most likely one's probability are dropped.
+      repetition_penalty, presence_penalty, frequency_penalty: the penalties on tokens already in
+        the row's text (transformers' and OpenAI's definitions).
+      no_repeat_ngram_size: n; a token that would repeat an n-gram of the row's text is banned.
+      logit_bias: ``{token id: bias}`` added to the logits (-inf bans the token).
+      eos_token_id: the id(s) that end a row (None: the target config's; negative: never).
+      regex, json_schema: the constraint the generated text must match (``json_schema`` a dict
+        or its JSON text).
+    """
+
+    temperature: Any = 1.0
+    top_k: Any = None
+    top_p: Any = None
+    draft_temperature: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    no_repeat_ngram_size: Any = None
+    logit_bias: Any = None
+    eos_token_id: Any = None
+    regex: Any = None
+    json_schema: Any = None
+
+    def __post_init__(self):
+        for name, ok, expected in _NUMERIC_CHECKS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            for v in _numbers(name, value):
+                if not ok(v):
+                    raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The sampling arguments' names, in the order of the attributes."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def pop(cls, kwargs: dict) -> Sampling:
+        """The sampling arguments taken out of ``kwargs`` (the rest stays), checked."""
+        return cls(**{name: kwargs.pop(name) for name in cls.names() if name in kwargs})
+
+    def lower(self, target, batch: int, padded: int, draft_stop=None):
+        """``(SamplingParams, HostConstraint or None)``: the parameters of the ``padded`` rows
+        (the first ``batch`` are the prompts; the padding rows take row 0's values), the rows'
+        constraints compiled against the target's tokenizer, and ``draft_stop``, the confidence
+        stop τ of a draft model's rollout (None: off)."""
+        vocab = target.vocab_size
+        top_k = self.top_k
+        if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32
+            # (clamped as floats: an int past int64, e.g. 10**20, overflows np.int64)
+            top_k = np.minimum(np.asarray(top_k, np.float64), vocab).astype(np.int64)
+        ngram = self.no_repeat_ngram_size
+        if ngram is not None:
+            # An n-gram longer than the context can never repeat: such a row bans nothing, as
+            # n = 0 does (so the static n-gram window never exceeds the context).
+            ngram = np.asarray(ngram, np.float64)
+            context = target.config.max_position_embeddings
+            ngram = np.where(ngram > context, 0, ngram).astype(np.int32)
+        constraint = _constraint_rows(target, self.regex, self.json_schema, batch, padded)
+        eos_ids = _eos_ids(target, self.eos_token_id)
+        rows = {
+            name: _per_row(name, value, batch, padded)
+            for name, value in (
+                ("temperature", self.temperature),
+                ("top_k", top_k),
+                ("top_p", self.top_p),
+                ("draft_temperature", self.draft_temperature),
+                ("min_p", self.min_p),
+                ("repetition_penalty", self.repetition_penalty),
+                ("presence_penalty", self.presence_penalty),
+                ("frequency_penalty", self.frequency_penalty),
+                ("no_repeat_ngram_size", ngram),
+            )
+        }
+        params = SamplingParams.make(
+            padded,
+            rows.pop("temperature"),
+            rows.pop("top_k"),
+            rows.pop("top_p"),
+            rows.pop("draft_temperature"),
+            eos_ids=eos_ids,
+            logit_bias=_logit_bias_rows(self.logit_bias, batch, padded, vocab),
+            constraint=constraint,
+            draft_stop=draft_stop,
+            **rows,
+        )
+        return params, None if constraint is None else HostConstraint(*constraint, eos_ids)
+
+
+def _per_row(name: str, value, batch: int, padded: int):
+    """A scalar stays a scalar; one value per prompt is padded with the first row's value."""
+    if value is None:
+        return None
+    arr = np.asarray(value)
+    if arr.ndim == 0:
+        return arr
+    if arr.shape != (batch,):
+        raise ValueError(
+            f"{name} must be a scalar or have one value per prompt ({batch}), got {arr.shape}"
+        )
+    return np.concatenate([arr, np.repeat(arr[:1], padded - batch)])
+
+
+def _constraint_rows(target, regex, json_schema, batch: int, padded: int):
+    """The stacked constraint tables of the rows (:func:`asps_jax.constraints.stack`), or None
+    when no row is constrained."""
+
+    def per_row(name, value):
+        if value is None:
+            return [None] * batch
+        if isinstance(value, (list, tuple)):
+            if len(value) != batch:
+                raise ValueError(
+                    f"{name}: give one pattern for all prompts or one per prompt ({batch}), got "
+                    f"{len(value)}"
+                )
+            return list(value)
+        return [value] * batch
+
+    regexes, schemas = per_row("regex", regex), per_row("json_schema", json_schema)
+    if all(r is None for r in regexes) and all(j is None for j in schemas):
+        return None
+    if any(r is not None and j is not None for r, j in zip(regexes, schemas)):
+        raise ValueError("regex and json_schema: give at most one constraint per prompt")
+    what = "regex" if any(r is not None for r in regexes) else "json_schema"
+    if target.tokenizer is None:
+        raise ValueError(
+            f"{what}: the target model {target.name!r} has no tokenizer, which a constraint "
+            "needs (its token strings)"
+        )
+    tokens = constraints.token_bytes(target.tokenizer, target.vocab_size)
+    compiled: dict = {}
+    dfas = []
+    for r, j in zip(regexes, schemas):
+        if r is None and j is None:
+            dfas.append(None)
+            continue
+        pattern, name = (r, "regex") if r is not None else (None, "json_schema")
+        if pattern is None:
+            cache_key = ("schema", json.dumps(j, sort_keys=True) if not isinstance(j, str) else j)
+            if cache_key not in compiled:
+                compiled[cache_key] = constraints.compile_regex(
+                    constraints.schema_regex(j), tokens, what="json_schema"
+                )
+            dfas.append(compiled[cache_key])
+        else:
+            if ("regex", pattern) not in compiled:
+                compiled[("regex", pattern)] = constraints.compile_regex(pattern, tokens, what=name)
+            dfas.append(compiled[("regex", pattern)])
+    return constraints.stack(dfas + [None] * (padded - batch), target.vocab_size)
+
+
+def _numbers(name: str, value) -> list[float]:
+    """The values of a numeric argument (a scalar, or one per prompt) as Python floats; a
+    one-line error for anything that is not a real number: bools and strings included (NumPy
+    would turn ``True`` into 1.0 and ``"3"`` into 3.0)."""
+    if isinstance(value, (np.ndarray, jax.Array)):
+        if np.asarray(value).dtype.kind not in "iuf":
+            raise ValueError(f"{name} must be a number (or one per prompt), got {value!r}")
+        return np.asarray(value, np.float64).reshape(-1).tolist()
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(_is_real(v) for v in items):
+        raise ValueError(f"{name} must be a number (or one per prompt), got {value!r}")
+    return [float(v) for v in items]
+
+
+def _is_real(v) -> bool:
+    """A Python or NumPy real number, not a bool (which NumPy would take as 0 / 1)."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(
+        v, (bool, np.bool_)
+    )
+
+
+def _in_float32(v: float) -> bool:
+    """``v`` stays finite in float32."""
+    return math.isfinite(v) and abs(v) <= F32_MAX
+
+
+def _integral(v: float) -> bool:
+    return math.isfinite(v) and v == int(v)
+
+
+# Every numeric sampling argument: (name, valid(value), what is expected). Each is checked in
+# float32, what the device uses: 1e39 is finite here and inf there.
+_NUMERIC_CHECKS = (
+    ("temperature", lambda v: 0.0 <= v <= F32_MAX, "a finite number >= 0 (at most 3.4e38)"),
+    ("draft_temperature", lambda v: 0.0 <= v <= F32_MAX,
+     "a finite number >= 0 (at most 3.4e38)"),
+    ("top_k", lambda v: _integral(v) and v >= 0, "an integer >= 0 (0 or None disables it)"),
+    ("top_p", lambda v: 0.0 < v <= 1.0 and np.float32(v) > 0, "in (0, 1]"),
+    ("min_p", lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 disables it)"),
+    ("repetition_penalty", lambda v: 0.0 < v <= F32_MAX and np.float32(v) > 0,
+     "a finite number > 0 that float32 holds (1 disables it; at most 3.4e38)"),
+    ("presence_penalty", _in_float32,
+     "a finite number that float32 holds (0 disables it; |value| at most 3.4e38)"),
+    ("frequency_penalty", _in_float32,
+     "a finite number that float32 holds (0 disables it; |value| at most 3.4e38)"),
+    ("no_repeat_ngram_size", lambda v: _integral(v) and v >= 0,
+     "an integer >= 0 (0 disables it)"),
+)  # fmt: skip
+
+
+def _logit_bias_rows(logit_bias, batch: int, padded: int, vocab: int):
+    """``float32[padded, V]`` from ``{id: bias}`` (every prompt) or a list of them (one per
+    prompt); None when no row has a bias."""
+    if logit_bias is None:
+        return None
+    if isinstance(logit_bias, dict):
+        per_row = [logit_bias] * batch
+    elif isinstance(logit_bias, Sequence) and all(isinstance(d, dict) for d in logit_bias):
+        per_row = list(logit_bias)
+        if len(per_row) != batch:
+            raise ValueError(
+                f"logit_bias must be one {{token id: bias}} dict or one per prompt ({batch}), "
+                f"got {len(per_row)} dicts"
+            )
+    else:
+        raise ValueError(
+            f"logit_bias must be a {{token id: bias}} dict (or one per prompt), got {logit_bias!r}"
+        )
+    out = np.zeros((padded, vocab), np.float32)
+    for b, row in enumerate(per_row):
+        for token, bias in row.items():
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+                raise ValueError(f"logit_bias: token ids must be integers, got {token!r}")
+            if not 0 <= int(token) < vocab:
+                raise ValueError(
+                    f"logit_bias: token id {token} lies outside the vocabulary [0, {vocab})"
+                )
+            value = float(bias) if _is_real(bias) else np.nan
+            if not (_in_float32(value) or value == -np.inf):
+                raise ValueError(
+                    f"logit_bias: the bias of token {token} must be a finite number that "
+                    f"float32 holds (|bias| at most 3.4e38) or -inf (a ban), got {bias!r}"
+                )
+            out[b, int(token)] = value
+    banned_all = np.flatnonzero(np.all(out[:batch] == -np.inf, axis=1)).tolist()
+    if banned_all:
+        raise ValueError(
+            f"logit_bias bans every token of the vocabulary for prompts {banned_all[:8]}: "
+            "nothing could be sampled; leave at least one token unbanned"
+        )
+    if not np.any(out):
+        return None
+    return out
+
+
+def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
+    """None -> the target config's EOS id(s); a negative int -> never stop; else those ids."""
+    if eos_token_id is None:
+        eos_token_id = getattr(target.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return ()
+    values = list(np.atleast_1d(np.asarray(eos_token_id, dtype=object)).reshape(-1))
+    if not values or any(
+        isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) for i in values
+    ):
+        raise ValueError(
+            f"eos_token_id must be a token id, a list of them, or a negative int to disable "
+            f"stopping; got {eos_token_id!r}"
+        )
+    ids = tuple(int(i) for i in values)
+    if any(i < 0 for i in ids):
+        return ()
+    if any(i >= target.vocab_size for i in ids):
+        raise ValueError(
+            f"eos_token_id {list(ids)} lies outside the vocabulary [0, {target.vocab_size}); "
+            "pass a negative value to disable stopping"
+        )
+    return ids
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HostConstraint:
+    """The stacked constraint tables of a call, kept on the host to tell which rows' text the
+    constraint accepts (:meth:`incomplete_rows`): ``next int32[S, V]``, ``final bool[S]``,
+    ``start int32[rows]`` (:func:`asps_jax.constraints.stack`) and the EOS ids."""
+
+    next: np.ndarray
+    final: np.ndarray
+    start: np.ndarray
+    eos_ids: tuple[int, ...]
+
+    def incomplete_rows(self, tokens_BM, lengths_B, rows=None) -> np.ndarray:
+        """bool[B]: row b's tokens ``tokens[b, :lengths[b]]`` end where its constraint does not
+        accept the text (cut by ``max_new_tokens``, a stop string, an interruption or an
+        unusable law). A row that ended with EOS or at a state that allows nothing is complete:
+        EOS is allowed in accepting states only, and a dead state is accepting. ``rows``: the
+        prompt index of each of the B rows (default: the first B)."""
+        tokens = np.asarray(tokens_BM)
+        lengths = np.asarray(lengths_B)
+        rows = np.arange(lengths.shape[0]) if rows is None else np.asarray(rows)
+        state = self.start[rows].astype(np.int64)
+        live = np.ones(rows.shape[0], bool)
+        eos = np.asarray(self.eos_ids or (-1,))
+        for j in range(tokens.shape[1]):
+            token = tokens[:, j]
+            live &= (j < lengths) & ~np.isin(token, eos)
+            moved = self.next[state, np.clip(token, 0, self.next.shape[1] - 1)]
+            state = np.where(live, np.where(moved >= 0, moved, constraints.SINK), state)
+        return ~self.final[state]

@@ -1,0 +1,358 @@
+"""``asps_jax.sample``, ``asps_jax.stream`` and :class:`Session`: running a prepared call
+(:func:`asps_jax.sampler.prepare`) at once, or one compiled step at a time.
+
+A :class:`Session` is one of two implementations of one protocol (``compile``, ``steps``,
+``result``): :class:`BatchSession` runs every row at once (prefill, then the step until every row
+is done); :class:`SlotSession` (``batch_size=B``, continuous batching) runs the prompts through B
+slots (:mod:`asps_jax.slots`). ``Session(...)`` builds the one the arguments ask for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from asps_jax import autotune, compile_cache, decode, sharding, slots
+from asps_jax.sampler import SampleOutput, check_top_logprobs, finish, prepare
+from asps_jax.verify import registry
+
+
+def sample(
+    target, draft, prompts, *, key, max_new_tokens, return_logprobs=False, **kwargs
+) -> SampleOutput:
+    """Sample ``max_new_tokens`` tokens per prompt with exactly the target's law (docs/api.md §3).
+
+    ``target`` / ``draft`` are :class:`asps_jax.models.Model` (``draft`` may be None for
+    ``method="ar"``). See :func:`~asps_jax.sampler.prepare` for the keyword arguments (the
+    sampling arguments: :class:`asps_jax.sampling.Sampling`); extra keyword arguments are
+    method options (e.g. ``rule="fixed_order"`` for ``method="is"``). ``return_logprobs=True``
+    fills :attr:`SampleOutput.logprobs` (measured in the loop either way: no extra forward, no
+    recompile). ``max_new_tokens`` may be one budget per prompt; ``batch_size=B`` runs the
+    prompts through B slots with continuous batching (:mod:`asps_jax.slots`), each prompt's
+    tokens independent of B (docs/api.md §3).
+    """
+    check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+    compile_cache.enable_default()  # before the calibration of num_draft_tokens="auto" compiles
+    calibration = _resolve_auto(target, draft, prompts, key, kwargs)
+    call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
+    mesh = None if call.slots is not None else call.decoder.mesh
+    width = call.output_width()
+    out = finish(
+        call.run(), call.decoder.spec, call.batch, return_logprobs, mesh, width, call.constraint
+    )
+    if calibration is not None:
+        out.stats["calibration"] = calibration
+    return out
+
+
+def stream(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> Iterator[list[list[int]]]:
+    """Like :func:`sample`, one compiled step at a time: yields each row's new tokens per step
+    (with ``batch_size``: ``(prompt_index, new_tokens)`` pairs as they come).
+
+    The generator's return value (``StopIteration.value``) is the :class:`SampleOutput`.
+    """
+    session = Session(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
+    yield from session.steps()
+    return session.result()
+
+
+def _resolve_auto(target, draft, prompts, key, kwargs):
+    """``num_draft_tokens="auto"``: calibrate (:mod:`asps_jax.autotune`) and put the chosen n into
+    ``kwargs``; returns the :class:`~asps_jax.autotune.Calibration` (None without "auto")."""
+    if not (isinstance(kwargs.get("num_draft_tokens"), str)):
+        return None
+    if kwargs["num_draft_tokens"] != "auto":
+        raise ValueError(
+            "num_draft_tokens must be an integer >= 1 or 'auto', got "
+            f"{kwargs['num_draft_tokens']!r}"
+        )
+    if kwargs.get("method", registry.DEFAULT_METHOD) == "ar" or kwargs.get("tree") is not None:
+        raise ValueError(
+            "num_draft_tokens='auto' chooses the length of draft chains: not for method 'ar' or "
+            "a tree="
+        )
+    max_n = kwargs.get("lookup_max") or 8
+    probe = {k: v for k, v in kwargs.items() if k != "num_draft_tokens"}
+    # One-line errors for the call's own arguments before anything is measured.
+    prepare(target, draft, prompts, key=key, max_new_tokens=1, num_draft_tokens=max_n, **probe)
+    calibration = autotune.calibrate(Session, target, draft, prompts, key=key, max_n=max_n, **probe)
+    kwargs["num_draft_tokens"] = calibration.num_draft_tokens
+    return calibration
+
+
+@contextlib.contextmanager
+def _sigint_recorded() -> Iterator[threading.Event]:
+    """Record SIGINT (Ctrl-C) during the block in the yielded event instead of raising
+    KeyboardInterrupt wherever it lands: one that lands while a finaliser or weakref callback runs
+    (a JAX buffer's, say) is printed as "Exception ignored" and lost. The caller acts on the event
+    at its next boundary. Installed only on the main thread while SIGINT has Python's default
+    handler (a program with its own handler keeps it, and acts on it itself); the previous handler
+    is restored on leaving (``signal.signal`` runs a pending handler first, so nothing slips
+    between)."""
+    received = threading.Event()
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield received
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: received.set())
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class Session:
+    """Step-wise decoding for streaming, with compilation timed apart from running.
+
+    ``Session(target, draft, prompts, key=..., max_new_tokens=..., **kwargs)`` takes the arguments
+    of :func:`sample` and is a :class:`BatchSession`, or with ``batch_size`` a
+    :class:`SlotSession`. ``compile()`` compiles the first and the next steps ahead of time and
+    returns the seconds it took; ``steps()`` yields the new tokens after every compiled step;
+    ``result()`` gives the :class:`SampleOutput`. ``constraint``: the call's
+    :class:`~asps_jax.sampling.HostConstraint` under a ``regex`` / ``json_schema`` (None without),
+    which tells whether a row's tokens so far complete its text
+    (:meth:`~asps_jax.sampling.HostConstraint.incomplete_rows`). ``calibration``: with
+    ``num_draft_tokens="auto"``, the :class:`~asps_jax.autotune.Calibration` that chose n.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Session:
+            cls = SlotSession if kwargs.get("batch_size") is not None else BatchSession
+        return super().__new__(cls)
+
+    def __init__(
+        self, target, draft, prompts, *, key, max_new_tokens, return_logprobs=False, **kwargs
+    ):
+        self.return_logprobs = bool(return_logprobs)
+        check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+        compile_cache.enable_default()  # before the calibration of num_draft_tokens="auto"
+        self.calibration = _resolve_auto(target, draft, prompts, key, kwargs)
+        call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
+        self.batch_size = call.batch
+        self._width = call.output_width()
+        self.constraint = call.constraint
+        self.decoder: decode.Decoder = call.decoder
+        self.spec: decode.SpecConfig = self.decoder.spec
+        inputs = call.inputs
+        self._params = dict(target_params=inputs.target_params, draft_params=inputs.draft_params)
+        self._state = None  # the last step's state (steps())
+        self._mesh = None
+        self._start(call)
+
+    def _start(self, call) -> None:
+        """What the implementation keeps of the prepared call."""
+        raise NotImplementedError
+
+    def compile(self) -> float:
+        """Compile the first and the next steps now; returns the wall seconds spent compiling."""
+        raise NotImplementedError
+
+    def steps(self) -> Iterator:
+        """Yield the new tokens after every compiled step, until every row is done."""
+        raise NotImplementedError
+
+    def _results(self):
+        """The state :func:`~asps_jax.sampler.finish` reads."""
+        return self._state
+
+    def result(self) -> SampleOutput:
+        if self._state is None:
+            raise RuntimeError("Session.result(): run steps() to completion first")
+        return finish(
+            self._results(),
+            self.spec,
+            self.batch_size,
+            self.return_logprobs,
+            self._mesh,
+            self._width,
+            self.constraint,
+        )
+
+
+class BatchSession(Session):
+    """Every row at once: prefill, then the step until every row is done.
+
+    ``steps()`` yields each row's new tokens after every step. Ctrl-C while a step runs (or
+    prefill) is held until the step's state is kept, then raised as KeyboardInterrupt from
+    ``next()`` instead of yielding: ``result()`` has every step that finished, that one included.
+    Between ``next()`` calls SIGINT is the caller's.
+    """
+
+    def _start(self, call) -> None:
+        inputs = call.inputs
+        self._prefill_args = inputs.prefill_kwargs()
+        self._sampling = inputs.sampling
+        self._prefill = functools.partial(decode.prefill, self.decoder)
+        self._step = functools.partial(decode.spec_step, self.decoder)
+        mesh = self.decoder.mesh
+        self._mesh = None if mesh is None else sharding.check_mesh(mesh)
+
+    def _place(self, state):
+        """On a mesh, give the state the one layout the compiled step expects."""
+        return state if self._mesh is None else sharding.shard_state(state, self._mesh)
+
+    def compile(self) -> float:
+        start = time.perf_counter()
+        prefill = decode.prefill.lower(self.decoder, **self._prefill_args).compile()
+        state_shape = jax.eval_shape(lambda: self._prefill(**self._prefill_args))
+        if self._mesh is not None:
+            state_shape = sharding.sharded_shapes(state_shape, self._mesh)
+        step = decode.spec_step.lower(
+            self.decoder, **self._params, sampling=self._sampling, state=state_shape
+        ).compile()
+        self._prefill = prefill  # compiled: called with the arrays only
+        self._step = step
+        return time.perf_counter() - start
+
+    def steps(self) -> Iterator[list[list[int]]]:
+        with _sigint_recorded() as interrupt:
+            state = self._place(self._prefill(**self._prefill_args))
+        if interrupt.is_set():
+            raise KeyboardInterrupt
+        seen = np.zeros(self.batch_size, np.int64)
+        while True:
+            # The step donates the old state: the new one is kept before anything else can happen.
+            with _sigint_recorded() as interrupt:
+                state = self._place(
+                    self._step(**self._params, sampling=self._sampling, state=state)
+                )
+                self._state = state
+                view = sharding.to_local(
+                    (state.num_generated, state.tokens, state.done), self._mesh
+                )
+                generated = np.asarray(view[0])[: self.batch_size]
+                tokens = np.asarray(view[1])
+                done = bool(np.all(np.asarray(view[2])))
+            if interrupt.is_set():
+                raise KeyboardInterrupt
+            yield [tokens[b, seen[b] : generated[b]].tolist() for b in range(self.batch_size)]
+            seen = generated
+            if done:
+                return
+
+
+class SlotSession(Session):
+    """The prompts through ``batch_size`` slots (continuous batching, :mod:`asps_jax.slots`).
+
+    ``steps()`` yields ``(prompt_index, new_tokens)`` for every prompt that got tokens in the
+    step (in slot order) and, as each pair is yielded: ``prompts_done`` counts the prompts
+    finished so far; ``finished`` (bool[N], one per prompt) is True for a prompt once the pair
+    carrying its last tokens is yielded (or, for one that gets no tokens in its last step, as that
+    step's pairs are), so the pairs yielded up to then are all of its tokens; ``prompts_started``
+    counts the prompts that have taken a slot (prompts ``0 .. prompts_started - 1``: the started
+    ones not ``finished`` are in flight, their tokens so far the pairs yielded for them);
+    ``step_end`` is True when the pair is the last of its compiled step (a caller that stops there
+    stops at a step boundary, every pair of the steps run received). A KeyboardInterrupt from
+    ``next()`` (Ctrl-C, held until the step's state is kept) leaves ``finished``,
+    ``prompts_done`` and ``prompts_started`` as they were at the last pair yielded.
+    """
+
+    def _start(self, call) -> None:
+        self._slots = call.slot_kwargs()  # the keyword arguments of slots.start
+        self._slot_fns = (None, None)
+        self.prompts_done = 0
+
+    def compile(self) -> float:
+        start = time.perf_counter()
+        a = self._slots
+        first = slots.start.lower(self.decoder, **a).compile()
+        shape = jax.eval_shape(lambda: slots.start(self.decoder, **a))
+        step = slots.advance.lower(self.decoder, **self._params, prompts=a["prompts"], s=shape)
+        self._slot_fns = (first, step.compile())
+        return time.perf_counter() - start
+
+    def _results(self):
+        return self._state.results
+
+    def steps(self) -> Iterator[tuple[int, list[int]]]:
+        a = self._slots
+        first, step = self._slot_fns
+        if first is None:  # not compiled ahead: jit on the first call
+            first = functools.partial(slots.start, self.decoder, batch=a["batch"])
+            step = functools.partial(slots.advance, self.decoder)
+        first_args = {k: v for k, v in a.items() if k != "batch"}
+        # Updated as the pairs are yielded (the class docstring): a fresh array per run.
+        finished = self.finished = np.zeros(self.batch_size, bool)
+        self.prompts_done = self.prompts_started = 0
+        self.step_end = False
+        with _sigint_recorded() as interrupt:
+            s = first(**first_args)
+        if interrupt.is_set():
+            raise KeyboardInterrupt
+        seen = np.zeros(self.batch_size, np.int64)
+        while True:
+            with _sigint_recorded() as interrupt:
+                s = step(**self._params, prompts=a["prompts"], s=s)
+                self._state = s
+                view = _SlotView.read(s, self.batch_size)
+            if interrupt.is_set():
+                raise KeyboardInterrupt
+            pairs = view.pairs(finished, seen)
+            self.prompts_started = view.started
+            self.prompts_done = int(finished.sum())
+            for i, (p, new, last) in enumerate(pairs):
+                if last:
+                    finished[p] = True
+                    self.prompts_done = int(finished.sum())
+                self.step_end = i == len(pairs) - 1
+                yield p, new
+            self.step_end = False
+            if finished.all():
+                return
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotView:
+    """One slot step's state on the host (NumPy): which prompt each slot runs (``prompt``, -1
+    for none), how many prompts have started, the tokens so far of the running slots and of the
+    finished prompts (``res_*``), for the first ``batch`` prompts."""
+
+    prompt: np.ndarray
+    started: int
+    generated: np.ndarray
+    tokens: np.ndarray
+    res_len: np.ndarray
+    res_tokens: np.ndarray
+    batch: int
+
+    @classmethod
+    def read(cls, s, batch: int) -> _SlotView:
+        return cls(
+            prompt=np.asarray(s.prompt),
+            started=int(s.next),
+            generated=np.asarray(s.state.num_generated),
+            tokens=np.asarray(s.state.tokens),
+            res_len=np.asarray(s.results.num_generated)[:batch],
+            res_tokens=np.asarray(s.results.tokens),
+            batch=batch,
+        )
+
+    def pairs(self, finished, seen) -> list[tuple[int, list[int], bool]]:
+        """``(prompt, its new tokens, whether they are its last)`` in the order they are yielded;
+        ``seen`` (tokens yielded per prompt) is advanced, and a prompt that finished with nothing
+        new is marked ``finished`` at once."""
+        running = np.zeros(self.batch, bool)
+        running[self.prompt[self.prompt >= 0]] = True
+        # Prompts that finished in this step (possibly started in it too): from the results.
+        new_done = ~running & ~finished & (np.arange(self.batch) < self.started)
+        pairs = []
+        for p in np.flatnonzero(new_done).tolist():
+            if self.res_len[p] > seen[p]:
+                pairs.append((p, self.res_tokens[p, seen[p] : self.res_len[p]].tolist(), True))
+                seen[p] = self.res_len[p]
+            else:  # nothing new in its last step: finished as the step's pairs come
+                finished[p] = True
+        for slot, p in enumerate(self.prompt.tolist()):
+            if p >= 0 and self.generated[slot] > seen[p]:
+                pairs.append((p, self.tokens[slot, seen[p] : self.generated[slot]].tolist(), False))
+                seen[p] = self.generated[slot]
+        return pairs
