@@ -90,6 +90,10 @@ _round_up = footprint.round_up
 
 
 def _as_prompt_array(prompts, prompt_lengths, vocab_size: int):
+    """``(int32[B', P] right-padded prompts, int32[B'] lengths, B)``: the B prompts checked
+    (one-line errors), the batch padded to its bucket with rows of length 0."""
+    if isinstance(prompts, (list, tuple)) and not prompts and prompt_lengths is None:
+        raise ValueError("prompts: the list is empty; give at least one prompt")
     if prompt_lengths is not None:
         arr = np.asarray(prompts)
         lengths = np.asarray(prompt_lengths, np.int64)
@@ -183,6 +187,7 @@ def _row_keys(key, batch: int, padded: int) -> jax.Array:
 
 
 def check_top_logprobs(top_logprobs, return_logprobs, vocab: int) -> int:
+    """``top_logprobs`` as an int in ``[0, vocab]`` (None: 0), given with ``return_logprobs``."""
     k = check_int("top_logprobs", 0 if top_logprobs is None else top_logprobs, 0)
     if k > vocab:
         raise ValueError(f"top_logprobs must be at most the vocabulary size {vocab}, got {k}")
@@ -331,31 +336,22 @@ def prepare(
     draft_stop=None,
     **kwargs,
 ) -> Prepared:
-    """Validate the arguments of :func:`sample`; returns the :class:`Prepared` call: the static
-    :class:`asps_jax.decode.Decoder`, the :class:`DecodeInputs` (the array pytrees of
-    ``Decoder.generate``) and the number of prompts. Three stages: the checks (one-line errors,
-    nothing built), the lowering (the decoder and the inputs' arrays), the placing (on the mesh,
-    in the run layout).
+    """Validate the arguments of :func:`asps_jax.sample` and lower them: returns the
+    :class:`Prepared` call (the static :class:`~asps_jax.decode.Decoder`, the
+    :class:`DecodeInputs`, the number of prompts). Three stages: the checks (one-line errors,
+    nothing built), the lowering (the decoder, the inputs' arrays), the placing (mesh, run layout).
 
-    ``kwargs``: the sampling arguments (the fields of :class:`asps_jax.sampling.Sampling`, each
-    one value or one per prompt), the rest the method's options.
-    ``max_new_tokens``: an int, or one per prompt; it is a traced per-row value
-    (``DecodeInputs.budget_B``; the static output width is :func:`budget_bucket` of the largest),
-    so budgets within a bucket reuse the compiled program. ``batch_size=B``: continuous batching
-    (:mod:`asps_jax.slots`): ``Prepared.slots`` is then B and :meth:`Prepared.run` runs the
-    prompts through B slots (:func:`asps_jax.slots.run`) instead of ``Decoder.generate``.
-    ``top_logprobs=k`` records the k most likely tokens of each emitted token's law.
-    ``diagnostics=True`` also measures the root ``optimal_acceptance`` of multi-draft steps (see
-    :class:`asps_jax.decode.Decoder`).
-
-    ``num_draft_tokens`` defaults to 8 and ``num_drafts`` to 1. ``tree=(w_1, ..., w_D)`` (tree
-    methods only) drafts a branching tree instead of K chains: every node at depth d - 1 draws
-    ``w_d`` children (without replacement or independently: the method's ``branch_draws``); the
-    draft then runs ``prod(w)`` cache replicas (one per root path) and D is the draft length.
-
-    ``stop``: a list of strings (at most 16, each 1 to 64 UTF-8 bytes); a row ends after the
-    first token whose text completes an occurrence of one of them in the row's generated text,
-    that token kept (:mod:`asps_jax.stopping`). Needs the target's tokenizer.
+    ``kwargs``: the sampling arguments (:class:`asps_jax.sampling.Sampling`, each one value or one
+    per prompt), the rest the method's options. ``max_new_tokens``: an int or one per prompt, a
+    traced per-row value (the static output width is :func:`budget_bucket` of the largest).
+    ``batch_size=B``: continuous batching through B slots (:mod:`asps_jax.slots`).
+    ``top_logprobs=k`` records the k most likely tokens of each emitted token's law;
+    ``diagnostics=True`` measures the root ``optimal_acceptance`` of multi-draft steps.
+    ``num_draft_tokens`` defaults to 8 and ``num_drafts`` to 1; ``tree=(w_1, ..., w_D)`` (tree
+    methods) drafts a branching tree instead of K chains, each node at depth d - 1 drawing
+    ``w_d`` children (the method's ``branch_draws``): ``prod(w)`` root paths, one replica each.
+    ``stop``: at most 16 strings of 1 to 64 UTF-8 bytes; a row ends after the token whose text
+    completes one of them, that token kept (:mod:`asps_jax.stopping`; needs a tokenizer).
     """
     compile_cache.enable_default()  # the persistent cache, as the command line has it
     given = {name: kwargs.pop(name) for name in Sampling.names() if name in kwargs}
@@ -366,16 +362,8 @@ def prepare(
         lookup_ngram=lookup_ngram, lookup_max=lookup_max, draft_stop=draft_stop,
     )  # fmt: skip
     sampling = Sampling(**given)
-    top_logprobs = check_int("top_logprobs", top_logprobs, 0)
-    if top_logprobs > target.vocab_size:
-        raise ValueError(
-            f"top_logprobs must be at most the vocabulary size {target.vocab_size}, got "
-            f"{top_logprobs}"
-        )
-    if mesh is not None:
-        mesh = sharding.check_mesh(mesh)
-    if isinstance(prompts, (list, tuple)) and not prompts and prompt_lengths is None:
-        raise ValueError("prompts: the list is empty; give at least one prompt")
+    top_logprobs = check_top_logprobs(top_logprobs, True, target.vocab_size)
+    mesh = None if mesh is None else sharding.check_mesh(mesh)
     prompts_bp, lengths_b, batch = _as_prompt_array(prompts, prompt_lengths, target.vocab_size)
     budgets = _budgets(max_new_tokens, batch)
     slot_count = None if batch_size is None else min(batch_size, prompts_bp.shape[0])

@@ -227,6 +227,148 @@ def _reduced_law(law, q_g, diag, off, alive):
     return jnp.sum(jnp.where(alive[:, None], diag * w + off * up + down, 0.0), axis=0)
 
 
+def _fit_masses(
+    p: jax.Array, q: jax.Array, weight: jax.Array, table: int, tabulated: bool, num_laws: int
+):
+    """``(lo, hi, theta, p_g [G], q_g [K, G], diag [K, G], off [K, G])``: each token's place in
+    the fitted laws and the masses the fit runs on (one law per token unless ``tabulated``)."""
+    num_drafts, vocab = q.shape
+    dtype = p.dtype
+    if not tabulated:
+        index = jnp.arange(vocab, dtype=jnp.int32)
+        return index, index, jnp.zeros((vocab,), dtype), p, q, q, jnp.zeros_like(q)
+    lo, hi, theta = token_mixtures(p, weight @ q, table)
+    rest, mix = (1.0 - theta)[:, None], theta[:, None]
+    q_t = q.T  # [V, K]
+    at_lo = jnp.concatenate([p[:, None] * rest, q_t * rest, q_t * rest**2, q_t * rest * mix], 1)
+    at_hi = jnp.concatenate([p[:, None] * mix, q_t * mix, q_t * mix**2], 1)
+    lo_sums = jax.ops.segment_sum(at_lo, lo, num_laws)  # [G, 1 + 3K]
+    hi_sums = jax.ops.segment_sum(at_hi, hi, num_laws)  # [G, 1 + 2K]
+    k = num_drafts
+    p_g = lo_sums[:, 0] + hi_sums[:, 0]
+    q_g = (lo_sums[:, 1 : 1 + k] + hi_sums[:, 1 : 1 + k]).T
+    diag = (lo_sums[:, 1 + k : 1 + 2 * k] + hi_sums[:, 1 + k :]).T
+    off = lo_sums[:, 1 + 2 * k :].T
+    return lo, hi, theta, p_g, q_g, diag, off
+
+
+def _normalise(rates: jax.Array, q_mean: jax.Array) -> jax.Array:
+    """``[G]``: the rates scaled so that ``sum q_mean rates = 1`` (unchanged if that sum is 0)."""
+    scale = jnp.sum(q_mean * rates)
+    return rates / jnp.where(scale > 0, scale, 1.0)
+
+
+def _fixed_point(
+    p_g: jax.Array,
+    q_g: jax.Array,
+    diag: jax.Array,
+    off: jax.Array,
+    weight: jax.Array,
+    alive: jax.Array,
+    grid: jax.Array,
+    fit_steps: int,
+    dtype,
+) -> tuple[jax.Array, jax.Array]:
+    """``(rates [G], value [])``: the best rates of ``fit_steps`` fixed-point steps ``lam <- lam
+    p / q_I`` from ``lam = p / mean q``, and their efficiency."""
+    q_mean = weight @ q_g
+    proposed = q_mean > 0
+    rates0 = _normalise(jnp.where(proposed, p_g / jnp.where(proposed, q_mean, 1.0), 0.0), q_mean)
+
+    def step(_, carry):
+        rates, best_rates, best_value = carry
+        law = _reduced_law(level_laws(rates, grid)[0], q_g, diag, off, alive)
+        value = _efficiency(p_g, law)
+        better = value > best_value
+        best_rates = jnp.where(better, rates, best_rates)
+        best_value = jnp.where(better, value, best_value)
+        ratio = jnp.where(law > 0, p_g / jnp.where(law > 0, law, 1.0), 1.0)
+        return _normalise(rates * ratio, q_mean), best_rates, best_value
+
+    init = (rates0, rates0, jnp.asarray(-1.0, dtype))
+    return jax.lax.fori_loop(0, fit_steps, step, init)[1:]
+
+
+def _ascend(
+    law0: jax.Array,
+    value0: jax.Array,
+    p_g: jax.Array,
+    q_g: jax.Array,
+    diag: jax.Array,
+    off: jax.Array,
+    alive: jax.Array,
+    grad_steps: int,
+    step_size: float,
+    dtype,
+) -> jax.Array:
+    """``[G, J]``: the best level laws ``softmax(L)`` of ``grad_steps`` Adam ascent steps on the
+    efficiency from ``law0`` (efficiency ``value0``), the last iterate included."""
+    tiny = jnp.finfo(dtype).tiny
+    logits0 = jnp.log(jnp.maximum(law0, tiny))
+
+    def objective(logits):
+        law = jax.nn.softmax(logits, axis=-1)
+        return _efficiency(p_g, _reduced_law(law, q_g, diag, off, alive))
+
+    value_and_grad = jax.value_and_grad(objective)
+
+    def step(i, carry):
+        logits, m, v, best, best_logits = carry
+        value, grad = value_and_grad(logits)
+        better = value > best
+        best = jnp.where(better, value, best)
+        best_logits = jnp.where(better, logits, best_logits)
+        m = 0.9 * m + 0.1 * grad
+        v = 0.999 * v + 0.001 * grad * grad
+        t = (i + 1).astype(dtype)
+        m_hat = m / (1.0 - 0.9**t)
+        v_hat = v / (1.0 - 0.999**t)
+        logits = logits + step_size * m_hat / (jnp.sqrt(v_hat) + tiny**0.5)
+        return logits, m, v, best, best_logits
+
+    zeros = jnp.zeros_like(logits0)
+    init = (logits0, zeros, zeros, value0, logits0)
+    logits, _, _, best, best_logits = jax.lax.fori_loop(0, grad_steps, step, init)
+    # The last iterate has not been scored yet.
+    last = objective(logits)
+    return jax.nn.softmax(jnp.where(last > best, logits, best_logits), axis=-1)
+
+
+def _fit_laws(
+    p: jax.Array,
+    q: jax.Array,
+    alive: jax.Array,
+    weight: jax.Array,
+    grid: jax.Array,
+    fit_steps: int,
+    grad_steps: int,
+    step_size: float,
+    table: int,
+    tabulated: bool,
+    num_laws: int,
+):
+    """``(law [G, J], lo int32[V], hi int32[V], theta [V], q_sel [V])``: the fitted race at a node
+    with two or more alive drafts."""
+    lo, hi, theta, *reduced = _fit_masses(p, q, weight, table, tabulated, num_laws)
+    rates, value = _fixed_point(*reduced, weight, alive, grid, fit_steps, p.dtype)
+    law, _ = level_laws(rates, grid)
+    if grad_steps:
+        law = _ascend(law, value, *reduced, alive, grad_steps, step_size, p.dtype)
+    # q_I per token: draft k's win weight at token y is its tabulated weights' mixture.
+    w = _draft_weights(law, reduced[1], alive)  # [K, G]
+    w_y = w[:, lo] if not tabulated else (1.0 - theta)[None] * w[:, lo] + theta[None] * w[:, hi]
+    return law, lo, hi, theta, _selected(q, w_y, alive)
+
+
+def _single_laws(q: jax.Array, alive: jax.Array, num_laws: int, num_levels: int, dtype):
+    """``(law [G, J], lo int32[V], hi int32[V], theta [V], q_sel [V])``: the race at a node with
+    one alive draft (uniform level laws; q_I is that draft's law)."""
+    vocab = q.shape[1]
+    law = jnp.full((num_laws, num_levels), 1.0 / num_levels, dtype)
+    index = jnp.minimum(jnp.arange(vocab, dtype=jnp.int32), num_laws - 1)
+    return law, index, index, jnp.zeros((vocab,), dtype), q[jnp.argmax(alive)]
+
+
 def fit_race(
     p: jax.Array,
     q: jax.Array,
@@ -273,93 +415,13 @@ def fit_race(
     tabulated = table >= 2 and table + 2 <= vocab
     num_laws = table + 2 if tabulated else vocab
 
-    def masses():
-        """``(lo, hi, theta, p_g [G], q_g [K, G], diag [K, G], off [K, G])``."""
-        if not tabulated:
-            index = jnp.arange(vocab, dtype=jnp.int32)
-            return index, index, jnp.zeros((vocab,), dtype), p, q, q, jnp.zeros_like(q)
-        lo, hi, theta = token_mixtures(p, weight @ q, table)
-        rest, mix = (1.0 - theta)[:, None], theta[:, None]
-        q_t = q.T  # [V, K]
-        at_lo = jnp.concatenate([p[:, None] * rest, q_t * rest, q_t * rest**2, q_t * rest * mix], 1)
-        at_hi = jnp.concatenate([p[:, None] * mix, q_t * mix, q_t * mix**2], 1)
-        lo_sums = jax.ops.segment_sum(at_lo, lo, num_laws)  # [G, 1 + 3K]
-        hi_sums = jax.ops.segment_sum(at_hi, hi, num_laws)  # [G, 1 + 2K]
-        k = num_drafts
-        p_g = lo_sums[:, 0] + hi_sums[:, 0]
-        q_g = (lo_sums[:, 1 : 1 + k] + hi_sums[:, 1 : 1 + k]).T
-        diag = (lo_sums[:, 1 + k : 1 + 2 * k] + hi_sums[:, 1 + k :]).T
-        off = lo_sums[:, 1 + 2 * k :].T
-        return lo, hi, theta, p_g, q_g, diag, off
-
-    def normalise(rates, q_mean):
-        scale = jnp.sum(q_mean * rates)
-        return rates / jnp.where(scale > 0, scale, 1.0)
-
-    def fixed_point(p_g, q_g, diag, off):
-        q_mean = weight @ q_g
-        proposed = q_mean > 0
-        rates0 = normalise(jnp.where(proposed, p_g / jnp.where(proposed, q_mean, 1.0), 0.0), q_mean)
-
-        def step(_, carry):
-            rates, best_rates, best_value = carry
-            law = _reduced_law(level_laws(rates, grid)[0], q_g, diag, off, alive)
-            value = _efficiency(p_g, law)
-            better = value > best_value
-            best_rates = jnp.where(better, rates, best_rates)
-            best_value = jnp.where(better, value, best_value)
-            ratio = jnp.where(law > 0, p_g / jnp.where(law > 0, law, 1.0), 1.0)
-            return normalise(rates * ratio, q_mean), best_rates, best_value
-
-        init = (rates0, rates0, jnp.asarray(-1.0, dtype))
-        return jax.lax.fori_loop(0, fit_steps, step, init)[1:]
-
-    def ascend(law0, value0, p_g, q_g, diag, off):
-        tiny = jnp.finfo(dtype).tiny
-        logits0 = jnp.log(jnp.maximum(law0, tiny))
-
-        def objective(logits):
-            law = jax.nn.softmax(logits, axis=-1)
-            return _efficiency(p_g, _reduced_law(law, q_g, diag, off, alive))
-
-        value_and_grad = jax.value_and_grad(objective)
-
-        def step(i, carry):
-            logits, m, v, best, best_logits = carry
-            value, grad = value_and_grad(logits)
-            better = value > best
-            best = jnp.where(better, value, best)
-            best_logits = jnp.where(better, logits, best_logits)
-            m = 0.9 * m + 0.1 * grad
-            v = 0.999 * v + 0.001 * grad * grad
-            t = (i + 1).astype(dtype)
-            m_hat = m / (1.0 - 0.9**t)
-            v_hat = v / (1.0 - 0.999**t)
-            logits = logits + step_size * m_hat / (jnp.sqrt(v_hat) + tiny**0.5)
-            return logits, m, v, best, best_logits
-
-        zeros = jnp.zeros_like(logits0)
-        init = (logits0, zeros, zeros, value0, logits0)
-        logits, _, _, best, best_logits = jax.lax.fori_loop(0, grad_steps, step, init)
-        # The last iterate has not been scored yet.
-        last = objective(logits)
-        return jax.nn.softmax(jnp.where(last > best, logits, best_logits), axis=-1)
-
     def fit(_):
-        lo, hi, theta, *reduced = masses()
-        rates, value = fixed_point(*reduced)
-        law, _ = level_laws(rates, grid)
-        if grad_steps:
-            law = ascend(law, value, *reduced)
-        # q_I per token: draft k's win weight at token y is its tabulated weights' mixture.
-        w = _draft_weights(law, reduced[1], alive)  # [K, G]
-        w_y = w[:, lo] if not tabulated else (1.0 - theta)[None] * w[:, lo] + theta[None] * w[:, hi]
-        return law, lo, hi, theta, _selected(q, w_y, alive)
+        return _fit_laws(
+            p, q, alive, weight, grid, fit_steps, grad_steps, step_size, table, tabulated, num_laws
+        )
 
     def single(_):
-        law = jnp.full((num_laws, num_levels), 1.0 / num_levels, dtype)
-        index = jnp.minimum(jnp.arange(vocab, dtype=jnp.int32), num_laws - 1)
-        return law, index, index, jnp.zeros((vocab,), dtype), q[jnp.argmax(alive)]
+        return _single_laws(q, alive, num_laws, num_levels, dtype)
 
     need = num_alive >= 2
     if batch_axis is None:

@@ -60,6 +60,107 @@ class _Walk(NamedTuple):
     fallbacks: jax.Array  # int32[], selection solves replaced by the exact fallback
 
 
+def _walk_step(
+    w: _Walk,
+    d,
+    *,
+    node_fn,
+    root_fn,
+    key_nodes,
+    draft_tokens,
+    draft_logprobs,
+    target_logprobs,
+    draft_length,
+    tail,
+):
+    """``(new _Walk, None)``: one depth ``d`` of :func:`walk_chains` (a ``lax.scan`` step)."""
+    num_drafts = draft_tokens.shape[0]
+    alive = w.matched & (draft_length > d) & ~w.done
+    any_alive = jnp.any(alive)
+    first_alive = jnp.argmax(alive)
+    handover = (jnp.sum(alive) == 1) if tail == "asps" else jnp.array(False)
+    p = jnp.exp(target_logprobs[first_alive, d])  # [V], the target at the emitted prefix
+    q = jnp.exp(draft_logprobs[:, d])  # [K, V]
+    x = draft_tokens[:, d]  # [K]
+    # A dead node (done, or nothing alive) still runs on a harmless alive mask: fixed shapes.
+    mask = jnp.where(any_alive, alive, jnp.arange(num_drafts) == 0)
+    if root_fn is node_fn:
+        outcome = node_fn(p, q, x, mask)
+    else:
+        outcome = jax.lax.cond(d == 0, root_fn, node_fn, p, q, x, mask)
+    choice, outside = sample_choice(jax.random.fold_in(key_nodes, d), outcome, x, alive)
+    hit = choice < num_drafts
+    y = x[jnp.minimum(choice, num_drafts - 1)]
+    emit = ~w.done & any_alive & ~handover
+    needs_bonus = ~w.done & ~any_alive  # the matched chains ended before depth n
+    stop = emit & ~hit  # a residual token that no alive draft shows: drawn after the loop
+    bonus_chain = jnp.argmax(w.matched)
+    final_law = jnp.where(stop, outside, w.final_law)
+    final_law = jnp.where(needs_bonus, jnp.exp(target_logprobs[bonus_chain, d]), final_law)
+    # On a stop or a handover the first alive chain carries the emitted prefix; on a bonus
+    # any matched one.
+    index = jnp.where(stop | handover, first_alive, w.index)
+    index = jnp.where(needs_bonus, bonus_chain, index)
+    new = _Walk(
+        matched=jnp.where(emit & hit, alive & (x == y), w.matched),
+        done=w.done | stop | needs_bonus | handover,
+        index=index,
+        emitted=w.emitted.at[d].set(jnp.where(emit & hit, y, w.emitted[d])),
+        final_depth=jnp.where(stop | needs_bonus, d, w.final_depth),
+        final_law=final_law,
+        tail_depth=jnp.where(~w.done & handover, d, w.tail_depth),
+        fallbacks=w.fallbacks + jnp.where(emit, outcome.num_fallbacks, 0),
+    )
+    return new, None
+
+
+def _initial_walk(num_drafts: int, n: int, vocab: int, dtype) -> _Walk:
+    """The :class:`_Walk` before depth 0: every chain matched, nothing emitted."""
+    return _Walk(
+        matched=jnp.ones((num_drafts,), bool),
+        done=jnp.array(False),
+        index=jnp.zeros((), jnp.int32),
+        emitted=jnp.full((n + 1,), -1, jnp.int32),
+        final_depth=jnp.full((), n, jnp.int32),
+        final_law=jnp.zeros((vocab,), dtype),
+        tail_depth=jnp.full((), -1, jnp.int32),
+        fallbacks=jnp.zeros((), jnp.int32),
+    )
+
+
+def _asps_tail(
+    key_tail,
+    draft_tokens,
+    draft_logprobs,
+    target_logprobs,
+    draft_length,
+    index,
+    tail_depth,
+    emitted,
+    num_tokens,
+):
+    """``(emitted int32[n + 1], num_tokens int32[])`` with the ASpS tail applied where the walk
+    handed the one alive chain ``index`` over at ``tail_depth`` (unchanged where it never did)."""
+    n = draft_tokens.shape[1]
+    # ASpS on the suffix of the one alive chain from tail_depth, shifted to row 0 (static
+    # shapes: rows past the end are clamped copies, beyond the suffix's draft_length).
+    start = jnp.maximum(tail_depth, 0)
+    rows_n = jnp.minimum(start + jnp.arange(n), n - 1)
+    rows_m = jnp.minimum(start + jnp.arange(n + 1), n)
+    suffix = chain.asps(
+        key_tail,
+        draft_tokens[index, rows_n],
+        draft_logprobs[index, rows_n],
+        target_logprobs[index, rows_m],
+        draft_length[index] - start,
+    )
+    shifted = suffix.tokens[jnp.clip(jnp.arange(n + 1) - start, 0, n)]
+    tailed = tail_depth >= 0
+    emitted = jnp.where(tailed & (jnp.arange(n + 1) >= start), shifted, emitted)
+    num_tokens = jnp.where(tailed, start + suffix.num_tokens, num_tokens)
+    return emitted, num_tokens
+
+
 def walk_chains(
     node_fn,
     key,
@@ -94,56 +195,19 @@ def walk_chains(
     )
     key_nodes, key_final, key_tail = jax.random.split(key, 3)
 
-    def step(w: _Walk, d):
-        alive = w.matched & (draft_length > d) & ~w.done
-        any_alive = jnp.any(alive)
-        first_alive = jnp.argmax(alive)
-        handover = (jnp.sum(alive) == 1) if tail == "asps" else jnp.array(False)
-        p = jnp.exp(target_logprobs[first_alive, d])  # [V], the target at the emitted prefix
-        q = jnp.exp(draft_logprobs[:, d])  # [K, V]
-        x = draft_tokens[:, d]  # [K]
-        # A dead node (done, or nothing alive) still runs on a harmless alive mask: fixed shapes.
-        mask = jnp.where(any_alive, alive, jnp.arange(num_drafts) == 0)
-        if root_fn is node_fn:
-            outcome = node_fn(p, q, x, mask)
-        else:
-            outcome = jax.lax.cond(d == 0, root_fn, node_fn, p, q, x, mask)
-        choice, outside = sample_choice(jax.random.fold_in(key_nodes, d), outcome, x, alive)
-        hit = choice < num_drafts
-        y = x[jnp.minimum(choice, num_drafts - 1)]
-        emit = ~w.done & any_alive & ~handover
-        needs_bonus = ~w.done & ~any_alive  # the matched chains ended before depth n
-        stop = emit & ~hit  # a residual token that no alive draft shows: drawn after the loop
-        bonus_chain = jnp.argmax(w.matched)
-        final_law = jnp.where(stop, outside, w.final_law)
-        final_law = jnp.where(needs_bonus, jnp.exp(target_logprobs[bonus_chain, d]), final_law)
-        # On a stop or a handover the first alive chain carries the emitted prefix; on a bonus
-        # any matched one.
-        index = jnp.where(stop | handover, first_alive, w.index)
-        index = jnp.where(needs_bonus, bonus_chain, index)
-        new = _Walk(
-            matched=jnp.where(emit & hit, alive & (x == y), w.matched),
-            done=w.done | stop | needs_bonus | handover,
-            index=index,
-            emitted=w.emitted.at[d].set(jnp.where(emit & hit, y, w.emitted[d])),
-            final_depth=jnp.where(stop | needs_bonus, d, w.final_depth),
-            final_law=final_law,
-            tail_depth=jnp.where(~w.done & handover, d, w.tail_depth),
-            fallbacks=w.fallbacks + jnp.where(emit, outcome.num_fallbacks, 0),
-        )
-        return new, None
-
-    vocab = target_logprobs.shape[-1]
-    init = _Walk(
-        matched=jnp.ones((num_drafts,), bool),
-        done=jnp.array(False),
-        index=jnp.zeros((), jnp.int32),
-        emitted=jnp.full((n + 1,), -1, jnp.int32),
-        final_depth=jnp.full((), n, jnp.int32),
-        final_law=jnp.zeros((vocab,), target_logprobs.dtype),
-        tail_depth=jnp.full((), -1, jnp.int32),
-        fallbacks=jnp.zeros((), jnp.int32),
+    step = functools.partial(
+        _walk_step,
+        node_fn=node_fn,
+        root_fn=root_fn,
+        key_nodes=key_nodes,
+        draft_tokens=draft_tokens,
+        draft_logprobs=draft_logprobs,
+        target_logprobs=target_logprobs,
+        draft_length=draft_length,
+        tail=tail,
     )
+    vocab = target_logprobs.shape[-1]
+    init = _initial_walk(num_drafts, n, vocab, target_logprobs.dtype)
     # n == 0 (no draft tokens) is static: the step is just the bonus token at the root.
     w = jax.lax.scan(step, init, jnp.arange(n))[0] if n else init
     emitted, final_depth, tail_depth = w.emitted, w.final_depth, w.tail_depth
@@ -154,22 +218,17 @@ def walk_chains(
     emitted = jnp.where(jnp.arange(n + 1) == final_depth, last, emitted)
     num_tokens = final_depth + 1
     if tail == "asps" and n:
-        # ASpS on the suffix of the one alive chain from tail_depth, shifted to row 0 (static
-        # shapes: rows past the end are clamped copies, beyond the suffix's draft_length).
-        start = jnp.maximum(tail_depth, 0)
-        rows_n = jnp.minimum(start + jnp.arange(n), n - 1)
-        rows_m = jnp.minimum(start + jnp.arange(n + 1), n)
-        suffix = chain.asps(
+        emitted, num_tokens = _asps_tail(
             key_tail,
-            draft_tokens[index, rows_n],
-            draft_logprobs[index, rows_n],
-            target_logprobs[index, rows_m],
-            draft_length[index] - start,
+            draft_tokens,
+            draft_logprobs,
+            target_logprobs,
+            draft_length,
+            index,
+            tail_depth,
+            emitted,
+            num_tokens,
         )
-        shifted = suffix.tokens[jnp.clip(jnp.arange(n + 1) - start, 0, n)]
-        tailed = tail_depth >= 0
-        emitted = jnp.where(tailed & (jnp.arange(n + 1) >= start), shifted, emitted)
-        num_tokens = jnp.where(tailed, start + suffix.num_tokens, num_tokens)
     return make_verdict(emitted, num_tokens, index, w.fallbacks)
 
 
