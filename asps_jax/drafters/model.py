@@ -102,32 +102,15 @@ class ModelDraft(Drafter):
         )  # fmt: skip
 
     def propose(self, dec, params, sampling, state) -> Proposal:
-        spec, tree = dec.spec, dec.spec.tree
-        n, k = spec.num_draft_tokens, tree.num_chains
+        spec, k = dec.spec, dec.spec.tree.num_chains
         batch = state.root.shape[0]
         limit_R = None
         if self.confidence_stop:  # no chain grows past what the step can use
             limit_B = jnp.where(state.done, 0, spec.max_new_tokens - state.num_generated - 1)
             limit_R = jnp.repeat(limit_B, k)
-        cache, tokens_RD, lp_RDV, ok_RD, usable_R = rollout(
-            own_feed(forward_for(self.config), params, dec.mesh, batch * k),
-            state.draft,
-            jnp.repeat(state.root, k),
-            chain_keys(state, k),
-            draft_len=n,
-            sampling=sampling.repeat(k),
-            mesh=dec.mesh,
-            plan=tree.plan,
-            history=state.history.repeat(k),
-            limit_R=limit_R,
-        )
-        return Proposal(
-            tokens_BKD=tokens_RD.reshape(batch, k, n),
-            logprobs_BKDV=lp_RDV.reshape(batch, k, n, lp_RDV.shape[-1]),
-            ok_BKD=ok_RD.reshape(batch, k, n),
-            usable_BK=usable_lengths(usable_R, batch, k, n),
-            state=cache,
-        )
+        feed = own_feed(forward_for(self.config), params, dec.mesh, batch * k)
+        cache, drawn = rollout_proposal(dec, sampling, state, feed, state.draft, limit_R=limit_R)
+        return Proposal(**drawn, state=cache)
 
     def commit(self, dec, before, after, winner_B, num_B):
         """The replicas take the winner's slots (a root path whose prefix is the accepted path)
@@ -256,6 +239,31 @@ def rollout(
         cache, _ = feed(cache, last_R, jnp.asarray(draft_len))
     tokens_RD = jnp.swapaxes(tokens_DR, 0, 1)
     return cache, tokens_RD, jnp.swapaxes(logprobs_DRV, 0, 1), jnp.swapaxes(ok_DR, 0, 1), None
+
+
+def rollout_proposal(dec, sampling, state, feed, cache, **options) -> tuple[Any, dict]:
+    """``(cache, fields)``: the step's K root paths rolled out by ``feed`` from ``cache``
+    (:func:`rollout`, its ``options``), as the fields of a :class:`Proposal` but its state."""
+    n, k = dec.spec.num_draft_tokens, dec.spec.tree.num_chains
+    batch = state.root.shape[0]
+    cache, tokens_RD, lp_RDV, ok_RD, usable_R = rollout(
+        feed,
+        cache,
+        jnp.repeat(state.root, k),
+        chain_keys(state, k),
+        draft_len=n,
+        sampling=sampling.repeat(k),
+        mesh=dec.mesh,
+        plan=dec.spec.tree.plan,
+        history=state.history.repeat(k),
+        **options,
+    )
+    return cache, dict(
+        tokens_BKD=tokens_RD.reshape(batch, k, n),
+        logprobs_BKDV=lp_RDV.reshape(batch, k, n, lp_RDV.shape[-1]),
+        ok_BKD=ok_RD.reshape(batch, k, n),
+        usable_BK=usable_lengths(usable_R, batch, k, n),
+    )
 
 
 def usable_lengths(usable_R, batch: int, num_chains: int, draft_len: int) -> jax.Array:

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import footprint, kv_cache
-from asps_jax.drafters.base import Proposal, chain_keys
-from asps_jax.drafters.model import ModelDraft, rollout, usable_lengths
+from asps_jax.drafters.base import Proposal
+from asps_jax.drafters.model import ModelDraft, rollout_proposal
 from asps_jax.models import forward_for
 from asps_jax.models.base import FirstLayers, Model, run_params
 
@@ -172,9 +172,6 @@ class SharedLayers(ModelDraft):
         return None
 
     def propose(self, dec, params, sampling, state) -> Proposal:
-        spec, tree = dec.spec, dec.spec.tree
-        n, k = spec.num_draft_tokens, tree.num_chains
-        batch = state.root.shape[0]
         layers, row_loop = self.config.num_hidden_layers, kv_cache.row_loop_for(dec.mesh)
         forward = forward_for(self.config)
 
@@ -184,25 +181,10 @@ class SharedLayers(ModelDraft):
             )
             return cache, logits_R1V
 
-        cache, tokens_RD, lp_RDV, ok_RD, usable_R = rollout(
-            feed,
-            state.target_cache,
-            jnp.repeat(state.root, k),
-            chain_keys(state, k),
-            draft_len=n,
-            sampling=sampling.repeat(k),
-            mesh=dec.mesh,
-            plan=tree.plan,
-            history=state.history.repeat(k),
-            store_last=False,
+        cache, drawn = rollout_proposal(
+            dec, sampling, state, feed, state.target_cache, store_last=False
         )
-        return Proposal(
-            tokens_BKD=tokens_RD.reshape(batch, k, n),
-            logprobs_BKDV=lp_RDV.reshape(batch, k, n, lp_RDV.shape[-1]),
-            ok_BKD=ok_RD.reshape(batch, k, n),
-            usable_BK=usable_lengths(usable_R, batch, k, n),
-            target_cache=cache,
-        )
+        return Proposal(**drawn, target_cache=cache)
 
     def commit(self, dec, before, after, winner_B, num_B):
         return None  # the scratch past the committed slots is stale now
