@@ -3,8 +3,12 @@ checkpoints are found, and errors a user can act on (broken checkpoints at the e
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 
+import huggingface_hub
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,6 +72,10 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    # huggingface_hub reads its cache's place from the environment when first imported.
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub")
+    )
     return tmp_path
 
 
@@ -147,6 +155,35 @@ def test_hf_cache_layout_and_aliases(hf_dir, offline, monkeypatch):
     (card_root / "tinyalias" / "card.json").write_text(json.dumps(card))
     with pytest.raises(ValueError, match="hidden_size: card 4096, checkpoint 16"):
         load_model("tinyalias")
+
+
+@pytest.mark.parametrize("variable", ["XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE"])
+def test_the_cache_is_where_huggingface_hub_puts_it(hf_dir, tmp_path, variable):
+    """Each of huggingface_hub's cache variables set alone, in a fresh process (the hub reads
+    them at import): the snapshot laid out where the hub itself looks is the one loaded."""
+    _, single = hf_dir
+    base = tmp_path / "base"
+    hub = {"XDG_CACHE_HOME": base / "huggingface" / "hub", "HF_HOME": base / "hub"}
+    repo = hub.get(variable, base) / "models--someorg--tiny"
+    shutil.copytree(single, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "HF_HOME")}
+    env.pop("HF_HUB_CACHE", None)
+    env.update({variable: str(base), "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path / "home")})
+    code = (
+        "from huggingface_hub import try_to_load_from_cache\n"
+        "from asps_jax.models import cards\n"
+        "print(try_to_load_from_cache('someorg/tiny', 'config.json'))\n"
+        "print(cards.resolve('someorg/tiny').path)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    hub_config, ours = proc.stdout.split()
+    assert hub_config == str(repo / "snapshots" / "abc123" / "config.json")  # the hub's own answer
+    assert ours == str(repo / "snapshots" / "abc123")
 
 
 def test_alias_without_weights_says_where_and_how(offline, monkeypatch):

@@ -6,8 +6,9 @@ A card names an alias's Hugging Face repo id and the architecture numbers its co
 1. ``name_or_path`` itself when it is a directory;
 2. ``$ASPS_MODELS_DIR/<alias>``;
 3. the bundled checkpoint ``<repo>/models/<alias>/`` (card.json next to config.json + weights);
-4. the local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub``, ``~/.cache/huggingface/hub``;
-   ``models--org--name/snapshots/<rev>/``, the revision ``refs/main`` points at first);
+4. the local Hugging Face cache where huggingface_hub puts it (``$HF_HUB_CACHE``, ``$HF_HOME/hub``,
+   ``$XDG_CACHE_HOME/huggingface/hub``, ``~/.cache/huggingface/hub``), read through
+   huggingface_hub's cache functions: the revision ``refs/main`` points at first;
 5. ``huggingface_hub.snapshot_download`` when ``HF_HUB_OFFLINE`` is unset and the Hub is reachable.
 
 Nothing found raises ``MissingWeightsError`` listing every place searched and the command that
@@ -67,30 +68,39 @@ def is_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() and any((path / w).is_file() for w in _WEIGHTS)
 
 
-def hf_cache_roots() -> list[Path]:
-    roots = []
-    if os.environ.get("HF_HUB_CACHE"):
-        roots.append(Path(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        roots.append(Path(os.environ["HF_HOME"]) / "hub")
-    roots.append(Path.home() / ".cache" / "huggingface" / "hub")
-    return list(dict.fromkeys(roots))
+def hf_cache_root() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub itself resolves it (``$HF_HUB_CACHE``, else
+    ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``, else
+    ``~/.cache/huggingface/hub``, read when huggingface_hub is first imported)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
 
 
-def find_in_hf_cache(repo_id: str, roots: list[Path]) -> Path | None:
-    """The snapshot folder of ``repo_id`` (``refs/main`` first, then the newest complete one)."""
-    folder = "models--" + repo_id.replace("/", "--")
-    for root in roots:
-        repo = root / folder
-        ref = repo / "refs" / "main"
-        if ref.is_file():
-            snap = repo / "snapshots" / ref.read_text().strip()
-            if is_checkpoint(snap):
-                return snap
-        snaps = [s for s in (repo / "snapshots").glob("*") if is_checkpoint(s)]
-        if snaps:
-            return max(snaps, key=lambda s: s.stat().st_mtime)
-    return None
+def find_in_hf_cache(repo_id: str, root: Path) -> Path | None:
+    """The snapshot folder of ``repo_id`` in the cache ``root``: the revision ``refs/main``
+    points at when it holds weights, else the most recently modified complete one (read through
+    huggingface_hub's own cache functions)."""
+    from huggingface_hub import scan_cache_dir, try_to_load_from_cache
+    from huggingface_hub.errors import CacheNotFound, CorruptedCacheException
+
+    config = try_to_load_from_cache(repo_id, "config.json", cache_dir=root)
+    if isinstance(config, str) and is_checkpoint(Path(config).parent):
+        return Path(config).parent
+    try:
+        repos = scan_cache_dir(root).repos
+    except (CacheNotFound, CorruptedCacheException, OSError):
+        return None
+    snapshots = [
+        revision
+        for repo in repos
+        if repo.repo_id == repo_id and repo.repo_type == "model"
+        for revision in repo.revisions
+        if is_checkpoint(revision.snapshot_path)
+    ]
+    if not snapshots:
+        return None
+    return max(snapshots, key=lambda r: r.last_modified).snapshot_path
 
 
 def _offline_reason() -> str | None:
@@ -156,11 +166,9 @@ def resolve(name_or_path: str | os.PathLike) -> Resolved:
         if is_checkpoint(MODELS_DIR / name):
             return Resolved(name, MODELS_DIR / name, card)
     if repo_id:
-        roots = hf_cache_roots()
-        searched += [
-            f"Hugging Face cache {r / ('models--' + repo_id.replace('/', '--'))}" for r in roots
-        ]
-        found = find_in_hf_cache(repo_id, roots)
+        root = hf_cache_root()
+        searched.append(f"Hugging Face cache {root / ('models--' + repo_id.replace('/', '--'))}")
+        found = find_in_hf_cache(repo_id, root)
         if found is not None:
             return Resolved(name, found, card)
         offline = _offline_reason()
