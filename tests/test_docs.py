@@ -200,3 +200,15 @@ def test_public_names_exist():
     for module in PUBLIC_MODULES:
         mod = importlib.import_module(module)
         assert [n for n in mod.__all__ if not hasattr(mod, n)] == [], module
+
+
+def test_readme_model_table_is_the_cards():
+    """The README's model table is made from ``models/*/card.json``: a new card (or a changed
+    repo id or pair) shows in the README or this fails; the table's text is printed by
+    ``python -c "from asps_jax.models import cards; print(cards.markdown_table())"``."""
+    from asps_jax.models import cards
+
+    table = cards.markdown_table()
+    assert table in (ROOT / "README.md").read_text(encoding="utf-8")
+    for alias in cards.known_aliases():  # every alias in it, independently of how it is made
+        assert f"`{alias}`" in table

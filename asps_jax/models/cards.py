@@ -64,6 +64,47 @@ def read_card(alias: str) -> dict | None:
     return json.loads(path.read_text())
 
 
+# The families in the order the README's table lists them: model_type -> the name it shows.
+FAMILY_NAMES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2 / 2.5",
+    "qwen3": "Qwen3",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3 (text)",
+    "opt": "OPT",
+    "gpt2": "GPT-2",
+    "gpt_neo": "GPT-Neo",
+}
+
+
+def _model_type(card: dict) -> str:
+    """A card's family: its architecture's ``model_type``, else its bundled checkpoint's."""
+    kind = card.get("architecture", {}).get("model_type")
+    if kind is None:
+        kind = json.loads((MODELS_DIR / card["alias"] / "config.json").read_text())["model_type"]
+    return kind
+
+
+def markdown_table() -> str:
+    """The README's model table, made from the cards: per family, every alias (its Hugging Face
+    repo, or "bundled") and the target / draft pairs the cards name."""
+    rows = {kind: ([], []) for kind in FAMILY_NAMES}
+    for alias in known_aliases():
+        card = read_card(alias)
+        names, pairs = rows[_model_type(card)]
+        repo = card.get("repo_id")
+        names.append(f"`{alias}` → `{repo}`" if repo else f"`{alias}` (bundled)")
+        if card.get("role") == "target" and "pair" in card:
+            pairs.append(f"`--target {alias} --draft {card['pair']['alias']}`")
+    lines = ["| family | aliases (→ Hugging Face repo) | pairs |", "|---|---|---|"]
+    for kind, (names, pairs) in rows.items():
+        if names:
+            pairs_text = ", ".join(pairs) or "—"
+            lines.append(f"| {FAMILY_NAMES[kind]} | {', '.join(names)} | {pairs_text} |")
+    return "\n".join(lines) + "\n"
+
+
 def is_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() and any((path / w).is_file() for w in _WEIGHTS)
 
