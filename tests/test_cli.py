@@ -194,3 +194,21 @@ def test_num_draft_tokens_auto_prints_and_reports_the_choice(capsys):
     assert calibration["num_draft_tokens"] == 1 and calibration["cost_ratio"] >= 0
     assert len(calibration["tokens_per_step"]) == len(calibration["step_seconds"]) == 2
     assert all(s > 0 for s in calibration["step_seconds"])
+
+
+def test_lookup_says_how_often_it_found_a_match_and_ar_shows_no_draft_statistics(capsys):
+    """A prompt that repeats itself: greedy text loops and the lookup finds matches; the line
+    counts the steps whose drafter proposed a token, against the target calls. ``ar`` has no
+    draft, so no draft line."""
+    prompt = "ROMEO: But soft, what light through yonder window breaks? ROMEO: But soft"
+    common = ["--prompt", prompt, "--max-new-tokens", "40", "--temperature", "0"]
+    assert cli.main([*common, "--draft", "lookup", "--method", "sps", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert 0 < stats["drafted_steps"] <= stats["target_calls"] and stats["acceptance"] > 0
+    assert stats["tokens_per_step"] > 1.0  # the matches were accepted: fewer target calls
+    assert cli.main([*common, "--draft", "lookup", "--method", "sps"]) == 0
+    out = capsys.readouterr().out
+    assert f"{stats['drafted_steps']} of {stats['target_calls']} (steps where the lookup" in out
+    assert cli.main([*common, "--method", "ar"]) == 0
+    out = capsys.readouterr().out.split("--- statistics ---")[1]
+    assert "draft acceptance" not in out and "steps with a draft" not in out

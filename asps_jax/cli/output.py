@@ -34,6 +34,7 @@ def summary(session, out, args, compile_s, run_s, load_s) -> dict:
     mean_l, stderr_l, _ = histogram_mean_stderr(stats["emitted_hist"])
     s = {
         "method": args.method,
+        "draft": args.draft if args.method != "ar" else None,
         "num_draft_tokens": session.spec.num_draft_tokens if args.method != "ar" else 0,
         "num_drafts": session.spec.num_drafts if args.method != "ar" else 0,
         "batch_size": int(lengths.size),
@@ -43,6 +44,8 @@ def summary(session, out, args, compile_s, run_s, load_s) -> dict:
         "tokens_per_step_stderr": stderr_l,
         "tokens_per_step_by_row": per_step.round(4).tolist(),
         "acceptance": float(stats["accepted"].sum() / max(stats["decisions"].sum(), 1)),
+        # Steps whose drafter proposed at least one token (with --draft lookup: found a match).
+        "drafted_steps": int(stats["root_steps"].sum()),
         "lp_fallbacks": int(stats["fallbacks"].sum()),
         **timings(int(lengths.sum()), load_s, compile_s, run_s),
     }
@@ -72,13 +75,20 @@ def print_summary(s: dict, stream) -> None:
         ("new tokens (batch)", f"{s['new_tokens']} ({s['batch_size']} rows)"),
         ("target calls", s["target_calls"]),
         ("tokens per step", f"{s['tokens_per_step']:.3f} ± {s['tokens_per_step_stderr']:.3f}"),
-        ("draft acceptance", f"{s['acceptance']:.3f}"),
         ("tokens/s (run)", f"{s['tokens_per_second']:.1f}"),
         (
             "load / compile / run s",
             f"{s['load_seconds']} / {s['compile_seconds']} / {s['run_seconds']}",
         ),
     ]
+    if s["method"] != "ar":  # no draft statistics without a draft
+        drafted = f"{s['drafted_steps']} of {s['target_calls']}"
+        if s.get("draft") == "lookup":
+            drafted += " (steps where the lookup found a match)"
+        rows[5:5] = [
+            ("draft acceptance", f"{s['acceptance']:.3f}"),
+            ("steps with a draft", drafted),
+        ]
     if "incomplete" in s:
         cut = [b for b, flag in enumerate(s["incomplete"]) if flag]
         value = "none: every row's text matches" if not cut else f"rows {cut} (cut before the end)"
