@@ -32,6 +32,7 @@ it off).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -588,6 +589,17 @@ def schema_markdown(rows: list[dict], constrained: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def missing_hf() -> str | None:
+    """The package the transformers runs need that is not installed (torch, transformers), or
+    None."""
+    for name in ("torch", "transformers"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return name
+    return None
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -599,6 +611,14 @@ def main(argv=None) -> int:
         check_args(args)
     except ValueError as err:
         parser.error(str(err))
+    missing = None if args.no_hf else missing_hf()
+    if missing:  # the base install: our columns only, said before anything runs
+        print(
+            f"benchmark: {missing} is not installed, so the transformers columns are skipped "
+            '(pip install -e ".[test]" brings it; --no-hf skips them without this note)',
+            file=sys.stderr,
+        )
+        args.no_hf = True
 
     try:  # prompt sources fail before any model is loaded
         if args.prompts:

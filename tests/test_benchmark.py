@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -339,3 +340,21 @@ def test_bench_model_smoke(tmp_path, capsys):
     assert [r["workload"] for r in rows] == ["prefill", "decode", "chain9", "ar_token"]
     assert all(r["ours_tok_s"] > 0 and r["torch_tok_s"] > 0 for r in rows)
     assert "| chain9 | 9 |" in capsys.readouterr().out
+
+
+def test_without_torch_the_transformers_columns_are_skipped_up_front(
+    tiny_pair, monkeypatch, capsys
+):
+    """The base install has no torch: the run says so before anything runs and prints our
+    columns, instead of failing after them."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    assert benchmark.missing_hf() == "torch"
+    target, draft = tiny_pair
+    argv = ["--target", target, "--draft", draft, "--methods", "ar", "--n", "2", "--k", "2"]
+    argv += ["--batch-size", "1", "--max-new-tokens", "4", "--prompt-tokens", "4", "--quiet"]
+    assert benchmark.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "torch is not installed, so the transformers columns are skipped" in captured.err
+    assert (
+        "| method | K | n | tokens/step" in captured.out and "| transformers |" not in captured.out
+    )
