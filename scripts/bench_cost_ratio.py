@@ -309,7 +309,7 @@ def run_method(target, draft, prompt, method, n, args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(sampler.METHODS)
     )

@@ -124,7 +124,7 @@ def bench_stop(args) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("task", choices=("copy", "stop"))
     p.add_argument("--n", nargs="+", type=int, default=None)
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])

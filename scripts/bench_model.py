@@ -264,7 +264,7 @@ def _fmt(x, spec: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="68m,0.5b", help="comma-separated: 68m, 0.5b")
     parser.add_argument("--prefix", type=int, default=128, help="prefill / cached prefix length")
     parser.add_argument("--batch-size", type=int, default=1)

@@ -96,7 +96,7 @@ def run(target, draft, prompts, method, args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", choices=("bundled", "random-0.5b"), default="bundled")
     p.add_argument("--layers", type=int, nargs="+", default=None, help="L of self:L")
     p.add_argument("--methods", nargs="+", default=["sps", "asps"])

@@ -67,7 +67,7 @@ FALLBACK_TEXT = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="tinyshakespeare-target", help="target alias or path")
     p.add_argument("--draft", default="tinyshakespeare-draft", help="draft alias or path")
     p.add_argument(

@@ -227,6 +227,7 @@ def _run_batch(args, target, draft, mesh, load_s, out_stream, primary) -> int:
     streamed, then the statistics block; or one JSON object with ``--json``."""
     import jax
 
+    from asps_jax import compile_cache
     from asps_jax.cli import output
     from asps_jax.cli.args import DEFAULT_PROMPT, check_sizes, sampling_kwargs
     from asps_jax.session import Session
@@ -256,11 +257,14 @@ def _run_batch(args, target, draft, mesh, load_s, out_stream, primary) -> int:
     if not args.json and primary:
         print(
             f"[compiling {args.method} for {args.target} / "
-            f"{args.draft if draft is not None else '-'} ...]",
+            f"{args.draft if draft is not None else '-'}, or loading it from the cache ...]",
             file=sys.stderr,
             flush=True,
         )
+    before = compile_cache.compiles()
     compile_s = _compile(session)
+    if not args.json and primary:
+        print(f"[{output.compiled_note(before, compile_s)}]", file=sys.stderr, flush=True)
     if not args.json:
         print(texts[0], end="", file=out_stream, flush=True)
     start = time.perf_counter()

@@ -212,3 +212,22 @@ def test_lookup_says_how_often_it_found_a_match_and_ar_shows_no_draft_statistics
     assert cli.main([*common, "--method", "ar"]) == 0
     out = capsys.readouterr().out.split("--- statistics ---")[1]
     assert "draft acceptance" not in out and "steps with a draft" not in out
+
+
+@pytest.mark.parametrize(
+    "programs, hits, note",
+    [
+        (2, 2, "loaded the compiled programs from the cache in 1.5 s"),
+        (2, 0, "compiled 2 programs in 1.5 s"),
+        (3, 1, "compiled 2 programs in 1.5 s, 1 loaded from the cache"),
+        (0, 0, "nothing to compile: the programs were already built in this process"),
+    ],
+)
+def test_the_compile_note_says_what_the_cache_did(programs, hits, note, monkeypatch):
+    from asps_jax import compile_cache
+    from asps_jax.cli import output
+
+    before = {"programs": 10, "cache_hits": 4}
+    after = {"programs": 10 + programs, "cache_hits": 4 + hits}
+    monkeypatch.setattr(compile_cache, "compiles", lambda: after)
+    assert output.compiled_note(before, 1.5) == note

@@ -5,6 +5,7 @@ modules, and docs/api.md lists exactly the public names (``__all__``)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 import subprocess
@@ -212,3 +213,15 @@ def test_readme_model_table_is_the_cards():
     assert table in (ROOT / "README.md").read_text(encoding="utf-8")
     for alias in cards.known_aliases():  # every alias in it, independently of how it is made
         assert f"`{alias}`" in table
+
+
+def test_every_script_help_opens_with_a_whole_sentence():
+    """A script's ``--help`` opens with its docstring's first paragraph (not its first line, which
+    can stop mid-sentence), and that paragraph ends a sentence."""
+    for script in sorted((ROOT / "scripts").glob("*.py")):
+        source = script.read_text(encoding="utf-8")
+        if "ArgumentParser(" not in source:
+            continue
+        assert "__doc__.splitlines()[0]" not in source, script.name
+        first = ast.get_docstring(ast.parse(source), clean=False).split("\n\n")[0].strip()
+        assert first.endswith("."), (script.name, first[-40:])

@@ -44,7 +44,8 @@ def _models(p: argparse.ArgumentParser) -> None:
         "--target",
         default=DEFAULT_TARGET,
         help="target model: an alias from models/ (e.g. llama7b), a checkpoint "
-        f"directory, or a Hugging Face repo id in the local cache (default {DEFAULT_TARGET})",
+        "directory, or a Hugging Face repo id, found in the Hugging Face cache or downloaded "
+        f"when online (default {DEFAULT_TARGET})",
     )
     p.add_argument(
         "--draft",
@@ -120,7 +121,9 @@ def _method(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="W1,W2,...",
         help="tv / tv_wr / is_bv: draft a branching tree instead of K chains, W_d children per "
-        "node at depth d (e.g. 4,2,1,1; siblings without replacement for tv); sets n and K",
+        "node at depth d (e.g. 4,2,1,1; siblings without replacement for tv); sets n = the "
+        "depth (the number of widths) and K = the leaves, the product of the widths (4,2,1,1: "
+        "n = 4, K = 8 root paths, one draft cache replica each)",
     )
 
 

@@ -128,6 +128,20 @@ def batch_json(s: dict, out, texts, tokenizer) -> dict:
     return s
 
 
+def compiled_note(before: dict, seconds: float) -> str:
+    """What the compile stage did since ``before`` (:func:`asps_jax.compile_cache.compiles`):
+    programs compiled, or all of them loaded from the persistent cache."""
+    now = compile_cache.compiles()
+    programs = now["programs"] - before["programs"]
+    hits = now["cache_hits"] - before["cache_hits"]
+    if not programs:
+        return "nothing to compile: the programs were already built in this process"
+    if hits == programs:
+        return f"loaded the compiled programs from the cache in {seconds:.1f} s"
+    loaded = f", {hits} loaded from the cache" if hits else ""
+    return f"compiled {programs - hits} programs in {seconds:.1f} s{loaded}"
+
+
 def compile_counts() -> dict:
     """``compiles``: XLA programs this process compiled; ``compile_cache_hits``: programs it
     loaded from the persistent cache instead (both are jit cache misses: a new shape)."""
