@@ -154,10 +154,19 @@ class Session:
 
     def compile(self) -> float:
         """Compile the first and the next steps now; returns the wall seconds spent compiling."""
-        raise NotImplementedError
+        start = time.perf_counter()
+        self._compile()
+        return time.perf_counter() - start
 
     def steps(self) -> Iterator:
-        """Yield the new tokens after every compiled step, until every row is done."""
+        """Yield the new tokens after every compiled step, until every row is done (what each
+        implementation yields: its class docstring)."""
+        yield from self._steps()
+
+    def _compile(self) -> None:
+        raise NotImplementedError
+
+    def _steps(self) -> Iterator:
         raise NotImplementedError
 
     def _results(self):
@@ -200,8 +209,7 @@ class BatchSession(Session):
         """On a mesh, give the state the one layout the compiled step expects."""
         return state if self._mesh is None else sharding.shard_state(state, self._mesh)
 
-    def compile(self) -> float:
-        start = time.perf_counter()
+    def _compile(self) -> None:
         prefill = decode.prefill.lower(self.decoder, **self._prefill_args).compile()
         state_shape = jax.eval_shape(lambda: self._prefill(**self._prefill_args))
         if self._mesh is not None:
@@ -211,9 +219,8 @@ class BatchSession(Session):
         ).compile()
         self._prefill = prefill  # compiled: called with the arrays only
         self._step = step
-        return time.perf_counter() - start
 
-    def steps(self) -> Iterator[list[list[int]]]:
+    def _steps(self) -> Iterator[list[list[int]]]:
         with _sigint_recorded() as interrupt:
             state = self._place(self._prefill(**self._prefill_args))
         if interrupt.is_set():
@@ -261,19 +268,17 @@ class SlotSession(Session):
         self._slot_fns = (None, None)
         self.prompts_done = 0
 
-    def compile(self) -> float:
-        start = time.perf_counter()
+    def _compile(self) -> None:
         a = self._slots
         first = slots.start.lower(self.decoder, **a).compile()
         shape = jax.eval_shape(lambda: slots.start(self.decoder, **a))
         step = slots.advance.lower(self.decoder, **self._params, prompts=a["prompts"], s=shape)
         self._slot_fns = (first, step.compile())
-        return time.perf_counter() - start
 
     def _results(self):
         return self._state.results
 
-    def steps(self) -> Iterator[tuple[int, list[int]]]:
+    def _steps(self) -> Iterator[tuple[int, list[int]]]:
         a = self._slots
         first, step = self._slot_fns
         if first is None:  # not compiled ahead: jit on the first call
