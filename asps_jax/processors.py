@@ -174,7 +174,8 @@ class SamplingParams:
         logit bias (else none of that code is compiled).
       draft_stop: float32[B], the confidence stop τ of each row (``draft_stop="confidence:τ"``:
         a draft chain stops growing at the first draft law whose top probability is below τ;
-        read only when the decoder's ``SpecConfig.draft_stop`` is on; 0 never stops).
+        read only by a draft model's rollout built with the stop,
+        ``drafters.ModelDraft(confidence_stop=True)``; 0 never stops).
     See :mod:`asps_jax.constraints`.
     The controls (bias, penalties, n-grams) depend on each node's path: they are applied by
     :mod:`asps_jax.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.

@@ -21,6 +21,7 @@ import numpy as np
 from asps_jax import (
     compile_cache,
     decode,
+    drafters,
     footprint,
     plan,
     sharding,
@@ -331,9 +332,6 @@ def prepare(
     diagnostics=False,
     top_logprobs=0,
     batch_size=None,
-    lookup_ngram=None,
-    lookup_max=None,
-    draft_stop=None,
     **kwargs,
 ) -> Prepared:
     """Validate the arguments of :func:`asps_jax.sample` and lower them: returns the
@@ -355,11 +353,12 @@ def prepare(
     """
     compile_cache.enable_default()  # the persistent cache, as the command line has it
     given = {name: kwargs.pop(name) for name in Sampling.names() if name in kwargs}
+    drafting = drafters.options(kwargs)  # the rest of kwargs: the method's options
     batch_size, stop_bytes, largest = _check_call(target, max_new_tokens, batch_size, mesh, stop)
     target, drafter, draft, spec, tau = plan.resolve(
         target, draft, method=method, num_drafts=num_drafts, num_draft_tokens=num_draft_tokens,
         tree=tree, max_new_tokens=budget_bucket(largest), options=kwargs, mesh=mesh,
-        lookup_ngram=lookup_ngram, lookup_max=lookup_max, draft_stop=draft_stop,
+        **drafting,
     )  # fmt: skip
     sampling = Sampling(**given)
     top_logprobs = check_top_logprobs(top_logprobs, True, target.vocab_size)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from asps_jax import autotune, compile_cache, decode, sharding, slots
+from asps_jax import autotune, compile_cache, decode, drafters, sharding, slots
 from asps_jax.sampler import SampleOutput, check_top_logprobs, finish, prepare
 from asps_jax.verify import registry
 
@@ -79,7 +79,7 @@ def _resolve_auto(target, draft, prompts, key, kwargs):
             "num_draft_tokens='auto' chooses the length of draft chains: not for method 'ar' or "
             "a tree="
         )
-    max_n = kwargs.get("lookup_max") or 8
+    max_n = drafters.longest_draft(kwargs)
     probe = {k: v for k, v in kwargs.items() if k != "num_draft_tokens"}
     # One-line errors for the call's own arguments before anything is measured.
     prepare(target, draft, prompts, key=key, max_new_tokens=1, num_draft_tokens=max_n, **probe)

@@ -28,8 +28,13 @@ from asps_jax.drafters.self_layers import SelfDraft, SharedLayers
 NAMES = ("lookup", SELF_PREFIX + "L")
 """The drafters named by a string ``draft`` argument (a model object is the draft model)."""
 
+OPTIONS = ("lookup_ngram", "lookup_max", "draft_stop")
+"""The drafters' keyword arguments of ``sample`` / ``Session`` (:func:`resolve` checks each
+against the drafter it belongs to)."""
+
 __all__ = [
     "NAMES",
+    "OPTIONS",
     "Drafter",
     "Lookup",
     "ModelDraft",
@@ -38,6 +43,8 @@ __all__ = [
     "SharedLayers",
     "chain_keys",
     "is_named",
+    "longest_draft",
+    "options",
     "own_weights",
     "parse_draft_stop",
     "resolve",
@@ -122,6 +129,17 @@ def _options(draft, uses_draft: bool, context: int, lookup_ngram, lookup_max, dr
         )
     cap = 0 if lookup_max is None else check_int("lookup_max", lookup_max, 1)
     return ngram, cap, tau
+
+
+def options(kwargs: dict) -> dict:
+    """The drafters' options taken out of a call's keyword arguments (the rest stays)."""
+    return {name: kwargs.pop(name) for name in OPTIONS if name in kwargs}
+
+
+def longest_draft(options: dict) -> int:
+    """The longest draft a calibration of ``num_draft_tokens="auto"`` tries: a lookup's cap,
+    else 8."""
+    return options.get("lookup_max") or 8
 
 
 def own_weights(model):
