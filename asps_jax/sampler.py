@@ -175,9 +175,7 @@ def _budgets(max_new_tokens, batch: int) -> list[int]:
 
 def _row_keys(key, batch: int, padded: int) -> jax.Array:
     """One key per row: ``fold_in(key, row)`` for a single key, or the given per-row keys."""
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    key = _as_keys(key)
     if key.shape == ():
         return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(padded))
     if key.shape == (batch,):
@@ -185,6 +183,80 @@ def _row_keys(key, batch: int, padded: int) -> jax.Array:
     raise ValueError(
         f"key must be a single PRNG key or one key per prompt ([{batch}]), got {key.shape}"
     )
+
+
+def _as_keys(key) -> jax.Array:
+    """``key`` as typed PRNG key(s) (raw ``uint32`` key data is wrapped)."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    return key
+
+
+def _seed_keys(key, seed, num_prompts: int):
+    """The call's key from ``key`` or ``seed`` (exactly one given): a seed ``s`` is
+    ``jax.random.key(s)``, one seed per prompt one key per prompt."""
+    if (key is None) == (seed is None):
+        raise ValueError(
+            "give key= (a PRNG key, or one per prompt) or seed= (an int, or one per prompt): "
+            + ("both were given" if key is not None else "neither was given")
+        )
+    if seed is None:
+        return key
+    seeds = list(seed) if isinstance(seed, (list, tuple, np.ndarray)) else [seed]
+    for s in seeds:
+        check_int("seed", s, 0)
+        if int(s) >= 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {s!r}")
+    if not isinstance(seed, (list, tuple, np.ndarray)):
+        return jax.random.key(int(seed))
+    if len(seeds) != num_prompts:
+        raise ValueError(
+            f"seed: give one seed for the call or one per prompt ({num_prompts}), got {len(seeds)}"
+        )
+    return jnp.stack([jax.random.key(int(s)) for s in seeds])
+
+
+def _repeated(n: int, num_prompts: int, name: str, value):
+    """A per-prompt argument for ``n`` samples per prompt: a list (or array) of one value per
+    prompt repeated, each value ``n`` times in a row; a value for every prompt unchanged."""
+    per_prompt = isinstance(value, (list, tuple)) or (
+        isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 1
+    )
+    if not per_prompt or name == "eos_token_id":  # eos_token_id: a list of ids, for every row
+        return value
+    if len(value) != num_prompts:
+        raise ValueError(
+            f"{name}: give one value for all prompts or one per prompt ({num_prompts}), got "
+            f"{len(value)}"
+        )
+    return [v for v in list(value) for _ in range(n)]
+
+
+def _samples(n, key, seed, prompts, prompt_lengths, max_new_tokens, given, vocab: int):
+    """``n`` samples per prompt (``n`` = 1: the call unchanged but for ``seed``): every prompt
+    and per-prompt argument repeated, prompt-major (row ``p * n + i`` is prompt p's sample i),
+    and one key per row, ``fold_in(k_p, i)`` of prompt p's key ``k_p`` (``fold_in(key, p)`` of a
+    single key, or its own), so a prompt's samples depend only on its key and their index.
+    Returns ``(prompts, prompt_lengths, max_new_tokens, sampling arguments, key)``."""
+    n = check_int("n", n, 1)
+    if n == 1 and not isinstance(seed, (list, tuple, np.ndarray)):
+        return prompts, prompt_lengths, max_new_tokens, given, _seed_keys(key, seed, 1)
+    rows_bp, lengths_b, num = _as_prompt_array(prompts, prompt_lengths, vocab)
+    key = _as_keys(_seed_keys(key, seed, num))
+    if key.shape == ():
+        key = jax.vmap(lambda p: jax.random.fold_in(key, p))(jnp.arange(num))
+    elif key.shape != (num,):
+        raise ValueError(
+            f"key must be a single PRNG key or one key per prompt ([{num}]), got {key.shape}"
+        )
+    if n > 1:
+        fold = jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)), (0, None))
+        key = fold(key, jnp.arange(n)).reshape(-1)
+    rows = [rows_bp[b, : lengths_b[b]].tolist() for b in range(num) for _ in range(n)]
+    budgets = _repeated(n, num, "max_new_tokens", max_new_tokens)
+    given = {name: _repeated(n, num, name, value) for name, value in given.items()}
+    return rows, None, budgets, given, key
 
 
 def check_top_logprobs(top_logprobs, return_logprobs, vocab: int) -> int:
@@ -320,8 +392,10 @@ def prepare(
     draft,
     prompts,
     *,
-    key,
+    key=None,
     max_new_tokens,
+    seed=None,
+    n=1,
     method=registry.DEFAULT_METHOD,
     num_draft_tokens=None,
     num_drafts=None,
@@ -334,26 +408,28 @@ def prepare(
     batch_size=None,
     **kwargs,
 ) -> Prepared:
-    """Validate the arguments of :func:`asps_jax.sample` and lower them: returns the
-    :class:`Prepared` call (the static :class:`~asps_jax.decode.Decoder`, the
-    :class:`DecodeInputs`, the number of prompts). Three stages: the checks (one-line errors,
-    nothing built), the lowering (the decoder, the inputs' arrays), the placing (mesh, run layout).
+    """Validate the arguments of :func:`asps_jax.sample` and lower them: the :class:`Prepared`
+    call (the static :class:`~asps_jax.decode.Decoder`, the :class:`DecodeInputs`, the number of
+    rows). Checks (one-line errors, nothing built), lowering, placing (mesh, run layout).
 
     ``kwargs``: the sampling arguments (:class:`asps_jax.sampling.Sampling`, each one value or one
-    per prompt), the rest the method's options. ``max_new_tokens``: an int or one per prompt, a
-    traced per-row value (the static output width is :func:`budget_bucket` of the largest).
-    ``batch_size=B``: continuous batching through B slots (:mod:`asps_jax.slots`).
-    ``top_logprobs=k`` records the k most likely tokens of each emitted token's law;
-    ``diagnostics=True`` measures the root ``optimal_acceptance`` of multi-draft steps.
-    ``num_draft_tokens`` defaults to 8 and ``num_drafts`` to 1; ``tree=(w_1, ..., w_D)`` (tree
-    methods) drafts a branching tree instead of K chains, each node at depth d - 1 drawing
-    ``w_d`` children (the method's ``branch_draws``): ``prod(w)`` root paths, one replica each.
-    ``stop``: at most 16 strings of 1 to 64 UTF-8 bytes; a row ends after the token whose text
-    completes one of them, that token kept (:mod:`asps_jax.stopping`; needs a tokenizer).
-    """
+    per prompt), the drafters' options (``drafters.OPTIONS``), the rest the method's options.
+    ``key`` or ``seed``: a PRNG key or an int, or one per prompt. ``n``: samples per prompt, rows
+    ``p * n + i`` (:func:`_samples`: a prompt's samples depend only on its key and index).
+    ``max_new_tokens``: an int or one per prompt, a traced per-row value (the static output width
+    is :func:`budget_bucket` of the largest). ``batch_size=B``: continuous batching through B
+    slots (:mod:`asps_jax.slots`). ``top_logprobs=k``: the k most likely tokens of each emitted
+    token's law; ``diagnostics=True``: the root ``optimal_acceptance`` of multi-draft steps.
+    ``num_draft_tokens`` defaults to 8 and ``num_drafts`` to 1; ``tree=(w_1, ..., w_D)``: a
+    branching tree, ``w_d`` children per node at depth d - 1 (``prod(w)`` root paths). ``stop``:
+    at most 16 strings of 1 to 64 UTF-8 bytes; a row ends after the token whose text completes
+    one (kept; :mod:`asps_jax.stopping`)."""
     compile_cache.enable_default()  # the persistent cache, as the command line has it
     given = {name: kwargs.pop(name) for name in Sampling.names() if name in kwargs}
     drafting = drafters.options(kwargs)  # the rest of kwargs: the method's options
+    prompts, prompt_lengths, max_new_tokens, given, key = _samples(
+        n, key, seed, prompts, prompt_lengths, max_new_tokens, given, target.vocab_size
+    )
     batch_size, stop_bytes, largest = _check_call(target, max_new_tokens, batch_size, mesh, stop)
     target, drafter, draft, spec, tau = plan.resolve(
         target, draft, method=method, num_drafts=num_drafts, num_draft_tokens=num_draft_tokens,

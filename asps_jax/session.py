@@ -26,7 +26,7 @@ from asps_jax.verify import registry
 
 
 def sample(
-    target, draft, prompts, *, key, max_new_tokens, return_logprobs=False, **kwargs
+    target, draft, prompts, *, key=None, max_new_tokens, return_logprobs=False, **kwargs
 ) -> SampleOutput:
     """Sample ``max_new_tokens`` tokens per prompt with exactly the target's law (docs/api.md §3).
 
@@ -37,7 +37,9 @@ def sample(
     fills :attr:`SampleOutput.logprobs` (measured in the loop either way: no extra forward, no
     recompile). ``max_new_tokens`` may be one budget per prompt; ``batch_size=B`` runs the
     prompts through B slots with continuous batching (:mod:`asps_jax.slots`), each prompt's
-    tokens independent of B (docs/api.md §3).
+    tokens independent of B (docs/api.md §3). ``key=`` a PRNG key (or one per prompt), or
+    ``seed=`` an int (or one per prompt); ``n=k``: k samples per prompt, rows ``p * k + i``, each
+    prompt's depending only on its key or seed and the sample's index.
     """
     check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
     compile_cache.enable_default()  # before the calibration of num_draft_tokens="auto" compiles
@@ -53,7 +55,9 @@ def sample(
     return out
 
 
-def stream(target, draft, prompts, *, key, max_new_tokens, **kwargs) -> Iterator[list[list[int]]]:
+def stream(
+    target, draft, prompts, *, key=None, max_new_tokens, **kwargs
+) -> Iterator[list[list[int]]]:
     """Like :func:`sample`, one compiled step at a time: yields each row's new tokens per step
     (with ``batch_size``: ``(prompt_index, new_tokens)`` pairs as they come).
 
@@ -130,7 +134,7 @@ class Session:
         return super().__new__(cls)
 
     def __init__(
-        self, target, draft, prompts, *, key, max_new_tokens, return_logprobs=False, **kwargs
+        self, target, draft, prompts, *, key=None, max_new_tokens, return_logprobs=False, **kwargs
     ):
         self.return_logprobs = bool(return_logprobs)
         check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)

@@ -17,7 +17,7 @@ from hf_checkpoints import load_tiny_pair, write_tiny_llama
 from subprocess_env import xla_flags
 
 import asps_jax
-from asps_jax import drafters, footprint, penalties, sampler, trees
+from asps_jax import drafters, footprint, penalties, plan, sampler, trees
 from asps_jax.drafters import self_layers
 from asps_jax.processors import SamplingParams
 from asps_jax.verify import registry
@@ -234,7 +234,7 @@ def test_huge_trees_are_refused_before_they_are_built(pair, monkeypatch, kwargs,
     device; no wall-clock bound, which would depend on the machine's load."""
     monkeypatch.setattr(trees, "branching_token_tree", _never_built)
     monkeypatch.setattr(trees, "chains_token_tree", _never_built)
-    monkeypatch.setattr(sampler, "_device_memory_bytes", lambda mesh: 16 << 30)
+    monkeypatch.setattr(plan, "_device_memory_bytes", lambda mesh: 16 << 30)
     target, draft = pair
     with pytest.raises(ValueError, match="needs about") as info:
         asps_jax.sample(target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=4, **kwargs)
