@@ -96,7 +96,9 @@ def test_the_stopped_rollout_leaves_its_loop_early(pair):
         )
         cache, _, _, _, stop = jax.jit(
             lambda c, s: model_draft.rollout(
-                model_draft.own_feed(forward_for(dec.drafter.config), inputs.draft_params, None),
+                model_draft.own_feed(
+                    forward_for(dec.drafter.config), inputs.draft_params, None, batch
+                ),
                 c,
                 state.root,
                 jax.random.split(jax.random.key(1), batch),
