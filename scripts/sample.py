@@ -245,6 +245,7 @@ def _run_batch(args, target, draft, mesh, load_s, out_stream, primary) -> int:
         draft,
         [encoded[b % len(encoded)] for b in range(args.batch_size)],
         key=jax.random.key(args.seed),
+        n=args.n,
         max_new_tokens=args.max_new_tokens,
         top_logprobs=args.top_logprobs or 0,
         mesh=mesh,

@@ -231,3 +231,27 @@ def test_the_compile_note_says_what_the_cache_did(programs, hits, note, monkeypa
     after = {"programs": 10 + programs, "cache_hits": 4 + hits}
     monkeypatch.setattr(compile_cache, "compiles", lambda: after)
     assert output.compiled_note(before, 1.5) == note
+
+
+def test_n_samples_per_row_are_the_librarys(capsys):
+    """``--n 3``: each row gives 3 rows, row r * 3 + i its sample i, the tokens of
+    ``asps_jax.sample(..., key=jax.random.key(seed), n=3)``; not with --prompts."""
+    import jax
+
+    import asps_jax
+
+    texts = ["KING HENRY:", "JULIET:\nO Romeo"]
+    argv = ["--prompt", texts[0], "--prompt", texts[1], "--n", "3", "--seed", "4"]
+    assert cli.main([*argv, "--max-new-tokens", "6", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompts"] == [texts[0]] * 3 + [texts[1]] * 3
+    assert result["samples_per_row"] == 3 and result["batch_size"] == 6
+    target = asps_jax.load_model("tinyshakespeare-target", dtype="float32")  # the CLI's f32
+    draft = asps_jax.load_model("tinyshakespeare-draft", dtype="float32")
+    encoded = [target.tokenizer.encode(t, verbose=False) for t in texts]
+    out = asps_jax.sample(target, draft, encoded, key=jax.random.key(4), n=3, max_new_tokens=6)
+    want = [out.tokens[b, : out.lengths[b]].tolist() for b in range(6)]
+    assert result["tokens"] == want
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--prompts", "p.jsonl", "--n", "2"])
+    assert info.value.code == 2 and "--n: not with --prompts" in capsys.readouterr().err

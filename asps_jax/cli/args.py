@@ -253,6 +253,14 @@ def _run(p: argparse.ArgumentParser) -> None:
         "to fill it (default: one row per prompt)",
     )
     p.add_argument(
+        "--n",
+        type=flags.positive_int,
+        default=1,
+        metavar="N",
+        help="samples per row (default 1): row r gives N rows, r*N+i its sample i, each an "
+        "independent draw keyed by the row's key and i (not with --prompts)",
+    )
+    p.add_argument(
         "--seed",
         type=flags.seed,
         default=0,
@@ -350,6 +358,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--top-logprobs needs --json (the log-probabilities are in its output)")
     if args.prompts is not None and args.prompt:
         parser.error("--prompts and --prompt: give the prompts one way")
+    if args.prompts is not None and args.n != 1:
+        parser.error("--n: not with --prompts (each line is one sample); repeat its lines instead")
     if args.prompts is not None and args.top_logprobs:
         parser.error("--top-logprobs: not with --prompts (per-prompt lines carry no log-probs)")
     prompts = len(args.prompt or [DEFAULT_PROMPT])
@@ -433,7 +443,7 @@ def check_sizes(args, target, draft, encoded, mesh) -> None:
     sampler.check_memory(
         target,
         draft,  # a model, None, or a drafter's name ("lookup", "self:L")
-        batch=args.batch_size,
+        batch=args.batch_size * args.n,
         prompt_len=max(len(e) for e in encoded),
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=n,

@@ -38,6 +38,7 @@ def summary(session, out, args, compile_s, run_s, load_s) -> dict:
         "num_draft_tokens": session.spec.num_draft_tokens if args.method != "ar" else 0,
         "num_drafts": session.spec.num_drafts if args.method != "ar" else 0,
         "batch_size": int(lengths.size),
+        "samples_per_row": args.n,
         "new_tokens": int(lengths.sum()),
         "target_calls": int(calls.sum()),
         "tokens_per_step": mean_l,
@@ -105,7 +106,8 @@ def batch_json(s: dict, out, texts, tokenizer) -> dict:
     tokens = np.asarray(out.tokens)
     lengths = np.asarray(out.lengths)
     rows = [tokens[b, : lengths[b]].tolist() for b in range(lengths.size)]
-    s["prompts"] = [texts[b % len(texts)] for b in range(lengths.size)]
+    n = s.get("samples_per_row", 1)  # row b * n + i: row b's sample i
+    s["prompts"] = [texts[(b // n) % len(texts)] for b in range(lengths.size)]
     s["tokens"] = rows
     logprobs = np.asarray(out.logprobs)
     s["logprobs"] = [logprobs[b, : lengths[b]].tolist() for b in range(lengths.size)]
