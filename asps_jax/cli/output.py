@@ -83,13 +83,13 @@ def print_summary(s: dict, stream) -> None:
         ),
     ]
     if s["method"] != "ar":  # no draft statistics without a draft
-        drafted = f"{s['drafted_steps']} of {s['target_calls']}"
-        if s.get("draft") == "lookup":
-            drafted += " (steps where the lookup found a match)"
-        rows[5:5] = [
-            ("draft acceptance", f"{s['acceptance']:.3f}"),
-            ("steps with a draft", drafted),
-        ]
+        draft_rows = [("draft acceptance", f"{s['acceptance']:.3f}")]
+        if "drafted_steps" in s:
+            drafted = f"{s['drafted_steps']} of {s['target_calls']}"
+            if s.get("draft") == "lookup":
+                drafted += " (steps where the lookup found a match)"
+            draft_rows.append(("steps with a draft", drafted))
+        rows[5:5] = draft_rows
     if "incomplete" in s:
         cut = [b for b, flag in enumerate(s["incomplete"]) if flag]
         value = "none: every row's text matches" if not cut else f"rows {cut} (cut before the end)"

@@ -227,6 +227,7 @@ class PromptRun:
             "target_calls": calls,
             "tokens_per_step": float(done_tokens / max(calls, 1)),
             "acceptance": float(accepted / max(stats["decisions"][finished].sum(), 1)),
+            "drafted_steps": int(stats["root_steps"][finished].sum()),
             **timings(new_tokens, *seconds),
             **compile_counts(),
         }
