@@ -72,11 +72,6 @@ class Sampling:
         """The sampling arguments' names, in the order of the attributes."""
         return tuple(f.name for f in dataclasses.fields(cls))
 
-    @classmethod
-    def pop(cls, kwargs: dict) -> Sampling:
-        """The sampling arguments taken out of ``kwargs`` (the rest stays), checked."""
-        return cls(**{name: kwargs.pop(name) for name in cls.names() if name in kwargs})
-
     def lower(self, target, batch: int, padded: int, draft_stop=None):
         """``(SamplingParams, HostConstraint or None)``: the parameters of the ``padded`` rows
         (the first ``batch`` are the prompts; the padding rows take row 0's values), the rows'
@@ -112,10 +107,6 @@ class Sampling:
         }
         params = SamplingParams.make(
             padded,
-            rows.pop("temperature"),
-            rows.pop("top_k"),
-            rows.pop("top_p"),
-            rows.pop("draft_temperature"),
             eos_ids=eos_ids,
             logit_bias=_logit_bias_rows(self.logit_bias, batch, padded, vocab),
             constraint=constraint,

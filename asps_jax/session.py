@@ -206,8 +206,7 @@ class BatchSession(Session):
         self._sampling = inputs.sampling
         self._prefill = functools.partial(decode.prefill, self.decoder)
         self._step = functools.partial(decode.spec_step, self.decoder)
-        mesh = self.decoder.mesh
-        self._mesh = None if mesh is None else sharding.check_mesh(mesh)
+        self._mesh = self.decoder.mesh  # checked by prepare
 
     def _place(self, state):
         """On a mesh, give the state the one layout the compiled step expects."""

@@ -19,6 +19,7 @@ drafter to the package is one file and one line in :func:`resolve`.
 from __future__ import annotations
 
 from asps_jax.checks import check_int
+from asps_jax.drafters import self_layers
 from asps_jax.drafters.base import Drafter, Proposal, chain_keys, step_keys
 from asps_jax.drafters.lookup import DEFAULT_NGRAM, Lookup
 from asps_jax.drafters.model import ModelDraft
@@ -62,8 +63,6 @@ def draft_model(target, draft):
     """The draft :class:`~asps_jax.models.Model` that ``draft`` names or is (a self-draft's is
     built from the target), None for ``"lookup"``, None, or a :class:`Drafter` value; a one-line
     error for an unknown name."""
-    from asps_jax.drafters import self_layers
-
     if isinstance(draft, Drafter) or draft is None or draft == "lookup":
         return None
     if not isinstance(draft, str):
@@ -171,7 +170,6 @@ def resolve(
     ``lookup_max``, ``draft_stop``) are checked against the drafter they belong to, each a
     one-line ``ValueError``.
     """
-    from asps_jax.drafters import self_layers
     from asps_jax.models.vocab import align_vocabularies, check_compatible
 
     model = draft_model(target, draft)
