@@ -2,14 +2,15 @@
 
 Public API (docs/api.md): verification (:func:`verify_chain`, :func:`verify_drafts`,
 :func:`optimal_acceptance`), models (:func:`load_model`), sampling (:func:`sample`,
-:func:`stream`, :func:`make_mesh` for sharding, :func:`init_distributed` for several processes),
-and the shared logits processor (:func:`process_logits`).
+:func:`stream`, :class:`Sampler` for long-lived use, :func:`make_mesh` for sharding,
+:func:`init_distributed` for several processes), and the shared logits processor
+(:func:`process_logits`).
 """
 
 from asps_jax.models import Model, check_compatible, load_model
 from asps_jax.processors import process_logits
 from asps_jax.sampler import NonFiniteLogitsError, SampleOutput
-from asps_jax.session import Session, sample, stream
+from asps_jax.session import Sampler, Session, sample, stream
 from asps_jax.sharding import ShardingRules, init_distributed, make_mesh
 from asps_jax.verify import Verdict, verify_chain, verify_drafts
 from asps_jax.verify.acceptance import optimal_acceptance
@@ -18,6 +19,7 @@ __all__ = [
     "Model",
     "NonFiniteLogitsError",
     "SampleOutput",
+    "Sampler",
     "Session",
     "ShardingRules",
     "Verdict",

@@ -141,6 +141,10 @@ class DecodeState:
       top_logprobs: ``(ids int32[B, max_new_tokens + D + 1, k], logprobs float32[...,k])``, the
         k most likely tokens of the processed target law of each emitted token
         (``Decoder.top_logprobs`` = k; k = 0 records nothing).
+      raw_logprobs: float32[B, max_new_tokens + D + 1] with ``Decoder.raw_logprobs`` (else
+        float32[B, 0]): each emitted token's log-probability under the *unprocessed* target law,
+        ``log_softmax(logits)`` at temperature 1 with no control, filter or constraint; 0.0
+        after the row's end.
       stop: the stop strings and each row's last bytes of text
         (:class:`~asps_jax.stopping.StopStrings`); None without stop strings.
       budget: int32[B], each row's ``max_new_tokens`` (at most ``SpecConfig.max_new_tokens``,
@@ -158,6 +162,7 @@ class DecodeState:
     stats: DecodeStats
     history: penalties.History
     top_logprobs: tuple[jax.Array, jax.Array]
+    raw_logprobs: jax.Array
     stop: stopping.StopStrings | None = None
     budget: jax.Array | None = None
 
@@ -219,6 +224,8 @@ class Decoder:
         tokens; kept to compare the two).
       top_logprobs: k, the most likely tokens of each emitted token's law recorded in
         ``DecodeState.top_logprobs`` (0: none).
+      raw_logprobs: also record each emitted token's log-probability under the unprocessed
+        target law (``DecodeState.raw_logprobs``; a log-normalizer per emitted slot).
     """
 
     target_config: Any
@@ -229,6 +236,7 @@ class Decoder:
     diagnostics: bool = False
     merge_tree: bool = True
     top_logprobs: int = 0
+    raw_logprobs: bool = False
 
     # ----------------------------------------------------------------------------------------
     # Entry points (jitted; ``self`` is static)
@@ -364,6 +372,7 @@ def _fresh_rows(dec: Decoder, prompts_BP, lengths_B, committed_B, row_keys_B, bu
             prompts_BP, lengths_B, dec.target_config.vocab_size, out_width
         ),
         top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
+        raw_logprobs=jnp.zeros((batch, out_width if dec.raw_logprobs else 0), jnp.float32),
         budget=_budget(spec, batch, budget_B),
     )
 
@@ -518,6 +527,7 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
         )
     state = dataclasses.replace(state, target_cache=t_cache, stats=stats, stop=stop)
     state = _record_top_logprobs(dec, state, logprobs_BTV, num_B)
+    state = _record_raw_logprobs(dec, state, logits_BTV, next_B[:, None], num_B)
     with jax.named_scope("emit"):
         next_lp_BT = jnp.take_along_axis(logprobs_BV, next_B[:, None], axis=1)
         return _emit(dec, state, next_B[:, None], next_lp_BT, num_B, hit | failed_B)
@@ -571,7 +581,7 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
     attends to the scored slots of its root path); returns the processed target log-probs by
     node, float32[B, N, V] (node i: the target after node i), whether each of those laws is
     usable, bool[B, N] (:func:`asps_jax.processors.logits_ok`), the tree's new keys / values,
-    and the number of draft nodes scored per row, int32[B]."""
+    the number of draft nodes scored per row, int32[B], and the raw logits, [B, N, V]."""
     tree = dec.spec.tree.nodes
     scored_BN = drafts.scored_BN == jnp.arange(tree.num_nodes)[None, :]
     logits_BNV, new_kv = scoring.score_tree(
@@ -588,7 +598,7 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
     path_BND = drafts.tokens_BN[:, np.maximum(tree.paths[:, 1:], 0)]
     lp_BNV, mass_BN = penalties.process(sampling, state.history, logits_BNV, path_BND, tree.depth)
     scored_B = jnp.sum(scored_BN, axis=1) - 1
-    return lp_BNV, logits_ok(logits_BNV) & mass_BN, new_kv, scored_B
+    return lp_BNV, logits_ok(logits_BNV) & mass_BN, new_kv, scored_B, logits_BNV
 
 
 def _verify(dec: Decoder, state, drafts: Drafts, target_lp_BNV) -> tuple[Verdict, jax.Array]:
@@ -652,7 +662,9 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         if drafts.target_cache is not None:  # with the drafter's scratch slots written
             state = dataclasses.replace(state, target_cache=drafts.target_cache)
     with jax.named_scope("score"):
-        target_lp, target_ok, new_kv, scored_B = _score(dec, target_params, sampling, state, drafts)
+        target_lp, target_ok, new_kv, scored_B, logits_BNV = _score(
+            dec, target_params, sampling, state, drafts
+        )
         # A chain is verified only up to its first unusable target law: the tokens before it are
         # then decided by usable laws alone (ASpS weighs a whole chain, so an unusable law deeper
         # down would otherwise change them); a bonus drawn from that law is cut below. A slot's
@@ -707,6 +719,9 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         )
     new_state = dataclasses.replace(new_state, stats=stats, stop=stop)
     new_state = _record_top_logprobs(dec, new_state, path_lp_BTV, num_B)
+    if dec.raw_logprobs:
+        path_logits_BTV = jnp.take_along_axis(logits_BNV, path_BT[:, :, None], axis=1)
+        new_state = _record_raw_logprobs(dec, new_state, path_logits_BTV, verdict.tokens, num_B)
     with jax.named_scope("emit"):
         block_lp_BT = _emitted_logprobs(path_lp_BTV, verdict)
         done_B = hit_eos | failed_B | ended_B
@@ -725,6 +740,19 @@ def _record_top_logprobs(dec: Decoder, state: DecodeState, laws_BTV, num_B) -> D
     ids = write(ids, top_ids_BTK.astype(jnp.int32), state.num_generated, num_B)
     lps = write(lps, top_lp_BTK, state.num_generated, num_B)
     return dataclasses.replace(state, top_logprobs=(ids, lps))
+
+
+def _record_raw_logprobs(dec: Decoder, state: DecodeState, logits_BTV, tokens_BT, num_B):
+    """With ``dec.raw_logprobs``: write ``log_softmax(logits)[token]`` of the block's slots (slot
+    j: the raw target logits of emitted token j's law) at each row's output position."""
+    if not dec.raw_logprobs:
+        return state
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    picked_BT = jnp.take_along_axis(logits_BTV, jnp.maximum(tokens_BT, 0)[:, :, None], axis=2)
+    raw_BT = picked_BT[:, :, 0] - jax.nn.logsumexp(logits_BTV, axis=-1)
+    num_B = jnp.where(state.done, 0, num_B)
+    raw = jax.vmap(_write_block)(state.raw_logprobs, raw_BT, state.num_generated, num_B)
+    return dataclasses.replace(state, raw_logprobs=raw)
 
 
 def _step(dec: Decoder, target_params, draft_params, sampling, state):

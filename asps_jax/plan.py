@@ -245,7 +245,9 @@ def check_memory(target, draft, *, batch, prompt_len, max_new_tokens, num_draft_
     )  # fmt: skip
 
 
-def decoder(target, drafter, spec, prompt_width: int, mesh, diagnostics, top_logprobs):
+def decoder(
+    target, drafter, spec, prompt_width: int, mesh, diagnostics, top_logprobs, raw_logprobs=False
+):
     """The static :class:`asps_jax.decode.Decoder` of a call, its KV cache length bucketed (with
     the drafter's scratch slots past the committed ones, ``Drafter.cache_slots``)."""
     scratch = 0
@@ -262,4 +264,5 @@ def decoder(target, drafter, spec, prompt_width: int, mesh, diagnostics, top_log
         mesh=mesh,
         diagnostics=bool(diagnostics),
         top_logprobs=top_logprobs,
+        raw_logprobs=bool(raw_logprobs),
     )

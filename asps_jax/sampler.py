@@ -73,6 +73,12 @@ class SampleOutput:
         ``(ids int32[B, M, k], logprobs float32[B, M, k])``: the k most likely tokens of the
         processed target law each emitted token was sampled from, most likely first (ids -1 and
         logprobs 0.0 after ``lengths[b]``); else None.
+      raw_logprobs: float32[B, M] with ``return_logprobs=True, raw_logprobs=True`` (else None):
+        each emitted token's log-probability under the *unprocessed* target law,
+        ``log_softmax(logits)`` of the target's logits at temperature 1 with no control, filter,
+        bias or constraint (the policy's own law, what policy-gradient losses and importance
+        ratios need; :attr:`logprobs` is the law the token was actually drawn from). 0.0 after
+        ``lengths[b]``.
       incomplete: with a ``regex`` / ``json_schema``, bool[B] (NumPy): the row's text is not
         accepted by its constraint in full, because ``max_new_tokens``, a stop string, an
         interruption or an unusable law cut it first (a JSON document left unfinished); False
@@ -85,6 +91,7 @@ class SampleOutput:
     logprobs: jax.Array | None = None
     top_logprobs: tuple[jax.Array, jax.Array] | None = None
     incomplete: np.ndarray | None = None
+    raw_logprobs: jax.Array | None = None
 
 
 _round_up = footprint.round_up
@@ -259,8 +266,13 @@ def _samples(n, key, seed, prompts, prompt_lengths, max_new_tokens, given, vocab
     return rows, None, budgets, given, key
 
 
-def check_top_logprobs(top_logprobs, return_logprobs, vocab: int) -> int:
-    """``top_logprobs`` as an int in ``[0, vocab]`` (None: 0), given with ``return_logprobs``."""
+def check_top_logprobs(top_logprobs, return_logprobs, vocab: int, raw_logprobs=False) -> int:
+    """``top_logprobs`` as an int in ``[0, vocab]`` (None: 0), given with ``return_logprobs``
+    (and so is ``raw_logprobs=True``)."""
+    if not isinstance(raw_logprobs, bool):
+        raise ValueError(f"raw_logprobs must be True or False, got {raw_logprobs!r}")
+    if raw_logprobs and not return_logprobs:
+        raise ValueError("raw_logprobs needs return_logprobs=True (the log-probs come with them)")
     k = check_int("top_logprobs", 0 if top_logprobs is None else top_logprobs, 0)
     if k > vocab:
         raise ValueError(f"top_logprobs must be at most the vocabulary size {vocab}, got {k}")
@@ -405,6 +417,7 @@ def prepare(
     prompt_lengths=None,
     diagnostics=False,
     top_logprobs=0,
+    raw_logprobs=False,
     batch_size=None,
     **kwargs,
 ) -> Prepared:
@@ -419,7 +432,9 @@ def prepare(
     ``max_new_tokens``: an int or one per prompt, a traced per-row value (the static output width
     is :func:`budget_bucket` of the largest). ``batch_size=B``: continuous batching through B
     slots (:mod:`asps_jax.slots`). ``top_logprobs=k``: the k most likely tokens of each emitted
-    token's law; ``diagnostics=True``: the root ``optimal_acceptance`` of multi-draft steps.
+    token's law; ``raw_logprobs=True``: each emitted token's log-probability under the
+    unprocessed target law too (:attr:`SampleOutput.raw_logprobs`); ``diagnostics=True``: the
+    root ``optimal_acceptance`` of multi-draft steps.
     ``num_draft_tokens`` defaults to 8 and ``num_drafts`` to 1; ``tree=(w_1, ..., w_D)``: a
     branching tree, ``w_d`` children per node at depth d - 1 (``prod(w)`` root paths). ``stop``:
     at most 16 strings of 1 to 64 UTF-8 bytes; a row ends after the token whose text completes
@@ -451,8 +466,9 @@ def prepare(
         )
     params, constraint = sampling.lower(target, batch, prompts_bp.shape[0], draft_stop=tau)
     decoder = plan.decoder(
-        target, drafter, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs
-    )
+        target, drafter, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs,
+        raw_logprobs,
+    )  # fmt: skip
     inputs = _decode_inputs(
         target, draft, params, prompts_bp, lengths_b, key, batch, budgets, stop_bytes, slot_count
     )
@@ -556,6 +572,7 @@ def finish(
             lengths=state.num_generated,
             logprobs=state.logprobs if return_logprobs else None,
             top_logprobs=state.top_logprobs if return_logprobs else None,
+            raw_logprobs=state.raw_logprobs if return_logprobs else None,
             stats=summarize_stats(state, batch),
         ),
         mesh,
@@ -575,12 +592,16 @@ def finish(
         top = jax.device_put((np.where(emitted, ids, -1), np.where(emitted, lps, 0.0)))
     lengths = np.asarray(whole["lengths"])[:batch]
     tokens = np.asarray(whole["tokens"])[:batch, :width]
+    raw = None
+    if return_logprobs and state.raw_logprobs.shape[-1]:
+        raw = cut(whole["raw_logprobs"])
     out = SampleOutput(
         tokens=jax.device_put(tokens),
         lengths=jax.device_put(lengths),
         stats=whole["stats"],
         logprobs=cut(whole["logprobs"]) if return_logprobs else None,
         top_logprobs=top,
+        raw_logprobs=raw,
         incomplete=None if constraint is None else constraint.incomplete_rows(tokens, lengths),
     )
     failed_at = np.asarray(out.stats["failed_at"])

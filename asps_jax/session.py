@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from asps_jax import autotune, compile_cache, decode, drafters, sharding, slots
+from asps_jax.models import Model
 from asps_jax.sampler import SampleOutput, check_top_logprobs, finish, prepare
 from asps_jax.verify import registry
 
@@ -41,7 +42,12 @@ def sample(
     ``seed=`` an int (or one per prompt); ``n=k``: k samples per prompt, rows ``p * k + i``, each
     prompt's depending only on its key or seed and the sample's index.
     """
-    check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+    check_top_logprobs(
+        kwargs.get("top_logprobs"),
+        return_logprobs,
+        target.vocab_size,
+        kwargs.get("raw_logprobs", False),
+    )
     compile_cache.enable_default()  # before the calibration of num_draft_tokens="auto" compiles
     calibration = _resolve_auto(target, draft, prompts, key, kwargs)
     call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
@@ -137,7 +143,12 @@ class Session:
         self, target, draft, prompts, *, key=None, max_new_tokens, return_logprobs=False, **kwargs
     ):
         self.return_logprobs = bool(return_logprobs)
-        check_top_logprobs(kwargs.get("top_logprobs"), return_logprobs, target.vocab_size)
+        check_top_logprobs(
+            kwargs.get("top_logprobs"),
+            return_logprobs,
+            target.vocab_size,
+            kwargs.get("raw_logprobs", False),
+        )
         compile_cache.enable_default()  # before the calibration of num_draft_tokens="auto"
         self.calibration = _resolve_auto(target, draft, prompts, key, kwargs)
         call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
@@ -364,3 +375,107 @@ class _SlotView:
                 pairs.append((p, self.tokens[slot, seen[p] : self.generated[slot]].tolist(), False))
                 seen[p] = self.generated[slot]
         return pairs
+
+
+# Arguments of a :class:`Sampler` call rather than of the sampler itself.
+_PER_CALL = ("prompts", "max_new_tokens", "key", "seed", "n", "prompt_lengths")
+
+
+class Sampler:
+    """A long-lived sampler, e.g. for the rollouts of an RL loop: the models and the fixed options
+    once, then calls with prompts and per-call sampling values, and the weights swapped in place.
+
+    ``Sampler(target, draft, **options)``: ``draft`` as for :func:`sample` (a
+    :class:`~asps_jax.models.Model`, ``"self:L"``, ``"lookup"``, or None for ``method="ar"``);
+    ``options``: any keyword argument of :func:`sample` but the prompts, budgets, keys and ``n``
+    (the method, its sizes and options, the drafter's options, ``batch_size``, ``mesh``, sampling
+    arguments to use by default...), checked here with one-line errors. A call's own keyword
+    arguments override them for that call.
+
+    ``sampler(prompts, max_new_tokens=..., seed=... or key=..., n=k, **per_call)`` is
+    ``sample(target, draft, prompts, ...)`` with the current weights: the same outputs, bit for
+    bit. Calls with the same static shape (method, sizes, prompt-width and budget buckets, the
+    feature families used) share one compiled program; values (temperatures, seeds, budgets
+    inside one bucket, the weights) never recompile. :attr:`compiles` counts the XLA programs
+    built during this sampler's calls.
+
+    :meth:`update_params` swaps the weights: no recompile, no host copy; a drafter derived from
+    the target (``"self:L"``, whose layers are views of the target's) follows it, ``"lookup"``
+    has no weights, and a separate draft model keeps its own unless new ones are given.
+    """
+
+    def __init__(self, target, draft=None, **options):
+        bad = sorted(set(options) & set(_PER_CALL))
+        if bad:
+            raise ValueError(
+                f"Sampler: {', '.join(bad)} belong to each call (sampler(prompts, "
+                "max_new_tokens=..., seed=...)), not to the sampler"
+            )
+        self.target = target
+        self.draft = draft
+        self.options = dict(options)
+        self._compiles = 0
+        # One-line errors for the fixed options now, before any call (nothing is compiled).
+        prepare(target, draft, [[0]], seed=0, max_new_tokens=1, **self._checked(self.options))
+
+    @staticmethod
+    def _checked(options: dict) -> dict:
+        """``options`` without the output flags :func:`prepare` does not take."""
+        return {k: v for k, v in options.items() if k != "return_logprobs"}
+
+    @property
+    def compiles(self) -> int:
+        """XLA programs built (compiled, or loaded from the persistent cache) during this
+        sampler's calls: a jit cache miss each."""
+        return self._compiles
+
+    def update_params(self, target_params, draft_params=None) -> None:
+        """Swap in new weights, in the stored layout of the current ones (the same pytree, shapes
+        and dtypes: a one-line error names the first leaf that differs). Device arrays are used
+        as they are; the next call runs on them without recompiling."""
+        self.target = _with_params(self.target, target_params, "target_params")
+        if draft_params is not None:
+            if not isinstance(self.draft, Model):
+                raise ValueError(
+                    f"update_params: draft={self.draft!r} has no weights of its own to replace "
+                    "(a 'self:L' draft follows the target's); omit draft_params"
+                )
+            self.draft = _with_params(self.draft, draft_params, "draft_params")
+
+    def __call__(self, prompts, *, max_new_tokens, **kwargs) -> SampleOutput:
+        """``sample(target, draft, prompts, max_new_tokens=..., **options, **kwargs)``."""
+        compile_cache.count_compiles()
+        before = compile_cache.compiles()["programs"]
+        try:
+            return sample(
+                self.target,
+                self.draft,
+                prompts,
+                max_new_tokens=max_new_tokens,
+                **{**self.options, **kwargs},
+            )
+        finally:
+            self._compiles += compile_cache.compiles()["programs"] - before
+
+
+def _with_params(model: Model, params, name: str) -> Model:
+    """``model`` with ``params`` in place of its own, which they must match leaf for leaf."""
+    old, old_tree = jax.tree.flatten_with_path(model.params)
+    new, new_tree = jax.tree.flatten_with_path(params)
+    if old_tree != new_tree:
+        raise ValueError(
+            f"update_params: {name} is not laid out like the model's parameters "
+            f"({len(new)} leaves against {len(old)}, or other names); pass the same pytree"
+        )
+    for (path, a), (_, b) in zip(old, new):
+        if np.shape(a) != np.shape(b) or _dtype(a) != _dtype(b):
+            raise ValueError(
+                f"update_params: {name}{jax.tree_util.keystr(path)} is "
+                f"{_dtype(b).name}{list(np.shape(b))}, the model's is "
+                f"{_dtype(a).name}{list(np.shape(a))}"
+            )
+    return dataclasses.replace(model, params=params)
+
+
+def _dtype(x) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)

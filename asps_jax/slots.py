@@ -61,6 +61,7 @@ class Results:
     num_generated: jax.Array  # int32[N]
     stats: DecodeStats  # N rows
     top_logprobs: tuple[jax.Array, jax.Array]  # [N, W, k] each
+    raw_logprobs: jax.Array  # float32[N, W] (float32[N, 0] without Decoder.raw_logprobs)
 
 
 @jax.tree_util.register_dataclass
@@ -129,6 +130,7 @@ def _retire(s: SlotState) -> SlotState:
         num_generated=st.num_generated,
         stats=st.stats,
         top_logprobs=st.top_logprobs,
+        raw_logprobs=st.raw_logprobs,
     )
     results = jax.tree.map(put, s.results, slot_view)
     return dataclasses.replace(s, results=results, prompt=jnp.where(finished, -1, s.prompt))
@@ -157,6 +159,7 @@ def _start(dec, target_params, draft_params, prompts: Prompts, stop, batch: int)
         num_generated=jnp.zeros((n,), jnp.int32),
         stats=DecodeStats.zeros(n, state.stats.emitted_hist.shape[1] - 2),
         top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
+        raw_logprobs=jnp.zeros((n, state.raw_logprobs.shape[1]), jnp.float32),
     )
     return SlotState(
         state=state,

@@ -142,3 +142,45 @@ def test_logprobs_pad_with_zero_after_an_eos_and_match_the_stream(pair):
 def test_logprobs_are_none_unless_requested(pair):
     _, target, draft = pair
     assert _sample(target, draft, "sps").logprobs is None
+
+
+def _hf_raw_logprobs(hf_model, prompt, tokens) -> np.ndarray:
+    """transformers' log-softmax of the raw logits (temperature 1, nothing applied)."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + tokens])).logits[0].double()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], -1)
+    return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
+
+
+@pytest.mark.parametrize(
+    "method, extra",
+    [("ar", {}), ("asps", dict(batch_size=2)), ("tv", dict(repetition_penalty=1.3))],
+)
+def test_raw_logprobs_are_the_unprocessed_target_law_of_each_emitted_token(pair, method, extra):
+    """``raw_logprobs=True``: the target's log-softmax of its raw logits at each emitted token,
+    whatever law the token was drawn from (temperature, top-k / top-p, greedy, a penalty), against
+    transformers; through the slots too. The processed log-probs are unchanged by it."""
+    hf_target, target, draft = pair
+    out = _sample(target, draft, method, return_logprobs=True, raw_logprobs=True, **extra)
+    raw, lengths = np.asarray(out.raw_logprobs), np.asarray(out.lengths)
+    assert raw.shape == (len(PROMPTS), MAX_NEW) and raw.dtype == np.float32
+    for b, prompt in enumerate(PROMPTS):
+        tokens = np.asarray(out.tokens[b, : lengths[b]]).tolist()
+        expected = _hf_raw_logprobs(hf_target, prompt, tokens)
+        np.testing.assert_allclose(raw[b, : lengths[b]], expected, atol=1e-4, err_msg=f"row {b}")
+        assert np.all(raw[b, lengths[b] :] == 0.0)
+    assert np.all(raw[2] < 0.0)  # the greedy row: its processed log-probs are 0.0, these are not
+    if not extra.get("repetition_penalty"):
+        for b, prompt in enumerate(PROMPTS):
+            tokens = np.asarray(out.tokens[b, : lengths[b]]).tolist()
+            expected = _hf_logprobs(hf_target, prompt, tokens, TEMPERATURE[b], TOP_K[b], TOP_P[b])
+            np.testing.assert_allclose(out.logprobs[b, : lengths[b]], expected, atol=1e-4)
+
+
+def test_raw_logprobs_need_return_logprobs_and_are_none_unless_requested(pair):
+    _, target, draft = pair
+    with pytest.raises(ValueError, match="raw_logprobs needs return_logprobs=True"):
+        _sample(target, draft, "sps", raw_logprobs=True)
+    with pytest.raises(ValueError, match="raw_logprobs must be True or False"):
+        _sample(target, draft, "sps", return_logprobs=True, raw_logprobs="yes")
+    assert _sample(target, draft, "sps", return_logprobs=True).raw_logprobs is None
