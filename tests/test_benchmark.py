@@ -51,6 +51,7 @@ def tiny_pair(tmp_path_factory):
     return paths
 
 
+@pytest.mark.slow
 def test_smoke_table_and_json(tiny_pair, tmp_path, capsys):
     target, draft = tiny_pair
     out_json = tmp_path / "bench.json"
@@ -284,6 +285,7 @@ def test_task_templates_follow_the_papers():
     assert dolly({"instruction": "Sum up.", "context": "Text."}) == "Sum up.\n\nText.\n"
 
 
+@pytest.mark.slow
 def test_cost_ratio_smoke_beside_transformers(tmp_path, capsys):
     """scripts/bench_cost_ratio.py --smoke: the pair is written once as HF checkpoints (a second
     call reuses them), and ours prints beside transformers generate and assisted generation at
@@ -327,6 +329,7 @@ def test_cost_ratio_smoke_beside_transformers(tmp_path, capsys):
     assert [(p / "model.safetensors").stat().st_mtime_ns for p in paths] == stamps
 
 
+@pytest.mark.slow
 def test_bench_model_smoke(tmp_path, capsys):
     """scripts/bench_model.py: ours beside transformers per workload (a Llama checkpoint)."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_model.py"
@@ -342,6 +345,7 @@ def test_bench_model_smoke(tmp_path, capsys):
     assert "| chain9 | 9 |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_without_torch_the_transformers_columns_are_skipped_up_front(
     tiny_pair, monkeypatch, capsys
 ):

@@ -61,6 +61,7 @@ def _tokenize(tokenizer, lines) -> np.ndarray:
 # --- The shipped files -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alias", ALIASES)
 def test_bundled_parity_with_transformers(alias):
     from transformers import AutoTokenizer
@@ -138,6 +139,7 @@ TINY = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_train_tiny_smoke(tmp_path, capsys):
     import asps_jax
 
@@ -217,6 +219,7 @@ def test_train_tiny_windows_and_split():
     assert np.all(np.diff(labels, axis=1) == 1)  # contiguous windows of the corpus
 
 
+@pytest.mark.slow
 def test_acceptance_proxy_matches_numpy():
     """sum_v min(p, q) through our jitted helper equals a float64 NumPy evaluation of it."""
     import scipy.special

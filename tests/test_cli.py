@@ -39,6 +39,7 @@ def test_default_run_streams_text_and_statistics(capsys):
         assert name in out
 
 
+@pytest.mark.slow
 def test_every_flag_in_one_json_run(capsys):
     code = cli.main(
         [
@@ -92,6 +93,7 @@ def test_every_flag_in_one_json_run(capsys):
     assert stopped >= 1
 
 
+@pytest.mark.slow
 def test_greedy_ar_and_asps_print_the_same_text(capsys):
     args = ["--temperature", "0", "--max-new-tokens", "16", "--json"]
     assert cli.main(args + ["--method", "ar"]) == 0
@@ -120,6 +122,7 @@ def test_json_is_strict_after_one_step(capsys):
     assert result["tokens_per_step"] == 1.0 and result["tokens_per_step_stderr"] is None
 
 
+@pytest.mark.slow
 def test_runs_as_a_subprocess_without_network():
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
@@ -169,6 +172,7 @@ def test_tree_methods_are_method_choices():
         assert parser.parse_args(["--method", method, "--num-drafts", "4"]).method == method
 
 
+@pytest.mark.slow
 def test_branching_tree_run(capsys):
     """--tree sets n and K: a depth-3 tree with 3 * 2 leaves, drawn without replacement for tv."""
     argv = ["--method", "tv", "--tree", "3,2,1", "--max-new-tokens", "12", "--json"]
@@ -178,6 +182,7 @@ def test_branching_tree_run(capsys):
     assert len(result["tokens"][0]) == 12 and 1.0 <= result["tokens_per_step"] <= 4.0
 
 
+@pytest.mark.slow
 def test_num_draft_tokens_auto_prints_and_reports_the_choice(capsys):
     """--num-draft-tokens auto with the cheapest real calibration (a lookup draft of chains of at
     most 1 token: an "ar" run and the lookup run at n = 1 are measured, and the run itself reuses
@@ -196,6 +201,7 @@ def test_num_draft_tokens_auto_prints_and_reports_the_choice(capsys):
     assert all(s > 0 for s in calibration["step_seconds"])
 
 
+@pytest.mark.slow
 def test_lookup_says_how_often_it_found_a_match_and_ar_shows_no_draft_statistics(capsys):
     """A prompt that repeats itself: greedy text loops and the lookup finds matches; the line
     counts the steps whose drafter proposed a token, against the target calls. ``ar`` has no
@@ -233,6 +239,7 @@ def test_the_compile_note_says_what_the_cache_did(programs, hits, note, monkeypa
     assert output.compiled_note(before, 1.5) == note
 
 
+@pytest.mark.slow
 def test_n_samples_per_row_are_the_librarys(capsys):
     """``--n 3``: each row gives 3 rows, row r * 3 + i its sample i, the tokens of
     ``asps_jax.sample(..., key=jax.random.key(seed), n=3)``; not with --prompts."""

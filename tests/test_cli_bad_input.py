@@ -96,11 +96,13 @@ def test_temperature_beyond_float32_is_one_line(capsys, flag):
     assert "3.4e38" in _one_line_error(capsys, [flag, "1e308"])
 
 
+@pytest.mark.slow
 def test_largest_seed_runs(capsys):
     assert cli.main(SHORT + ["--seed", str(2**63 - 1), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["batch_size"] == 1
 
 
+@pytest.mark.slow
 def test_several_prompts_set_the_batch(capsys):
     assert cli.main(SHORT + ["--prompt", "KING:", "--prompt", "JULIET:", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -169,6 +171,7 @@ def nan_target(tmp_path_factory):
     return path, tokens[: j + 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "asps"])
 def test_nan_logits_print_the_text_before_and_exit_1(capsys, nan_target, method):
     path, before = nan_target

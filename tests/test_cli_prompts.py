@@ -22,6 +22,7 @@ def _jsonl(capsys) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_prompts_file_gives_json_lines_in_order_with_per_prompt_budgets(tmp_path, capsys):
     path = tmp_path / "prompts.jsonl"
     path.write_text(
@@ -89,6 +90,7 @@ def test_prompts_and_prompt_together_are_refused(tmp_path, capsys):
     assert "--prompts and --prompt" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_json_reports_compiles(capsys):
     assert cli.main(["--max-new-tokens", "3", "--num-draft-tokens", "3", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -139,6 +141,7 @@ def full_set(tmp_path_factory):
     return path, lines
 
 
+@pytest.mark.slow
 def test_step_wise_run_gives_the_one_call_tokens_and_statistics(full_set):
     """The CLI runs a prompt set step by step (Session.steps, so that Ctrl-C can stop it); every
     prompt's tokens and statistics are those of the one compiled call (slots.run) it once made."""
@@ -312,6 +315,7 @@ def test_prompt_of_no_tokens_names_the_file_and_line(tmp_path, capsys, monkeypat
     assert err == f"sample.py: error: --prompts: {path}:2: the prompt encodes to no tokens"
 
 
+@pytest.mark.slow
 def test_prompt_lines_flag_text_cut_before_the_regex_matched(tmp_path, capsys):
     """``--regex`` with a budget too short for a match: that prompt's line says
     ``"incomplete": true``; Python's ``re`` on each line's text is the reference."""

@@ -76,6 +76,7 @@ def _interrupted_run(capsys, monkeypatch, steps, target_calls):
     return captured
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_streaming_prints_the_statistics(capsys, monkeypatch):
     steps = Session.steps
 
@@ -107,6 +108,7 @@ def test_sigint_in_a_finaliser_while_streaming_exits_130_with_statistics(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "owner, name, stage",
     [
@@ -148,6 +150,7 @@ START_UP = [
 ]
 
 
+@pytest.mark.slow
 def test_sigint_in_a_finaliser_at_any_start_up_instant_exits_130():
     """The command as a process, SIGINT landing in a finaliser at each instant of START_UP (one
     process each, run side by side): exit status 130 and one line every time."""
@@ -209,6 +212,7 @@ def test_sigint_handler_is_restored_and_main_runs_off_the_main_thread(capsys):
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["new_tokens"] == 2
 
 
+@pytest.mark.slow
 def test_sigint_while_streaming_exits_130_with_statistics():
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu", ASPS_JAX_NO_CACHE="1")
     argv = ["--method", "ar", "--max-new-tokens", "240", "--batch-size", "256", "--seed", "1"]
@@ -238,6 +242,7 @@ def _ar_session():
                    method="ar")  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("deliver", ["directly", "in_a_finaliser"])
 def test_ctrl_c_right_after_a_step_keeps_that_step_for_result(python_sigint, deliver):
     """The step donates the old state: a SIGINT that lands after the step returned but before the
@@ -293,6 +298,7 @@ def test_between_steps_sigint_is_the_callers(python_sigint):
     assert int(session.result().lengths[0]) == 8
 
 
+@pytest.mark.slow
 def test_sigint_during_prompts_exits_130_with_the_prompts_so_far(tmp_path):
     """The command as a process on a prompt set, stderr a terminal (a pseudo-terminal, so that
     the progress line says when the steps have begun), SIGINT then: exit status 130, the JSON

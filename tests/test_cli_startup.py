@@ -69,6 +69,7 @@ def two_runs(tmp_path_factory):
     return first, second, files_after_first
 
 
+@pytest.mark.slow
 def test_main_command_prints_no_warnings(two_runs):
     for proc in two_runs[:2]:
         assert proc.returncode == 0, proc.stderr
@@ -215,6 +216,7 @@ def test_read_only_cache_directory_is_one_notice(monkeypatch, tmp_path, restore_
         directory.chmod(0o755)
 
 
+@pytest.mark.slow
 def test_cli_with_an_unwritable_cache_prints_one_notice(
     capsys, monkeypatch, tmp_path, restore_jax_cache_config
 ):

@@ -160,6 +160,7 @@ DRAFTS_SCHEMES = {"specinfer": "specinfer", "spectr": "spectr", "is": "is_defaul
                   "optimal": "optimal_g20"}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_exact_enumeration_every_method(masked_models):
     """For every method of the registry: the law of one step's emitted string on the laws the
     library masked per node (by the DFA state along each node's path), continued by the
@@ -227,6 +228,7 @@ def _reference_controlled(raw, text):
     return _at_reachable_prefixes(raw, law_at)
 
 
+@pytest.mark.slow
 def test_lookup_with_a_constraint_and_a_penalty_is_exact_by_enumeration(masked_models):
     """Lookup, the hand DFA, a repetition penalty and a temperature together: for committed
     texts whose chains differ (some cut by the constraint), the library's per-node laws
@@ -345,6 +347,7 @@ E2E = [(R1, {}), (R2, {}), (R1, dict(rep=1.6, temperature=0.8))]
 E2E_ROWS = 2500
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method, shape", [("asps", dict(num_draft_tokens=2)), ("tv", dict(tree=(2, 2)))]
 )
@@ -394,6 +397,7 @@ def test_the_test_patterns_compile_to_their_regex_language(char_models):
                 assert accepted == bool(re.fullmatch(pattern, "".join(s))), (pattern, s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "specinfer"])
 def test_without_eos_a_row_ends_where_its_constraint_allows_nothing(char_models, method):
     """EOS disabled: R2's accepting states have no continuation, so the row ends there (no
@@ -497,6 +501,7 @@ def bundled():
     return tuple(asps_jax.load_model(str(root / f"tinyshakespeare-{r}")) for r in roles)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method, shape", [("asps", dict(num_draft_tokens=4)), ("tv", dict(tree=(2, 2)))]
 )
@@ -529,6 +534,7 @@ def test_bundled_pair_rows_match_their_regex_or_schema(bundled, method, shape):
 LOOKUP_PROMPT = "Romeo loves Juliet. Juliet loves Romeo.\nRomeo loves Juliet. Juliet loves Romeo.\n"
 
 
+@pytest.mark.slow
 def test_bundled_lookup_rows_match_their_regex(bundled):
     """draft="lookup" under a regex on the bundled target, with a prompt that quotes the
     language's sentences, so that the lookup drafts (and its candidates that the regex forbids,
@@ -580,6 +586,7 @@ def test_cli_constraint_errors_exit_2_with_one_line(capsys, tmp_path, argv, need
     assert len(err.splitlines()) == 1 and needle in err, err
 
 
+@pytest.mark.slow
 def test_stream_takes_the_constraint(char_models):
     """asps_jax.stream (a Session underneath): the streamed tokens are the result's, and every
     row is a full match of its regex ending in EOS."""

@@ -417,6 +417,7 @@ def uncached(monkeypatch):
     monkeypatch.setenv("ASPS_JAX_NO_CACHE", "1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "memory, seconds, needle",
     [(300 << 20, 600.0, "needed more than 0.3 GiB"), (None, 1.0, "took more than 1 s")],

@@ -96,6 +96,7 @@ def _random_case(rng, vocab):
     return prompt, generated, controls, warp
 
 
+@pytest.mark.slow
 def test_reference_and_library_match_transformers_processors():
     """On random logits and texts: the NumPy reference against transformers' processors, and
     asps_jax (penalties.apply_controls + SamplingParams.process, rows of different settings, each
@@ -203,6 +204,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, shape", LAYOUTS)
 def test_every_node_law_is_processed_from_its_own_path(models, method, shape):
     """With generated tokens in the committed text, the draft law and the target law at every
@@ -336,6 +338,7 @@ def run(models):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", RUNS)
 def test_first_two_tokens_follow_the_processed_target_law(models, run, method):
     """End to end through asps_jax.sample: the first two tokens (one step decides both when the
@@ -587,6 +590,7 @@ def _enumerated_law(method, target, draft):
     return tref.continued(total, target, n + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ENUM_METHODS)
 def test_exact_enumeration_with_every_control(method):
     rng = np.random.default_rng(5)

@@ -217,6 +217,7 @@ def _law(law_run, method, seed=100):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_first_two_tokens_follow_the_target_law(pair, law_run, method):
     hf_target = pair[0]
@@ -252,6 +253,7 @@ def _hf_greedy(hf_model, prompt, max_new):
     return out[0, len(prompt) :].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_temperature_zero_is_the_target_greedy_decoding(pair, law_run, method):
     """Each greedy prompt at draft temperature 0 and 1 (the draft's own law must not matter)."""
@@ -269,6 +271,7 @@ def test_temperature_zero_is_the_target_greedy_decoding(pair, law_run, method):
             assert tokens[d, b].tolist() == want, (prompt, draft_temp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["asps", "specinfer", "tv_wr", "is_bv"])
 def test_row_output_does_not_depend_on_the_batch(pair, method):
     _, target, draft = pair
@@ -294,6 +297,7 @@ def test_eos_inside_an_accepted_block_ends_the_row(pair, method):
     assert np.asarray(out.tokens[0]).tolist() == greedy[:cut] + [-1] * (MAX_NEW - cut)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["asps", "spectr"])
 def test_eos_law_is_exact(pair, method):
     """With EOS on, the law of (x1, x2) — x2 absent after an EOS — is still the target's."""
@@ -335,6 +339,7 @@ def test_max_new_tokens_is_honoured_exactly(pair, max_new):
     assert np.asarray(out.tokens[0]).tolist() == _hf_greedy(hf_target, PROMPT, max_new)
 
 
+@pytest.mark.slow
 def test_no_recompile_across_prompts_temperatures_and_keys(pair):
     """Values never recompile: the filters given (top-k, top-p: their code is in the program
     only when a call gives them, tests/test_program_families.py) at their off values first."""
@@ -356,6 +361,7 @@ def test_no_recompile_across_prompts_temperatures_and_keys(pair):
     assert decode.generate._cache_size() == before
 
 
+@pytest.mark.slow
 def test_stream_yields_the_same_tokens_as_sample(pair):
     _, target, draft = pair
     key = jax.random.key(11)
@@ -393,6 +399,7 @@ def test_nan_logits_raise_and_keep_the_output(pair, tmp_path):
     assert info.value.output.tokens.shape == (2, MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["tv", "is_bv"])
 def test_one_draft_tree_method_is_asps_in_law(pair, law_run, method):
     """With K = 1 a tree verifier is ASpS draft by draft (tests/test_verify_tree.py), not draw by

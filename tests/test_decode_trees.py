@@ -55,6 +55,7 @@ def tree_law_run(pair):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, tree", TREE_CASES)
 def test_branching_tree_follows_the_target_law(pair, tree_law_run, method, tree):
     hf_target = pair[0]
@@ -66,6 +67,7 @@ def test_branching_tree_follows_the_target_law(pair, tree_law_run, method, tree)
 
 
 # The merge and the scoring are the same for every tree method; "tv_wr" drafts and scores as "tv".
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["tv", "is_bv"])
 def test_merged_tree_scores_fewer_nodes_and_gives_the_same_tokens(pair, method):
     """Chains that share a prefix share its nodes in the target forward: fewer nodes scored than
@@ -136,6 +138,7 @@ def test_tree_method_bad_options_are_one_line_errors(pair, kwargs, match):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["tv", "tv_wr"])
 def test_tree_verdict_names_the_chain_that_drew_the_accepted_path(method):
     """Chains (1, 2), (1, 3), (4, 4) share their root token; after it the target rules out 2 and

@@ -48,6 +48,7 @@ def pair(tmp_path_factory):
 # τ = 0 is the fixed-n rollout, draw for draw; the loop exits early
 
 
+@pytest.mark.slow
 def test_tau_zero_equals_fixed_n_draw_for_draw(pair):
     """K = 2 chains (each stops on its own), ROWS rows at three temperatures. The stopped run has
     the shapes of the specinfer law test below (PROMPT, ROWS rows, n = 2, max_new_tokens = 3;
@@ -71,6 +72,7 @@ def test_tau_zero_equals_fixed_n_draw_for_draw(pair):
     assert np.asarray(fixed.stats["accepted"]).sum() > 0  # some drafts were accepted
 
 
+@pytest.mark.slow
 def test_the_stopped_rollout_leaves_its_loop_early(pair):
     """τ = 1 stops every chain at depth 0: only the root is fed (the cache advances by one slot);
     τ = 0 feeds all n + 1 tokens. The usable lengths are 0 and n."""
@@ -211,6 +213,7 @@ def _splitting_tau(hf_draft):
     pytest.fail("no τ splits the depth-1 laws of this draft")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, num_drafts", [("asps", 1), ("specinfer", 2)])
 def test_sample_law_with_confidence_stop(pair, method, num_drafts):
     """The first two tokens of ROWS rows (max_new_tokens = 3, so step one may draft 2 tokens)

@@ -80,6 +80,7 @@ def _pvalue(tokens, law):
     return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs",
     [

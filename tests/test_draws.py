@@ -86,6 +86,7 @@ def _sample_counts(fn, num, minlength):
     return np.bincount(out.reshape(-1), minlength=minlength)
 
 
+@pytest.mark.slow
 def test_draw_categorical_follows_the_law():
     rng = np.random.default_rng(0)
     law = rng.dirichlet(np.full(40, 0.5))
@@ -103,6 +104,7 @@ def test_draw_categorical_follows_the_law():
     assert int(empty) == 0
 
 
+@pytest.mark.slow
 def test_rounding_of_a_normalised_law_changes_almost_no_draw():
     """The same key on weights that differ by float rounding gives the same token (one device
     against a mesh). A law summing to just under 1 on one side and just over on the other is the
@@ -124,6 +126,7 @@ def test_rounding_of_a_normalised_law_changes_almost_no_draw():
     assert np.mean(a != b) < 1e-3
 
 
+@pytest.mark.slow
 def test_draw_without_replacement_law():
     q = np.array([0.1, 0.2, 0.3, 0.4])
     counts = _sample_counts(

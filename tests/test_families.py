@@ -154,6 +154,7 @@ def causal(B, T):
     return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_full_sequence_matches_transformers(saved, case):
     hf, m = saved[case]
@@ -211,6 +212,7 @@ def test_prefill_then_decode_matches_full_forward(saved, case):
 TREE_CASES = ["qwen2_tied_window", "qwen3", "mistral", "gemma2", "gemma3_text"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["opt_post_ln_proj", "gpt2", "gpt_neo", *TREE_CASES])
 def test_tree_scoring_equals_sequential_decoding(saved, case):
     """Positions are prefix length + depth; local windows (4) meet the tree mask."""
@@ -505,6 +507,7 @@ def _write_pair(root, target_family, draft_family):
     return hf_t, load_model(root / "target"), load_model(root / "draft")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_sample_follows_the_target_law_and_greedy_is_generate(tmp_path, pair):
     """One compiled call per pair: ROWS law rows + greedy rows (temperature 0) side by side."""
@@ -539,6 +542,7 @@ def test_sample_follows_the_target_law_and_greedy_is_generate(tmp_path, pair):
     assert tps.mean() > 1.05  # drafts are accepted: the pair really speculates
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family, methods",
     [

@@ -101,6 +101,7 @@ def _hard_nodes(rng, num_drafts, vocab):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "num_drafts,vocab,grad_steps,table",
     [(2, 4, 0, 0), (3, 4, 5, 0), (4, 3, 0, 0), (2, 5, 0, 2), (3, 4, 5, 2), (2, 6, 0, 3)],
@@ -203,6 +204,7 @@ def _node_error(p, qs, prepared_fn):
     return np.max(np.abs(_tuple_probs(qs, xs, alive) @ laws - p))
 
 
+@pytest.mark.slow
 def test_mutations_are_caught(monkeypatch):
     """The enumeration check fails when the tie term is taken from the wrong level, or when q_I
     comes from rates of a different fit."""
@@ -236,6 +238,7 @@ def test_single_alive_draft_skips_the_fit():
     np.testing.assert_array_equal(sel, np.tile([0.0, 1.0], (25, 1)))
 
 
+@pytest.mark.slow
 def test_tabulated_mixture_mutation_is_caught():
     """With tabulated laws, q_I is exact only for the mixtures the selection uses: the selection
     with every token on its lower table entry (theta = 0) is off."""
@@ -254,6 +257,7 @@ def test_tabulated_mixture_mutation_is_caught():
     assert _node_error(p, qs, lower_only) > 1e-4
 
 
+@pytest.mark.slow
 def test_tabulated_fit_keeps_the_efficiency():
     """On 64 random nodes (V = 512, K = 2 and 4 identical drafts, flat and peaked laws) the fit on
     64 tabulated laws reaches within 0.005 of the per-token fit's mean efficiency

@@ -70,6 +70,7 @@ def test_prepared_layout(pair):
     assert run_params(m) is run_params(m)  # made once per model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_layer", [False, True], ids=["stacked_cache", "per_layer_cache"])
 @pytest.mark.parametrize("layout", ["run", "stored"])
 def test_prefill_then_decode_matches_transformers(pair, layout, per_layer):

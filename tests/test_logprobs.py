@@ -84,6 +84,7 @@ def _hf_logprobs(hf_model, prompt, tokens, temperature, top_k, top_p) -> np.ndar
     return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_logprobs_equal_transformers_log_softmax_of_the_processed_logits(pair, method):
     hf_target, target, draft = pair
@@ -100,6 +101,7 @@ def test_logprobs_equal_transformers_log_softmax_of_the_processed_logits(pair, m
     assert np.all(logprobs[2] == 0.0)  # greedy row: the emitted token has probability 1
 
 
+@pytest.mark.slow
 def test_logprobs_pad_with_zero_after_an_eos_and_match_the_stream(pair):
     hf_target, target, draft = pair
     free = _sample(target, draft, "asps", return_logprobs=True)

@@ -48,6 +48,7 @@ def _same(a, b):
         np.testing.assert_array_equal(np.asarray(getattr(a, field)), np.asarray(getattr(b, field)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_kind", ["model", "self:1"])
 def test_calls_equal_sample_and_new_weights_never_recompile(pair, draft_kind):
     """Three weight versions through one sampler: each call equals ``sample`` on a model holding
@@ -83,6 +84,7 @@ def test_calls_equal_sample_and_new_weights_never_recompile(pair, draft_kind):
     assert sampler.compiles == first
 
 
+@pytest.mark.slow
 def test_a_call_overrides_a_fixed_option_and_n_keeps_each_prompts_samples(pair):
     target, draft = pair
     sampler = asps_jax.Sampler(target, draft, temperature=0.0, **OPTIONS)

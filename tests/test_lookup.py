@@ -74,6 +74,7 @@ def test_lookup_max_caps_the_chain():
     assert _search([1, 2, 3, 4, 5, 6, 1, 2], 1, draft_len=3) == [[3, 4, 5]]
 
 
+@pytest.mark.slow
 def test_match_across_the_prompt_generated_boundary():
     """The searched suffix spans the last prompt token and the generated ones, and the copied
     continuation runs from the prompt into the generated text."""
@@ -104,6 +105,7 @@ def _point_mass_model(chain_tokens, vocab):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["sps", "asps"])
 @pytest.mark.parametrize("sparse", [0.0, 0.5], ids=["dense", "zeros"])
 def test_single_chain_law_is_exact_by_enumeration(method, sparse):
@@ -215,6 +217,7 @@ def _chi_square(counts, law):
     return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method, num_drafts, banned_half",
     [("sps", 1, False), ("asps", 1, True), ("specinfer", 2, False)],
@@ -310,6 +313,7 @@ def _load_cli():
     return module
 
 
+@pytest.mark.slow
 def test_cli_draft_lookup_runs(capsys):
     import json
 

@@ -83,6 +83,7 @@ def runs(tmp_path_factory):
     return local, reports
 
 
+@pytest.mark.slow
 def test_two_processes_join_one_mesh(runs):
     _, reports = runs
     for index, report in enumerate(reports):

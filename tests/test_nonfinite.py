@@ -83,6 +83,7 @@ def _run(target, draft, method, k, temperature):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("method,k", METHODS + TREE)
 def test_nan_after_a_token_stops_each_row_there(models, method, k, temperature):
@@ -147,6 +148,7 @@ def test_nan_draft_stops_every_row_before_any_token(models, method, k, temperatu
     assert np.all(np.asarray(err.output.tokens) == -1)
 
 
+@pytest.mark.slow
 def test_processors_flag_unusable_laws():
     from asps_jax.processors import logits_ok, process_logits
 

@@ -32,6 +32,7 @@ def test_install_cell_installs_nothing_outside_colab():
     assert all("pip" not in c for c in code[1:])
 
 
+@pytest.mark.slow
 def test_notebook_executes_and_saves_its_figures(tmp_path, monkeypatch):
     monkeypatch.setenv("ASPS_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("ASPS_NOTEBOOK_FIGURES", str(tmp_path))

@@ -56,6 +56,7 @@ def greedy(module, prompt, n) -> list[int]:
     return seq[len(prompt) :]
 
 
+@pytest.mark.slow
 def test_docs_example_runs_and_greedy_matches(example):
     out = example["out"]
     assert np.asarray(out.tokens).shape == (2, 8) and np.asarray(out.lengths).tolist() == [8, 8]
@@ -77,6 +78,7 @@ def test_docs_example_runs_and_greedy_matches(example):
         assert np.asarray(got.tokens).tolist() == expected, method
 
 
+@pytest.mark.slow
 def test_own_model_follows_the_module_law(example):
     """Two-token law of ``sps`` with the NNX pair against the module's own softmax."""
     target, draft = example["target"], example["draft"]
@@ -232,6 +234,7 @@ print(json.dumps({{"tokens": np.asarray(out.tokens).tolist(),
 """
 
 
+@pytest.mark.slow
 def test_own_model_on_a_mesh_by_param_axes(example):
     import json
     import os

@@ -102,6 +102,7 @@ def test_chain_verdict_properties(method, draft, target, tokens, length, seed):
     np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(verdict.tokens))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", [m for m in DRAFTS_METHODS if m not in CHAIN_METHODS])
 @BUDGET
 @given(
@@ -139,6 +140,7 @@ def pair(tmp_path_factory):
 SAMPLE_METHODS = ("ar", "asps", "specinfer")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", SAMPLE_METHODS)
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(
@@ -213,6 +215,7 @@ def test_tree_options_cover_the_registry():
     assert {m for m, _ in TREE_OPTIONS.values()} == set(TREE_METHODS)
 
 
+@pytest.mark.slow
 @BUDGET
 @given(
     data=st.data(),

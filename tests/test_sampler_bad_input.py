@@ -74,6 +74,7 @@ def _prepare(pair, **kwargs):
         (dict(method="is_bv", tree=(2, 2), rule="lp"), "rule must be one of"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_is_a_one_line_error(pair, kwargs, match):
     with pytest.raises(ValueError, match=match) as info:
         _prepare(pair, **kwargs)
@@ -285,6 +286,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads and resets /proc/self peak memory")
 def test_size_estimate_bounds_the_measured_peak():
     """The estimate is an upper bound of the peak memory of real steps, within a factor 4: a
@@ -305,6 +307,7 @@ def test_size_estimate_bounds_the_measured_peak():
         assert 100 << 20 < peak <= estimate <= 4 * peak, (shape, peak >> 20, estimate >> 20)
 
 
+@pytest.mark.slow
 def test_top_k_beyond_int32_keeps_every_token(pair):
     """2**32 + 1 used to wrap to 1 in int32 and sample greedily."""
     target, _ = pair
@@ -403,6 +406,7 @@ def test_an_ngram_longer_than_the_context_bans_nothing(pair):
     assert within.inputs.sampling.ngram_window >= context
 
 
+@pytest.mark.slow
 def test_penalties_past_float32_stay_a_law():
     """A bias near the float32 maximum plus a reward times a count used to reach +inf (no law:
     the row failed as if the model gave NaN); it is clamped to the largest float32, and a banned

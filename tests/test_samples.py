@@ -56,6 +56,7 @@ def _sample(tiny, prompts, **kwargs):
     return np.asarray(out.tokens)
 
 
+@pytest.mark.slow
 def test_n_samples_keep_the_law_and_are_independent(tiny):
     """3,000 samples of one prompt (n = 3000): the first two tokens have the target's law; 1,500
     prompts with n = 2: the first tokens of a prompt's two samples are independent (their joint
@@ -71,6 +72,7 @@ def test_n_samples_keep_the_law_and_are_independent(tiny):
     assert pvalue > 1e-3, f"two samples of a prompt: chi-square p-value {pvalue:.2e}"
 
 
+@pytest.mark.slow
 def test_a_prompts_samples_depend_only_on_its_seed_and_index(tiny):
     both = _sample(tiny, [OTHER, PROMPT], n=4, seed=[5, 7], temperature=[0.7, 1.3])
     alone = _sample(tiny, [PROMPT], n=4, seed=[7], temperature=[1.3])
@@ -90,6 +92,7 @@ def test_a_prompts_samples_depend_only_on_its_seed_and_index(tiny):
     np.testing.assert_array_equal(got[3:], own)
 
 
+@pytest.mark.slow
 def test_n_with_continuous_batching_and_stream(tiny):
     """Through the slots, and step by step: the same rows, prompt-major."""
     target, draft, *_ = tiny

@@ -86,6 +86,7 @@ def tree_scorer(m, tree):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["chains", "hand"])
 def test_every_valid_node_matches_sequential_decoding(models, which):
     hf, m = models
@@ -114,6 +115,7 @@ def test_every_valid_node_matches_sequential_decoding(models, which):
     assert checked > B  # some non-root nodes were valid
 
 
+@pytest.mark.slow
 def test_non_ancestors_and_padding_never_change_a_node(models):
     hf, m = models
     rng = np.random.default_rng(2)
@@ -140,6 +142,7 @@ def test_non_ancestors_and_padding_never_change_a_node(models):
     assert np.abs(logits[0, 5] - hf_logits(hf, seq)[-1]).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_commit_accepted_path_then_decode_matches_scratch(models):
     hf, m = models
     rng = np.random.default_rng(3)

@@ -71,6 +71,7 @@ def _laws(hf_model, depth: int) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.slow
 def test_the_draft_is_the_cut_target_and_shares_its_weights(models):
     hf, cut, target = models
     for layers in (1, 2):
@@ -151,6 +152,7 @@ def _outcome(method, drafts, q_rows, p_rows, n):
     return np.exp(np.asarray(stop)), np.exp(np.asarray(full))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", [1, 2])
 def test_exact_enumeration(models, layers):
     """The self-draft's laws (transformers with the target's layer list cut to L) verified by
@@ -177,6 +179,7 @@ ROWS = 6000
 STAT_METHODS = [("sps", 1), ("asps", 1), ("specinfer", 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, num_drafts", STAT_METHODS)
 def test_statistical_law(models, method, num_drafts):
     """ROWS rows (one jitted loop) with the shared cache: the first three tokens against
@@ -224,6 +227,7 @@ def _both_runs(shared, separate, target_params, draft_params, sampling, prompts,
     return out
 
 
+@pytest.mark.slow
 def test_shared_cache_gives_the_laws_of_a_separate_cache(models):
     """Step by step, two chains' draft laws at every rollout depth with the target's cache
     shared equal those of a separate draft cache (the existing path: its own prefill, rollout
@@ -284,6 +288,7 @@ def _decoder_model(config_class, **extra):
     return Model("tiny", "", config, decoder_init(config, jax.random.key(0)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make, shared",
     [
@@ -334,6 +339,7 @@ def _cli():
     return module
 
 
+@pytest.mark.slow
 def test_cli_self_draft(capsys):
     cli = _cli()
     argv = ["--max-new-tokens", "6", "--num-draft-tokens", "2", "--method", "sps", "--json"]
@@ -345,6 +351,7 @@ def test_cli_self_draft(capsys):
     assert err.startswith("sample.py: error: draft='self:9'") and "\n" not in err
 
 
+@pytest.mark.slow
 def test_shared_feed_on_a_stacked_cache_equals_a_per_layer_one():
     """The scratch write into a stacked ``[L, ...]`` cache (GPT-2, OPT: no per-layer run layout)
     leaves the same cache and laws as into per-layer buffers; layers >= L are untouched."""

@@ -115,6 +115,7 @@ def runs(tmp_path_factory):
 # --- equality on a mesh -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_spec", MESHES)
 @pytest.mark.parametrize("method", list(CASES))
 def test_same_tokens_on_one_device_and_on_a_mesh(runs, method, mesh_spec):

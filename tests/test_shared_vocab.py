@@ -42,6 +42,7 @@ def _masked_probs(hf, seqs):
     return torch.softmax(logits, -1).numpy()[:, :N_IDS]
 
 
+@pytest.mark.slow
 def test_padding_rows_pair_and_are_masked(padded_pair):
     """One compiled call: ROWS law rows at temperature 1 and a greedy row at temperature 0."""
     hf, target, draft = padded_pair

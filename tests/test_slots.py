@@ -95,6 +95,7 @@ def _same(got, expected):
         np.testing.assert_allclose(lps, want_lps, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(METHODS)), ids=[m for m, _ in METHODS])
 def test_tokens_do_not_depend_on_the_number_of_slots(rows, index):
     """Each prompt's tokens (and their log-probabilities, to float32 rounding) are those of the
@@ -145,6 +146,7 @@ def test_eos_heavy_and_budget_heavy_mixes(rows, budgets, ended_by):
     assert share > 0.5, (ended_by, [t for t, _ in expected])
 
 
+@pytest.mark.slow
 def test_stream_yields_every_prompt_with_its_index(pair, rows):
     target, draft = pair
     method, options = METHODS[0]

@@ -374,6 +374,7 @@ def _pick_stops(tok, rows) -> list[str]:
     return picks[:4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_stop_cuts_the_same_run_where_the_decoded_text_first_holds_a_stop_string(
     models_with_tokenizer, method
@@ -428,6 +429,7 @@ def test_changing_stop_strings_does_not_recompile(models_with_tokenizer):
     assert not np.array_equal(np.asarray(out.lengths), np.asarray(again.lengths))
 
 
+@pytest.mark.slow
 def test_stream_stops_where_sample_does(models_with_tokenizer):
     target, _, _ = models_with_tokenizer
     out = _sample(target, None, "ar", 1.0, stop=["ab", "c"])

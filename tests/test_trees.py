@@ -135,6 +135,7 @@ def test_merge_duplicates_on_a_branching_tree():
     assert not valid[4] and valid[3]
 
 
+@pytest.mark.slow
 def test_merged_attention_mask_follows_the_merged_root_paths():
     """Chains (1, 2), (1, 3), (4, 4): slot 3 repeats slot 1, so slot 4 (token 3 after 1) must
     attend to slot 1, not to its static parent 3, and slot 3 only to itself."""

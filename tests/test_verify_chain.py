@@ -115,6 +115,7 @@ def test_asps_beats_sps_on_toy_models():
 # --- draft_length: padding is ignored exactly ---
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_padding_is_exact(method):
     vocab, n = 5, 4
@@ -143,6 +144,7 @@ def test_padding_is_exact(method):
         np.testing.assert_allclose(got, tab.joint(target, length + 1), atol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_padding_values_do_not_change_the_sample(method):
     vocab, n, length = 6, 5, 2
@@ -215,6 +217,7 @@ def _simulation(name, method):
     return np.asarray(tokens), np.asarray(num), target, draft
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(STAT_CONFIGS))
 @pytest.mark.parametrize("method", METHODS)
 def test_statistical_law_and_length(method, name):
@@ -265,6 +268,7 @@ def _run_keys(method, x, lq, lp, num_keys=256, seed=0, draft_length=None):
     return np.asarray(out.tokens), np.asarray(out.num_tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_equal_laws_accept_everything_plus_bonus(method):
     rng = np.random.default_rng(4)
@@ -278,6 +282,7 @@ def test_equal_laws_accept_everything_plus_bonus(method):
     assert np.all(np.isfinite(lp[n][tokens[:, n]]))  # the bonus follows p_{n+1}'s support
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_same_key_same_output(method):
     rng = np.random.default_rng(5)
@@ -333,6 +338,7 @@ EDGE_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(EDGE_CASES))
 @pytest.mark.parametrize("method", METHODS)
 def test_edge_cases_never_nan(method, name):
@@ -364,6 +370,7 @@ def test_edge_cases_never_nan(method, name):
         assert 0.28 < (tokens[rejected, 0] == 0).mean() < 0.39
 
 
+@pytest.mark.slow
 def test_empty_chain_emits_one_target_token():
     with np.errstate(divide="ignore"):
         lp = np.log(np.array([[0.0, 1.0, 0.0]], np.float32))
@@ -413,6 +420,7 @@ def test_bad_draft_length_under_jit_raises():
 # --- statistics on verdicts ---
 
 
+@pytest.mark.slow
 def test_tokens_per_step_literal():
     mean, se, count = statistics.mean_stderr(np.array([1, 2, 3, 4]))
     assert (float(mean), int(count)) == (2.5, 4)

@@ -58,6 +58,7 @@ ENUMERATED = FULL_GRID + (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ENUMERATED)
 def test_exact_enumeration(name):
     """For every scheme: law of the emitted string continued by the target == p (float64).
@@ -79,6 +80,7 @@ def test_exact_enumeration(name):
         assert err <= 1e-12, (num_drafts, vocab, n, identical, err)
 
 
+@pytest.mark.slow
 def test_exact_enumeration_without_replacement():
     for i, (num_drafts, vocab, n) in enumerate(
         (k, v, n) for k in (2, 3) for v in (3, 4, 5) for n in (1, 2)
@@ -209,6 +211,7 @@ STAT_METHODS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,options,law_name", STAT_METHODS)
 def test_statistical_verify_drafts(method, options, law_name):
     """10^5 vmapped calls: emitted strings continued by the target follow p (chi-square), and the
@@ -224,6 +227,7 @@ def test_statistical_verify_drafts(method, options, law_name):
     assert abs(length.mean() - mean_length(law)) < 5 * sem, (length.mean(), mean_length(law))
 
 
+@pytest.mark.slow
 def test_statistical_without_replacement():
     length, _ = _run_statistical("specinfer_wor", {}, without_replacement=True)
     assert length.mean() > 1.0
@@ -240,6 +244,7 @@ def _optimal_acceptance64(p, qs):
         return float(_optimal_acceptance(jnp.log(jnp.asarray(p)), jnp.log(jnp.asarray(qs))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q2,expected", [(0.1, 0.8567), (0.2, 1.0), (0.3, 1.0), (0.45, 1.0)])
 def test_three_letter_example_optimal(q2, expected):
     """Khisti et al.'s example: uniform target, q = [1/3, q2, 2/3 - q2], K = 2, n = 1."""
@@ -296,6 +301,7 @@ def _identical64(p, q, num_drafts):
         return float(jax.jit(identical_drafts_acceptance, static_argnums=2)(lp, lq, num_drafts))
 
 
+@pytest.mark.slow
 def test_sorted_prefix_is_exact_for_identical_drafts():
     """The O(V log V) prefix form against all 2^V subsets (V = 12), and vs HiGHS at V = 40."""
     from multidraft_reference import pairwise_lp_optimum
@@ -331,6 +337,7 @@ def test_sorted_prefix_is_exact_for_identical_drafts():
         identical_drafts_acceptance(jnp.zeros(5), jnp.zeros(5), 0)
 
 
+@pytest.mark.slow
 def test_acceptance_ordering_on_random_nodes(capsys):
     """200 random K = 2 identical-draft nodes: optimal >= IS(truncated LP) >= SpecTr >= SpecInfer
     >= single-draft SpS on average, and no scheme above the closed-form optimum."""
@@ -413,6 +420,7 @@ def test_bad_shapes():
         optimal_acceptance(jnp.zeros((2, 5)), jnp.zeros((3, 2, 5)))
 
 
+@pytest.mark.slow
 def test_lp_fallback_is_counted_and_uses_the_fixed_order_law():
     """A solve that does not converge (here: zero iterations) falls back to the fixed-order rule,
     counted in num_fallbacks; the law is then exactly the fixed-order law (and exact, see the
@@ -449,6 +457,7 @@ def test_lp_fallback_is_counted_and_uses_the_fixed_order_law():
     assert fixed.shape == fell_back.shape
 
 
+@pytest.mark.slow
 def test_sample_without_replacement_law():
     """Gumbel-top-k: ordered pairs follow q(a) q(b) / (1 - q(a)) (chi-square, 10^5 keys)."""
     q = np.array([0.1, 0.2, 0.3, 0.4])
@@ -464,6 +473,7 @@ def test_sample_without_replacement_law():
     assert stats.chisquare(counts[off], 100_000 * expected[off]).pvalue > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["specinfer", "spectr", "is", "optimal"])
 def test_edge_cases(method):
     """p == q accepts every draft token; chains of length 0 (or n = 0) emit one bonus token."""
@@ -500,6 +510,7 @@ def _load_bench_verify(monkeypatch):
     return bench
 
 
+@pytest.mark.slow
 def test_bench_script_smoke(tmp_path, monkeypatch):
     """scripts/bench_verify.py through main([...]): a multi-draft method implies the --drafts
     suite; table rows and JSON for one method."""
@@ -527,6 +538,7 @@ def test_bench_script_smoke(tmp_path, monkeypatch):
         bench.main(["--drafts", "--methods", "asps"])
 
 
+@pytest.mark.slow
 def test_bench_script_single_chain(tmp_path, monkeypatch):
     """Without --drafts the same script times verify_chain (K = 1)."""
     import json
@@ -655,6 +667,7 @@ def test_statistical_tail_emitted_law(method, law_name):
     assert stats.chisquare(obs_bins, exp_bins).pvalue > 1e-4
 
 
+@pytest.mark.slow
 def test_tail_option_is_validated_and_sps_keeps_the_old_law():
     tokens, lq, lp = _small_inputs()
     for method in ALL_DRAFT_METHODS:
@@ -719,6 +732,7 @@ def _defect_runner(method):
     return jax.jit(jax.vmap(one, in_axes=(0, None, None, None)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", api.CHAIN_METHODS + ALL_DRAFT_METHODS)
 def test_zero_probability_and_out_of_range_tokens_are_never_emitted(method):
     """Issue 15 defects 9 and 10 under jit (traced ids): (a) q = p = point mass on token 1 and the
@@ -799,6 +813,7 @@ def test_specinfer_wor_repeated_root_token():
     assert 0.5 * np.abs(emitted - p).sum() < 0.15
 
 
+@pytest.mark.slow
 def test_bench_script_real_laws(tmp_path, monkeypatch, capsys):
     """--real on tiny settings: exact accept-part acceptance never above the optimum, SpS-level
     methods ordered, and the default "is" rule (level race) timed."""
@@ -822,6 +837,7 @@ def test_bench_script_real_laws(tmp_path, monkeypatch, capsys):
         bench.main(["--real", "--methods", "asps"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, options", [("is", {}), ("optimal", {"grad_steps": 2})])
 def test_batch_axis_fits_only_where_needed_with_the_same_verdicts(method, options):
     """``batch_axis`` under a named ``vmap`` skips a depth's level-race fit when no row has two

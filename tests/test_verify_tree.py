@@ -217,6 +217,7 @@ CHAIN_CONFIGS = [  # (K, V, n, identical, sparse)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CHAIN_CONFIGS)
 def test_exact_enumeration_independent_chains(config):
     """Every tree method, identical and distinct draft models; ``is_bv_count`` (the law of the
@@ -241,6 +242,7 @@ def test_exact_enumeration_chain_that_ended_early():
         assert err <= TOL, (method, err)
 
 
+@pytest.mark.slow
 def test_exact_enumeration_branching_tree():
     """Shape (2, 2) drawn with replacement (every method) and without (TV, with the restricted
     or the unrestricted laws given)."""
@@ -266,6 +268,7 @@ def test_exact_enumeration_without_replacement_wide():
     assert err <= TOL, err
 
 
+@pytest.mark.slow
 def test_one_chain_is_asps_draft_by_draft():
     vocab, n = 4, 3
     target, drafts = _chain_models(21, 1, vocab, n, identical=True, sparse=0.2)
@@ -315,6 +318,7 @@ def test_tv_wr_is_specinfer_at_one_token():
         np.testing.assert_allclose(first, want[d], atol=1e-12)
 
 
+@pytest.mark.slow
 def test_mutations_break_exactness():
     """TV stays exact only with first-appearance sibling order and restricted sibling laws."""
     target, drafts = _chain_models(2, 2, 3, 2, identical=True)
@@ -346,6 +350,7 @@ def test_race_mutation_breaks_exactness():
     assert err > 1e-3, err
 
 
+@pytest.mark.slow
 def test_race_with_tabulated_laws_is_exact():
     """IS+BV with the race on tabulated level laws (tokens mix two of four laws) is exact along
     two chains of distinct sparse laws (V = 4, n = 2)."""
@@ -377,6 +382,7 @@ def _sample_chains(rng, target, draft, num_drafts, n, size):
         return tokens, np.log(q).astype(np.float32), np.log(p).astype(np.float32)
 
 
+@pytest.mark.slow
 def test_statistical_through_verify_tree():
     """vmapped keys and drafts, one jit: emitted strings follow each method's exact law."""
     num_drafts, vocab, n, size = 2, 3, 2, 30_000
@@ -436,6 +442,7 @@ class UniformRule:
         return select.astype(q_V.dtype), q_V, surv
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alive", ["walkers", "count"])
 def test_random_selection_rule_plugs_in(alive):
     """IS+BV with a uniformly random pick verifies one chain drawn from q against q: its law is
@@ -460,6 +467,7 @@ def test_random_selection_rule_plugs_in(alive):
     assert tab.chi_square_pvalue(index, bins, law) > 1e-3
 
 
+@pytest.mark.slow
 def test_only_merged_nodes_need_target_laws():
     """Target rows of slots that repeat an earlier sibling are never read: a step can score the
     merged tree alone (fewer nodes) and gets the same tokens for the same key."""
@@ -518,6 +526,7 @@ def test_sparse_float32_laws_never_emit_a_zero_probability_token():
             assert (prob[live] > 0).all(), t
 
 
+@pytest.mark.slow
 def test_no_draft_token_gives_the_bonus_at_the_root():
     """A root-only tree, and a tree whose slots are all invalid: one token from the root law."""
     with np.errstate(divide="ignore"):
@@ -536,6 +545,7 @@ def test_no_draft_token_gives_the_bonus_at_the_root():
         assert library_laws(tree, method, [draw], np.arange(5) == 0) == [{(2,): 1.0}]
 
 
+@pytest.mark.slow
 def test_same_key_same_verdict_and_merged_path():
     """Chains sharing a prefix: the path names merged nodes; one key gives one verdict."""
     vocab = 5
@@ -596,6 +606,7 @@ def test_bad_input(kwargs, match):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_traced_out_of_range_ids_end_their_branch():
     """Under jit (ids traced, so not checked), a slot whose id lies outside [0, V) or has draft
     probability 0 ends its branch, as the chain verifiers end a chain: the verdicts are those of
@@ -628,6 +639,7 @@ def test_traced_out_of_range_ids_end_their_branch():
         assert np.isin(verdict.path, [-1, 0, 3, 5]).all()
 
 
+@pytest.mark.slow
 def test_race_fits_only_where_a_row_needs_them_with_the_same_verdicts():
     """``LevelRaceRule(batch_axis=...)`` under ``vmap`` with that axis name skips a level's fit
     when no row has two walkers there: every verdict equals the plain rule's, on random trees

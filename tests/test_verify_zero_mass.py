@@ -47,6 +47,7 @@ def _zero_token_laws(method, options, num_drafts, q_tokens):
     return np.asarray(jax.jit(jax.vmap(law))(jnp.asarray(q_tokens, jnp.float32)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method,options",
     [
@@ -66,6 +67,7 @@ def test_never_emits_a_zero_probability_token(method, options):
         np.testing.assert_allclose(laws.sum(1), 1.0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_never_emits_a_zero_probability_token_verify_drafts():
     """The same through verify_drafts (default "is" and "optimal", K = 2, q = 1e-8, 2048 keys)."""
     num_drafts, vocab, n = 2, len(P_ZERO_FIRST), 2
