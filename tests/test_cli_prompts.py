@@ -189,6 +189,7 @@ def _ctrl_c_after_step(k, how):
     return interrupted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "how, tty", [("flag", False), ("flag", True), ("KeyboardInterrupt", False)]
 )

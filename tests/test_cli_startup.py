@@ -78,6 +78,7 @@ def test_main_command_prints_no_warnings(two_runs):
         assert "PyTorch" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_second_process_reuses_the_compilation_cache(two_runs):
     first, second, files_after_first = two_runs
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr

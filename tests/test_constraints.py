@@ -716,6 +716,7 @@ def test_lookup_under_a_constraint_is_exact_by_enumeration(masked_models, method
         np.testing.assert_allclose(got, want, atol=1e-10, err_msg=str(chains))
 
 
+@pytest.mark.slow
 def test_rows_cut_before_their_constraint_matched_are_flagged_incomplete(char_models):
     """``SampleOutput.incomplete`` against Python's ``re``: a row is incomplete iff its text
     (EOS, id 0, left out) is not a full match of its regex; budgets of 1 to 5 tokens cut the

@@ -364,6 +364,7 @@ def _hf_generate(hf_model, prompt, max_new, **kwargs):
     return out[0, len(prompt) :].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", RUNS)
 def test_greedy_matches_transformers_generate(models, run, method):
     """temperature 0 with repetition_penalty, no_repeat_ngram_size and a logit bias is

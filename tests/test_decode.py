@@ -286,6 +286,7 @@ def test_row_output_does_not_depend_on_the_batch(pair, method):
     np.testing.assert_array_equal(np.asarray(a.tokens[0]), np.asarray(b.tokens[2]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "sps", "asps", "is"])
 def test_eos_inside_an_accepted_block_ends_the_row(pair, method):
     hf_target, target, draft = pair

@@ -106,6 +106,7 @@ def test_merged_tree_scores_fewer_nodes_and_gives_the_same_tokens(pair, method):
     assert np.all(merged_nodes <= full_nodes) and merged_nodes.sum() < 0.9 * full_nodes.sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, tree", TREE_CASES)
 def test_branching_tree_greedy_is_the_target_greedy_decoding(pair, tree_law_run, method, tree):
     """A greedy draft (one-hot laws): "tv" runs out of distinct siblings at once, and the tokens

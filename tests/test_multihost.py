@@ -93,6 +93,7 @@ def test_two_processes_join_one_mesh(runs):
         assert report["mesh_processes"] == [[0, 0], [1, 1]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", list(CASES))
 def test_same_tokens_as_one_process(runs, method):
     local, reports = runs

@@ -125,6 +125,7 @@ def test_nan_after_a_token_stops_each_row_there(models, method, k, temperature):
         assert 0 < len(want_rows) < ROWS  # some rows met X, some never did
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("method,k", METHODS + TREE)
 def test_nan_target_stops_every_row_before_any_token(models, method, k, temperature):

@@ -127,6 +127,7 @@ def test_same_tokens_on_one_device_and_on_a_mesh(runs, method, mesh_spec):
     assert len({t for r in local[method] for t in r}) >= 4
 
 
+@pytest.mark.slow
 def test_single_prompt_padded_to_the_data_axis_and_explicit_meshes(runs):
     local, report = runs
     assert report["alone/asps"] == local["asps"][:1]

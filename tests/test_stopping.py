@@ -401,6 +401,7 @@ def test_stop_cuts_the_same_run_where_the_decoded_text_first_holds_a_stop_string
         assert cut_rows >= 2
 
 
+@pytest.mark.slow
 def test_stop_and_eos_whichever_comes_first(models_with_tokenizer):
     target, draft, tok = models_with_tokenizer
     base = _sample(target, draft, "asps", 0.0)

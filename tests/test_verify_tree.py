@@ -492,6 +492,7 @@ def test_only_merged_nodes_need_target_laws():
         assert valid[np.arange(size)[:, None], np.maximum(verdict.path, 0)].all()
 
 
+@pytest.mark.slow
 def test_sparse_float32_laws_never_emit_a_zero_probability_token():
     """-inf log-probabilities (top-k / top-p) flow through without NaN; every emitted token has
     positive target probability after its prefix."""
