@@ -248,6 +248,7 @@ def test_prompts_file_plain_lines_and_jsonl(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_prompts_file_drives_a_run(tiny_pair, tmp_path, capsys):
     target, draft = tiny_pair
     prompts = tmp_path / "prompts.jsonl"

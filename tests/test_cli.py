@@ -29,6 +29,7 @@ def _load_cli():
 cli = _load_cli()
 
 
+@pytest.mark.slow
 def test_default_run_streams_text_and_statistics(capsys):
     assert cli.main(["--max-new-tokens", "12", "--num-draft-tokens", "3"]) == 0
     out = capsys.readouterr().out

@@ -233,6 +233,7 @@ def test_ctrl_c_during_prompts_writes_finished_and_in_flight_prompts_exit_130(
     assert "Traceback" not in captured.err
 
 
+@pytest.mark.slow
 def test_ctrl_c_before_the_first_step_of_prompts_writes_nothing(full_set, capsys, monkeypatch):
     path, _ = full_set
 

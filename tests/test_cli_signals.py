@@ -90,6 +90,7 @@ def test_ctrl_c_while_streaming_prints_the_statistics(capsys, monkeypatch):
     assert "Traceback" not in captured.err
 
 
+@pytest.mark.slow
 def test_sigint_in_a_finaliser_while_streaming_exits_130_with_statistics(
     capsys, monkeypatch, python_sigint
 ):
@@ -192,6 +193,7 @@ def test_ctrl_c_while_compiling_is_one_line(capsys, monkeypatch):
     assert captured.err.strip().splitlines()[-1].endswith("nothing was generated")
 
 
+@pytest.mark.slow
 def test_sigint_handler_is_restored_and_main_runs_off_the_main_thread(capsys):
     def mine(signum, frame):
         pass
@@ -267,6 +269,7 @@ def test_ctrl_c_right_after_a_step_keeps_that_step_for_result(python_sigint, del
     assert int(out.lengths[0]) == 1 and int(out.tokens[0, 0]) >= 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_finaliser_during_prefill_raises_at_the_boundary(python_sigint):
     """SIGINT landing in a finaliser while prefill runs is raised from next() once prefill is
     done (it used to be lost: the steps went on)."""
@@ -286,6 +289,7 @@ def test_ctrl_c_in_a_finaliser_during_prefill_raises_at_the_boundary(python_sigi
         session.result()  # no step ran
 
 
+@pytest.mark.slow
 def test_between_steps_sigint_is_the_callers(python_sigint):
     """steps() holds SIGINT only while it runs a step: between two next() calls Python's handler
     is in place, so the caller's own Ctrl-C handling is untouched."""

@@ -32,6 +32,7 @@ def _prepare(pair):
     return sampler.prepare(target, draft, [[1, 2]], key=jax.random.key(0), max_new_tokens=2)
 
 
+@pytest.mark.slow
 def test_prepare_turns_the_default_cache_on(pair, fresh_process):
     _prepare(pair)
     assert jax.config.jax_compilation_cache_dir == str(fresh_process)

@@ -197,6 +197,7 @@ def test_exact_enumeration_every_method(masked_models):
     assert covered == set(REGISTRY)
 
 
+@pytest.mark.slow
 def test_enumeration_detects_a_law_left_unmasked(masked_models):
     """The check can fail: the target law at depth 1 left unmasked (its node's state ignored)
     gives a law outside the constraint."""
@@ -659,6 +660,7 @@ def _lookup_chains(ngram, num_chains):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ngram, num_chains", [(1, 1), (2, 2)])
 def test_lookup_cuts_candidates_the_constraint_forbids(ngram, num_chains):
     """Every committed text of 6 tokens from every DFA state: the library's chains are the

@@ -154,6 +154,7 @@ def test_reference_and_library_match_transformers_processors():
         np.testing.assert_allclose(np.exp(np.asarray(lp[b, 0], np.float64)), r[5], atol=2e-6)
 
 
+@pytest.mark.slow
 def test_ngram_bans_cover_history_and_path_windows():
     """Literal cases: an n-gram that spans the committed text and the node's path, one inside the
     path, none when the text is shorter than n, and n = 1 (every token of the text)."""
@@ -382,6 +383,7 @@ def test_greedy_matches_transformers_generate(models, run, method):
         assert np.asarray(out.tokens[first + b]).tolist() == expected, (method, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "tv"])
 def test_top_logprobs_are_the_processed_law_of_each_emitted_token(models, run, method):
     """``top_logprobs`` and ``logprobs`` of every emitted token against the law recomputed from

@@ -322,6 +322,7 @@ def test_eos_law_is_exact(pair, method):
     assert _chi_square_pvalue(counts, expected) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_new", [1, 5])
 def test_max_new_tokens_is_honoured_exactly(pair, max_new):
     hf_target, target, draft = pair

@@ -179,6 +179,7 @@ def test_accept_bits_to_decision_map(ratio):
     assert old_bias > Fraction(1, 1 << 40)
 
 
+@pytest.mark.slow
 def test_accept_strict_and_statistical():
     keys = jax.random.split(jax.random.key(5), 200_000)
     never = jax.jit(jax.vmap(lambda k: draws.accept(k, 0.0, 0.0)))(keys)

@@ -177,6 +177,7 @@ def test_full_sequence_matches_transformers(saved, case):
     assert kv.k.shape == (2, B, T, kvh, head_dim)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_then_decode_matches_full_forward(saved, case):
     """Prefill 4 tokens into the cache, then decode one at a time == HF full-sequence logits."""
@@ -299,6 +300,7 @@ def test_bfloat16_checkpoint_stays_bfloat16(tmp_path, saved):
     assert up.params["embed"].dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_llama_save_checkpoint_from_init_params_loads_in_transformers(tmp_path):
     config = LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,

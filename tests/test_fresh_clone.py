@@ -35,6 +35,7 @@ def clone(tmp_path_factory) -> Path:
     return dest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_runs_from_a_fresh_clone(clone, script):
     env = dict(os.environ, PYTHONPATH=str(clone), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")

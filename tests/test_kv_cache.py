@@ -98,6 +98,7 @@ def test_init_cache_and_mask():
     assert layered.layer(1)[0] is layered.k[1] and layered.stacked()[0].shape == cache.k.shape
 
 
+@pytest.mark.slow
 def test_commit_casts_to_cache_dtype():
     cache = init_cache(CONFIG, 1, 4, jnp.bfloat16)
     block = KVBlock(jnp.ones((3, 1, 2, 2, 2), jnp.float32), jnp.ones((3, 1, 2, 2, 2), jnp.float32))

@@ -166,6 +166,7 @@ def test_acceptance_is_sum_min_p_qsel():
 TREE_CONFIGS = [(2, 3, 2), (2, 4, 2), (3, 3, 2), (3, 4, 1), (4, 3, 1), (4, 3, 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["is_race_j3", "is_default", "is_race_table2"])
 def test_tree_enumeration(scheme):
     """Along K chains (identical and distinct drafts, sparse laws, a chain that ends early): the

@@ -39,6 +39,7 @@ def pair(request, tmp_path_factory):
     return hf, load_model(path)
 
 
+@pytest.mark.slow
 def test_prepared_layout(pair):
     _, m = pair
     p = prepare_params(m.config, m.params)

@@ -157,6 +157,7 @@ def test_hf_cache_layout_and_aliases(hf_dir, offline, monkeypatch):
         load_model("tinyalias")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variable", ["XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE"])
 def test_the_cache_is_where_huggingface_hub_puts_it(hf_dir, tmp_path, variable):
     """Each of huggingface_hub's cache variables set alone, in a fresh process (the hub reads

@@ -141,6 +141,7 @@ def test_logprobs_pad_with_zero_after_an_eos_and_match_the_stream(pair):
         np.testing.assert_allclose(logprobs[b, : lengths[b]], expected, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_logprobs_are_none_unless_requested(pair):
     _, target, draft = pair
     assert _sample(target, draft, "sps").logprobs is None
@@ -154,6 +155,7 @@ def _hf_raw_logprobs(hf_model, prompt, tokens) -> np.ndarray:
     return logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method, extra",
     [("ar", {}), ("asps", dict(batch_size=2)), ("tv", dict(repetition_penalty=1.3))],

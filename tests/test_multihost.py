@@ -106,6 +106,7 @@ def test_same_tokens_as_one_process(runs, method):
     assert len({t for r in local[method] for t in r}) >= 4
 
 
+@pytest.mark.slow
 def test_processes_with_different_prompts_are_refused(runs):
     _, reports = runs
     for report in reports:
@@ -113,12 +114,14 @@ def test_processes_with_different_prompts_are_refused(runs):
         assert "same full list of prompts" in report["mismatch"]
 
 
+@pytest.mark.slow
 def test_mesh_must_use_every_process(runs):
     _, reports = runs
     for report in reports:
         assert "must use all of them" in report["too_small"]
 
 
+@pytest.mark.slow
 def test_cli_prints_once_with_the_tokens_of_one_process(runs):
     local, reports = runs
     assert [r["cli_code"] for r in reports] == [0, 0]

@@ -138,6 +138,7 @@ def test_nan_target_stops_every_row_before_any_token(models, method, k, temperat
     assert np.all(np.asarray(err.output.tokens) == -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("method,k", METHODS[1:] + TREE)
 def test_nan_draft_stops_every_row_before_any_token(models, method, k, temperature):

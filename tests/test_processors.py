@@ -101,6 +101,7 @@ def test_top_p_ties_at_the_cut_are_kept():
     np.testing.assert_array_equal(np.isfinite(got), [True, False, True, False])
 
 
+@pytest.mark.slow
 def test_neg_inf_and_nan_logits():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(5, 12))
@@ -127,6 +128,7 @@ def test_temperature_zero_is_a_point_mass_on_the_first_argmax():
         np.testing.assert_array_equal(np.isfinite(got).sum(-1), [1, 1, 1])
 
 
+@pytest.mark.slow
 def test_combined_against_reference_with_batch_axes():
     rng = np.random.default_rng(2)
     logits = (rng.normal(size=(2, 3, 30)) * 2).astype(np.float32)
@@ -170,12 +172,14 @@ def test_top_p_after_top_k_ties_matches_transformers():
     assert_matches(run(logits, 1.0, 3, 0.475)[0], reference(logits[0], 1.0, 3, 0.475))
 
 
+@pytest.mark.slow
 def test_overflowing_temperature_keeps_the_largest_logit():
     logits = np.array([3e38, 1.0, -2.0], np.float32)
     got = np.asarray(process_logits(logits, 0.5))
     np.testing.assert_array_equal(np.exp(got), [1.0, 0.0, 0.0])
 
 
+@pytest.mark.slow
 def test_batched_input_under_rank_promotion_raise():
     """Regression: batched input used to raise under jax_numpy_rank_promotion='raise'."""
     logits = np.random.default_rng(4).normal(size=(3, 2, 9)).astype(np.float32)
@@ -185,6 +189,7 @@ def test_batched_input_under_rank_promotion_raise():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.slow
 def test_sample_token_follows_the_law():
     with np.errstate(divide="ignore"):
         logprobs = np.log(np.array([0.1, 0.0, 0.6, 0.3], np.float32))

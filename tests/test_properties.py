@@ -84,6 +84,7 @@ def _check_verdict(verdict, draft_tokens_KN, lengths_K, target_lp_DV):
         assert target_lp_DV[d, token] > -np.inf, (d, token, target_lp_DV[d])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", CHAIN_METHODS)
 @BUDGET
 @given(

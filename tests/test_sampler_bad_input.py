@@ -81,6 +81,7 @@ def test_bad_input_is_a_one_line_error(pair, kwargs, match):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs, match",
     [

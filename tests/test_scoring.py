@@ -168,6 +168,7 @@ def test_commit_accepted_path_then_decode_matches_scratch(models):
         np.testing.assert_allclose(np.asarray(logits[b, 0]), hf_logits(hf, seq)[-1], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_score_chain_without_cache_and_padding(models):
     hf, m = models
     rng = np.random.default_rng(4)

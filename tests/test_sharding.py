@@ -134,6 +134,7 @@ def test_single_prompt_padded_to_the_data_axis_and_explicit_meshes(runs):
     assert report["explicit/asps"] == local["asps"]
 
 
+@pytest.mark.slow
 def test_parameters_are_split_along_model(runs):
     _, report = runs
     assert report["specs"] == {
@@ -146,6 +147,7 @@ def test_parameters_are_split_along_model(runs):
     }
 
 
+@pytest.mark.slow
 def test_cli_mesh_flag_gives_the_same_tokens(runs):
     local, report = runs
     assert report["cli_code"] == 0

@@ -112,6 +112,7 @@ def test_tokens_do_not_depend_on_the_number_of_slots(rows, index):
         _same(rows(index, batch_size), expected)
 
 
+@pytest.mark.slow
 def test_prompt_order_kept_and_other_prompts_do_not_matter(rows):
     """Prompt i's key is fold_in(key, i): a prompt at the same index among other prompts (other
     texts, other lengths) gets the same tokens."""
@@ -124,6 +125,7 @@ def test_prompt_order_kept_and_other_prompts_do_not_matter(rows):
     assert [t for t, _ in got] != [t for t, _ in base]  # the other prompts did change
 
 
+@pytest.mark.slow
 def test_fewer_prompts_than_slots(rows):
     """Two prompts with batch_size=3: the tokens are those of the same two prompts in the
     seven-prompt one-batch call (a prompt's tokens depend on its index, not on the others)."""

@@ -421,6 +421,7 @@ def test_stop_and_eos_whichever_comes_first(models_with_tokenizer):
         assert np.asarray(out.tokens[b]).tolist() == row[:want] + [-1] * (MAX_NEW - want)
 
 
+@pytest.mark.slow
 def test_changing_stop_strings_does_not_recompile(models_with_tokenizer):
     target, draft, _ = models_with_tokenizer
     out = _sample(target, draft, "asps", 1.0, stop=["ab", "c"])

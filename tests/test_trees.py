@@ -71,6 +71,7 @@ def _distinct_prefixes(chains, lengths):
     return {tuple(c[: i + 1]) for c, n in zip(chains, lengths) for i in range(n)}
 
 
+@pytest.mark.slow
 def test_merge_chains_hand_case():
     chains = jnp.array([[1, 2, 3], [1, 2, 0], [2, 2, 3], [1, 2, 3]])
     merged = jax.tree.map(np.asarray, trees.merge_chains(7, chains, jnp.array([3, 3, 3, 2])))
@@ -120,6 +121,7 @@ def test_merge_chains_random_draws_count_and_map():
     assert fewer > num // 2  # shared prefixes were common, and were counted once
 
 
+@pytest.mark.slow
 def test_merge_duplicates_on_a_branching_tree():
     tree = trees.branching_token_tree((3, 2))  # slots 1..3 at depth 1, 4..9 at depth 2
     tokens = jnp.array([9, 5, 6, 5, 1, 1, 2, 3, 1, 4])

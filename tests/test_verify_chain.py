@@ -59,6 +59,7 @@ def _model(vocab, n, tstyle, dstyle, seed):
 # --- Exact enumeration: every V in {4,5,6} x n in {1..4} x every target/draft style pair ---
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab,n", list(itertools.product((4, 5, 6), (1, 2, 3, 4))))
 def test_exact_enumeration(vocab, n):
     for k, (tstyle, dstyle) in enumerate(itertools.product(tab.TARGET_STYLES, tab.DRAFT_STYLES)):
@@ -237,6 +238,7 @@ def test_statistical_law_and_length(method, name):
     assert abs(float(mean) - exact) < 4 * float(se), (float(mean), exact, float(se))
 
 
+@pytest.mark.slow
 def test_statistical_test_tells_the_methods_apart():
     """Power check: ASpS samples are rejected against the SpS law (and vice versa)."""
     vocab, n, *_ = STAT_CONFIGS["dense-close"]

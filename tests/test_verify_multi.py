@@ -264,6 +264,7 @@ def test_three_letter_example_spectr_specinfer():
     assert root_acceptance("specinfer", p, qs) == pytest.approx(0.8933, abs=5e-5)
 
 
+@pytest.mark.slow
 def test_single_alive_draft_is_sps():
     """With one alive draft every scheme is single-draft SpS (accept min(1, p/q), else (p-q)_+)."""
     rng = np.random.default_rng(4)
@@ -583,6 +584,7 @@ def _tail_case(name, i, num_drafts, n, identical, pad, vocab=3):
     return target, drafts, lengths, node_law(name, vocab), kwargs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TAIL_SCHEMES)
 def test_tail_exact_enumeration_and_never_shorter(name):
     """Reference walker with the ASpS tail: the emitted string continued by the target is p
@@ -647,6 +649,7 @@ def _emitted_counts(out, length):
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,law_name", [("specinfer", "specinfer"), ("spectr", "spectr")])
 def test_statistical_tail_emitted_law(method, law_name):
     """10^5 calls of verify_drafts (default tail="asps"): the emitted strings themselves follow

@@ -231,6 +231,7 @@ def test_exact_enumeration_independent_chains(config):
         assert err <= TOL, (config, method, err)
 
 
+@pytest.mark.slow
 def test_exact_enumeration_chain_that_ended_early():
     """A chain shortened (EOS, max_new_tokens) is a validity mask on its slots."""
     target, drafts = _chain_models(3, 2, 3, 2, identical=False)
@@ -259,6 +260,7 @@ def test_exact_enumeration_branching_tree():
         assert err <= TOL, (restricted, err)
 
 
+@pytest.mark.slow
 def test_exact_enumeration_without_replacement_wide():
     rng = np.random.default_rng(4)
     target, draft = random_laws(rng, 4, 2), random_laws(rng, 4, 1, alpha=0.7)
