@@ -71,7 +71,6 @@ def test_the_package_has_no_import_cycle():
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
-@pytest.mark.slow
 def test_the_verifiers_sit_below_the_registry():
     graph = _graph()
     verifiers = ("chain", "multi", "tree", "tree_rules", "options", "verdict", "checks")
