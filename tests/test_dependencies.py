@@ -19,9 +19,14 @@ IMPORT = re.compile(
 )
 
 
+# Distributions whose import name is not their name with dashes as underscores.
+IMPORT_NAMES = {"google_tunix": "tunix"}
+
+
 def _name(requirement: str) -> str:
     """``"flax>=0.12"`` -> ``"flax"`` (the import name: dashes become underscores)."""
-    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].replace("-", "_").lower()
+    name = re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].replace("-", "_").lower()
+    return IMPORT_NAMES.get(name, name)
 
 
 def _imported() -> set[str]:
