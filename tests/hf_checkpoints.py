@@ -87,6 +87,19 @@ def load_tiny_pair(root, vocab_size: int = 12):
     return asps_jax.load_model(str(root / "target")), asps_jax.load_model(str(root / "draft"))
 
 
+def write_peaked_pair(root, vocab_size: int = 12):
+    """A target with large weights (``initializer_range`` 0.4: peaked laws, so drafts are sometimes
+    rejected) and a draft that is a noisy copy of it, written under ``root`` and loaded:
+    ``(transformers target, target, draft)``."""
+    import asps_jax
+
+    kw = dict(vocab_size=vocab_size, initializer_range=0.4)
+    hf_target = write_tiny_llama(root / "target", seed=0, **kw)
+    write_tiny_llama(root / "draft", seed=1, noise_from=hf_target, **kw)
+    target = asps_jax.load_model(str(root / "target"))
+    return hf_target, target, asps_jax.load_model(str(root / "draft"))
+
+
 # The learned-position families: tiny shapes (tests override any of them by keyword). GPT-Neo's
 # window of 4 is shorter than the tests' sequences, so its local layers are exercised. Weights of
 # std 0.2 (not HF's 0.02) give logits of order 1, so a 1e-4 tolerance is a tight check.

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from hf_checkpoints import write_tiny_llama
+from hf_checkpoints import write_peaked_pair
 
 import asps_jax
 from asps_jax.sampler import METHODS
@@ -33,13 +33,7 @@ METHOD_OPTIONS = {"optimal": dict(grad_steps=4), "is": dict(fit_steps=5)}  # as 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    kw = dict(vocab_size=VOCAB, initializer_range=0.4)
-    hf_target = write_tiny_llama(root / "target", seed=0, **kw)
-    write_tiny_llama(root / "draft", seed=1, noise_from=hf_target, **kw)
-    target = asps_jax.load_model(str(root / "target"))
-    draft = asps_jax.load_model(str(root / "draft"))
-    return hf_target, target, draft
+    return write_peaked_pair(tmp_path_factory.mktemp("ckpt"), VOCAB)
 
 
 def _sample(target, draft, method, **kw):

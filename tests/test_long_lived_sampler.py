@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_checkpoints import write_tiny_llama
+from hf_checkpoints import write_peaked_pair
 
 import asps_jax
 
@@ -25,11 +25,7 @@ OPTIONS = dict(method="asps", num_draft_tokens=2, eos_token_id=-1, diagnostics=T
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    kw = dict(vocab_size=VOCAB, initializer_range=0.4)
-    hf_target = write_tiny_llama(root / "target", seed=0, **kw)
-    write_tiny_llama(root / "draft", seed=1, noise_from=hf_target, **kw)
-    return asps_jax.load_model(str(root / "target")), asps_jax.load_model(str(root / "draft"))
+    return write_peaked_pair(tmp_path_factory.mktemp("ckpt"), VOCAB)[1:]
 
 
 def _perturbed(params, seed: int):
