@@ -134,7 +134,13 @@ def main(argv=None) -> int:
     p.add_argument("--chars", type=int, default=400)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--quick", action="store_true", help="A small run (one n, temperature 0, 2 rows)."
+    )
     args = p.parse_args(argv)
+    if args.quick:
+        args.n, args.temperatures, args.taus = [4], [0.0], [0.5]
+        args.batch, args.chars, args.repeats = 2, 200, 1
     if args.task == "copy":
         args.n = args.n or [4]
         args.max_new_tokens = args.max_new_tokens or 64

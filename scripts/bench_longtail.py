@@ -114,7 +114,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workloads", nargs="+", default=["longtail", "uniform"])
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument(
+        "--quick", action="store_true", help="A small run: 16 prompts, the long-tail mix only."
+    )
     args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.workloads = 16, ["longtail"]
     target = asps_jax.load_model(args.target)
     draft = asps_jax.load_model(args.draft)
     prompts = prompts_for(target.tokenizer, args.prompts, args.prompt_tokens)

@@ -107,7 +107,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs (0: tokens per step only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument(
+        "--quick", action="store_true", help="A small run: self:2 with asps, 32 tokens, timed once."
+    )
     args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.methods, args.max_new_tokens, args.repeats = [2], ["asps"], 32, 1
     if args.pair == "bundled":
         target = asps_jax.load_model("tinyshakespeare-target")
         draft = asps_jax.load_model("tinyshakespeare-draft")
