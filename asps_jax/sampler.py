@@ -266,7 +266,7 @@ def _samples(n, key, seed, prompts, prompt_lengths, max_new_tokens, given, vocab
     return rows, None, budgets, given, key
 
 
-def check_top_logprobs(top_logprobs, return_logprobs, vocab: int, raw_logprobs=False) -> int:
+def check_logprob_options(top_logprobs, return_logprobs, vocab: int, raw_logprobs=False) -> int:
     """``top_logprobs`` as an int in ``[0, vocab]`` (None: 0), given with ``return_logprobs``
     (and so is ``raw_logprobs=True``)."""
     if not isinstance(raw_logprobs, bool):
@@ -452,7 +452,7 @@ def prepare(
         **drafting,
     )  # fmt: skip
     sampling = Sampling(**given)
-    top_logprobs = check_top_logprobs(top_logprobs, True, target.vocab_size)
+    top_logprobs = check_logprob_options(top_logprobs, True, target.vocab_size)
     mesh = None if mesh is None else sharding.check_mesh(mesh)
     prompts_bp, lengths_b, batch = _as_prompt_array(prompts, prompt_lengths, target.vocab_size)
     budgets = _budgets(max_new_tokens, batch)

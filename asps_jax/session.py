@@ -22,7 +22,7 @@ import numpy as np
 
 from asps_jax import autotune, compile_cache, decode, drafters, sharding, slots
 from asps_jax.models import Model
-from asps_jax.sampler import SampleOutput, check_top_logprobs, finish, prepare
+from asps_jax.sampler import SampleOutput, check_logprob_options, finish, prepare
 from asps_jax.verify import registry
 
 
@@ -42,7 +42,7 @@ def sample(
     ``seed=`` an int (or one per prompt); ``n=k``: k samples per prompt, rows ``p * k + i``, each
     prompt's depending only on its key or seed and the sample's index.
     """
-    check_top_logprobs(
+    check_logprob_options(
         kwargs.get("top_logprobs"),
         return_logprobs,
         target.vocab_size,
@@ -143,7 +143,7 @@ class Session:
         self, target, draft, prompts, *, key=None, max_new_tokens, return_logprobs=False, **kwargs
     ):
         self.return_logprobs = bool(return_logprobs)
-        check_top_logprobs(
+        check_logprob_options(
             kwargs.get("top_logprobs"),
             return_logprobs,
             target.vocab_size,
