@@ -226,6 +226,9 @@ class Decoder:
         ``DecodeState.top_logprobs`` (0: none).
       raw_logprobs: also record each emitted token's log-probability under the unprocessed
         target law (``DecodeState.raw_logprobs``; a log-normalizer per emitted slot).
+      samples: n, the samples per prompt of a call whose rows ``p * n + i`` hold prompt p
+        (``sample(..., n=n)``): prefill runs the target once per prompt and copies its cache rows
+        to the prompt's n rows (1: every row its own).
     """
 
     target_config: Any
@@ -237,6 +240,7 @@ class Decoder:
     merge_tree: bool = True
     top_logprobs: int = 0
     raw_logprobs: bool = False
+    samples: int = 1
 
     # ----------------------------------------------------------------------------------------
     # Entry points (jitted; ``self`` is static)
@@ -343,11 +347,34 @@ def _prefill(
         draft = dec.drafter.init(dec, draft_params, batch)
     if run_forward:
         forward = forward_for(dec.target_config)
-        t_cache = scoring.prefill_cache(forward, target_params, t_cache, prompts_BP, committed_B)
+        t_cache = _prefill_target(dec, forward, target_params, t_cache, prompts_BP, committed_B)
         if dec.drafter is not None:
             draft = dec.drafter.prefill(dec, draft_params, draft, prompts_BP, committed_B)
     fresh = _fresh_rows(dec, prompts_BP, prompt_lengths_B, committed_B, row_keys_B, budget_B)
     return DecodeState(target_cache=t_cache, draft=draft, stop=stop, **fresh)
+
+
+def _prefill_target(dec: Decoder, forward, params, cache, prompts_BP, committed_B):
+    """The target cache after each row's committed prompt tokens. With ``dec.samples = n > 1``
+    the forward runs on each prompt's first row only (rows ``p * n + i`` hold prompt p; the
+    padding rows that end the batch are whole groups of empty rows) and the n rows of a prompt
+    take copies of its cache row: one prefill per prompt."""
+    n = dec.samples
+    if n == 1:
+        return scoring.prefill_cache(forward, params, cache, prompts_BP, committed_B)
+    batch = prompts_BP.shape[0]
+    first = np.arange(0, batch, n)  # static: each group's first row
+    dtype = (cache.k[0] if cache.per_layer else cache.k).dtype
+    once = kv_cache.init_cache(
+        dec.target_config, first.size, cache.max_len, dtype, per_layer=cache.per_layer
+    )
+    once = scoring.prefill_cache(forward, params, once, prompts_BP[first], committed_B[first])
+    src = np.arange(batch) // n  # row -> its group's row of ``once``
+    if once.per_layer:
+        k, v = tuple(x[src] for x in once.k), tuple(x[src] for x in once.v)
+    else:
+        k, v = once.k[:, src], once.v[:, src]
+    return dataclasses.replace(cache, k=k, v=v, lengths=once.lengths[src])
 
 
 def _fresh_rows(dec: Decoder, prompts_BP, lengths_B, committed_B, row_keys_B, budget_B) -> dict:

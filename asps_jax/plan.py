@@ -246,10 +246,12 @@ def check_memory(target, draft, *, batch, prompt_len, max_new_tokens, num_draft_
 
 
 def decoder(
-    target, drafter, spec, prompt_width: int, mesh, diagnostics, top_logprobs, raw_logprobs=False
-):
+    target, drafter, spec, prompt_width: int, mesh, diagnostics, top_logprobs, raw_logprobs=False,
+    samples=1,
+):  # fmt: skip
     """The static :class:`asps_jax.decode.Decoder` of a call, its KV cache length bucketed (with
-    the drafter's scratch slots past the committed ones, ``Drafter.cache_slots``)."""
+    the drafter's scratch slots past the committed ones, ``Drafter.cache_slots``); ``samples``:
+    the call's n samples per prompt (one target prefill per prompt)."""
     scratch = 0
     if drafter is not None:
         scratch = drafter.cache_slots(spec.num_draft_tokens, spec.tree.num_chains)
@@ -265,4 +267,5 @@ def decoder(
         diagnostics=bool(diagnostics),
         top_logprobs=top_logprobs,
         raw_logprobs=bool(raw_logprobs),
+        samples=int(samples),
     )

@@ -467,7 +467,7 @@ def prepare(
     params, constraint = sampling.lower(target, batch, prompts_bp.shape[0], draft_stop=tau)
     decoder = plan.decoder(
         target, drafter, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs,
-        raw_logprobs,
+        raw_logprobs, samples=n if slot_count is None else 1,  # the slots refill row by row
     )  # fmt: skip
     inputs = _decode_inputs(
         target, draft, params, prompts_bp, lengths_b, key, batch, budgets, stop_bytes, slot_count

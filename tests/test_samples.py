@@ -10,6 +10,8 @@ one prompt (independent draws: the product of the marginals).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from hf_checkpoints import write_tiny_llama
 from scipy import stats
 
 import asps_jax
+from asps_jax import decode, sampler
 
 VOCAB = 12
 PROMPT = [1, 5, 3, 7, 2, 1, 5]
@@ -132,3 +135,25 @@ def test_bad_n_and_seed_are_one_line_errors(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message) as err:
         asps_jax.sample(target, draft, [PROMPT, OTHER], **kwargs)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_one_target_prefill_per_prompt(tiny):
+    """With n samples per prompt the target's prefill forward runs once per prompt: its FLOPs
+    are about 1/n of a prefill of every row (XLA's cost analysis of the compiled prefill), and
+    the rows are exactly those of a call that prefills every row (the n rows given as prompts
+    with their keys, ``fold_in(key(seed_p), i)``)."""
+    target, draft, *_ = tiny
+    n, seeds = 4, [5, 7]
+    call = dict(method="ar", max_new_tokens=4, eos_token_id=-1)
+    prepared = sampler.prepare(target, None, [PROMPT, OTHER], n=n, seed=seeds, **call)
+    assert prepared.decoder.samples == n
+    flops = []
+    for dec in (prepared.decoder, dataclasses.replace(prepared.decoder, samples=1)):
+        lowered = decode.prefill.lower(dec, **prepared.inputs.prefill_kwargs())
+        flops.append(lowered.compile().cost_analysis()["flops"])
+    assert flops[0] <= flops[1] / (n - 1), flops
+    got = _sample(tiny, [PROMPT, OTHER], n=n, seed=seeds)
+    keys = [jax.random.fold_in(jax.random.key(s), i) for s in seeds for i in range(n)]
+    rows = [PROMPT] * n + [OTHER] * n
+    np.testing.assert_array_equal(got, _sample(tiny, rows, key=jax.numpy.stack(keys)))
