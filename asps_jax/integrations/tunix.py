@@ -369,6 +369,33 @@ def _score(config, want_logits: bool, params, tokens, valid, temperature, banned
     return jnp.where(has_prefix[:, :, None], prev, 0.0), logprobs
 
 
+def _sampling_kwargs(temperature, top_p, top_k, eos_tokens, forbidden_tokens, seed, default_eos):
+    """tunix's sampling arguments as asps_jax's: ``(greedy, filtered, eos ids, banned ids,
+    keyword arguments of the call)`` (``top_p=None`` or temperature 0: greedy, as tunix)."""
+    greedy = top_p is None or temperature == 0
+    kw: dict[str, Any] = {"temperature": 0.0 if greedy else float(temperature)}
+    filtered = False
+    if not greedy:
+        if top_k is not None and top_k > 0:
+            kw["top_k"], filtered = int(top_k), True
+        if top_p < 1.0:
+            kw["top_p"], filtered = float(top_p), True
+    eos = [int(e) for e in (eos_tokens or [default_eos]) if e is not None]
+    kw["eos_token_id"] = eos if eos else -1
+    banned = sorted({int(t) for t in forbidden_tokens or ()})
+    if banned:
+        kw["logit_bias"] = {t: float("-inf") for t in banned}
+    if seed is None:
+        kw["seed"] = 0
+    elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        kw["seed"] = int(seed)
+    elif isinstance(seed, (list, tuple)):
+        kw["seed"] = [int(s) for s in seed]
+    else:
+        kw["key"] = seed  # a PRNG key: typed, or jax.random.PRNGKey's uint32[2]
+    return greedy, filtered, eos, banned, kw
+
+
 class AspsSampler(base_sampler.BaseSampler):
     """tunix's ``BaseSampler`` sampling with asps_jax's exact speculative sampler.
 
@@ -476,6 +503,55 @@ class AspsSampler(base_sampler.BaseSampler):
                 self.sampler.target.params if target is None else target, draft
             )
 
+    def _outputs(
+        self, seq, row_prompts, generated, padded, n, P, M, logits, logprobs, echo, pad_output,
+        return_logits, return_logprobs,
+    ) -> base_sampler.SamplerOutput:  # fmt: skip
+        """The native sampler's ``SamplerOutput`` of the rows (``seq``: prompt left-padded to P,
+        then the generated tokens), echoed and padded as asked."""
+        pad = self.tokenizer.pad_id()
+        rows = len(generated)
+        starts = [P - len(p) if echo else P for p in row_prompts]
+        ends = [P + len(g) for g in generated]
+        if pad_output:
+            width = P + M if echo else M
+            out_tokens = np.full((rows, width), pad, np.int32)
+            out_logits = (
+                np.zeros((rows, width, logits.shape[-1]), np.float32) if return_logits else None
+            )
+            out_logprobs = [] if return_logprobs else None
+            for r, (s, e) in enumerate(zip(starts, ends)):
+                out_tokens[r, : e - s] = seq[r, s:e]
+                if return_logits:
+                    out_logits[r, : e - s] = logits[r, s:e]
+                if return_logprobs:
+                    out_logprobs.append(np.pad(logprobs[r, s:e], (0, width - (e - s))).tolist())
+            text = [
+                self.tokenizer.decode(t[: e - s].tolist())
+                for t, s, e in zip(out_tokens, starts, ends)
+            ]
+            out_logits = jnp.asarray(out_logits) if return_logits else []
+        else:
+            out_tokens = [seq[r, s:e] for r, (s, e) in enumerate(zip(starts, ends))]
+            text = [self.tokenizer.decode(t.tolist()) for t in out_tokens]
+            out_logits = (
+                [logits[r, s:e] for r, (s, e) in enumerate(zip(starts, ends))]
+                if return_logits
+                else []
+            )
+            out_logprobs = (
+                [logprobs[r, s:e].tolist() for r, (s, e) in enumerate(zip(starts, ends))]
+                if return_logprobs
+                else None
+            )
+        return base_sampler.SamplerOutput(
+            text=text,
+            logits=out_logits,
+            tokens=out_tokens,
+            padded_prompt_tokens=np.repeat(padded, n, axis=0),
+            logprobs=out_logprobs,
+        )
+
     def _teacher_forced(self, seq, valid, temperature: float, banned, want_logits: bool):
         """:func:`_score` of the target over ``seq`` (NumPy ``[rows, T]``), in chunks of a
         power-of-two number of rows holding at most ``_FORWARD_FLOATS`` logits."""
@@ -557,27 +633,9 @@ class AspsSampler(base_sampler.BaseSampler):
         for i, p in enumerate(prompts):
             padded[i, P - len(p) :] = p
 
-        greedy = top_p is None or temperature == 0
-        kw: dict[str, Any] = {"temperature": 0.0 if greedy else float(temperature)}
-        filtered = False
-        if not greedy:
-            if top_k is not None and top_k > 0:
-                kw["top_k"], filtered = int(top_k), True
-            if top_p < 1.0:
-                kw["top_p"], filtered = float(top_p), True
-        eos = [int(e) for e in (eos_tokens or [self.tokenizer.eos_id()]) if e is not None]
-        kw["eos_token_id"] = eos if eos else -1
-        banned = sorted({int(t) for t in forbidden_tokens or ()})
-        if banned:
-            kw["logit_bias"] = {t: float("-inf") for t in banned}
-        if seed is None:
-            kw["seed"] = 0
-        elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            kw["seed"] = int(seed)
-        elif isinstance(seed, (list, tuple)):
-            kw["seed"] = [int(s) for s in seed]
-        else:
-            kw["key"] = seed  # a PRNG key: typed, or jax.random.PRNGKey's uint32[2]
+        greedy, filtered, eos, banned, kw = _sampling_kwargs(
+            temperature, top_p, top_k, eos_tokens, forbidden_tokens, seed, self.tokenizer.eos_id()
+        )
 
         # tunix's logprob of a token is log_softmax(banned logits / T) (T = 1 when greedy): the
         # loop's raw law (T = 1, nothing applied) or processed law (bias, then T) when it is that,
@@ -628,46 +686,10 @@ class AspsSampler(base_sampler.BaseSampler):
                 )
             logprobs = full
 
-        starts = [P - len(p) if echo else P for p in row_prompts]
-        ends = [P + len(g) for g in generated]
-        if pad_output:
-            width = P + M if echo else M
-            out_tokens = np.full((rows, width), pad, np.int32)
-            out_logits = (
-                np.zeros((rows, width, logits.shape[-1]), np.float32) if return_logits else None
-            )
-            out_logprobs = [] if return_logprobs else None
-            for r, (s, e) in enumerate(zip(starts, ends)):
-                out_tokens[r, : e - s] = seq[r, s:e]
-                if return_logits:
-                    out_logits[r, : e - s] = logits[r, s:e]
-                if return_logprobs:
-                    out_logprobs.append(np.pad(logprobs[r, s:e], (0, width - (e - s))).tolist())
-            text = [
-                self.tokenizer.decode(t[: e - s].tolist())
-                for t, s, e in zip(out_tokens, starts, ends)
-            ]
-            out_logits = jnp.asarray(out_logits) if return_logits else []
-        else:
-            out_tokens = [seq[r, s:e] for r, (s, e) in enumerate(zip(starts, ends))]
-            text = [self.tokenizer.decode(t.tolist()) for t in out_tokens]
-            out_logits = (
-                [logits[r, s:e] for r, (s, e) in enumerate(zip(starts, ends))]
-                if return_logits
-                else []
-            )
-            out_logprobs = (
-                [logprobs[r, s:e].tolist() for r, (s, e) in enumerate(zip(starts, ends))]
-                if return_logprobs
-                else None
-            )
-        return base_sampler.SamplerOutput(
-            text=text,
-            logits=out_logits,
-            tokens=out_tokens,
-            padded_prompt_tokens=np.repeat(padded, n, axis=0),
-            logprobs=out_logprobs,
-        )
+        return self._outputs(
+            seq, row_prompts, generated, padded, n, P, M, logits, logprobs, echo, pad_output,
+            return_logits, return_logprobs,
+        )  # fmt: skip
 
 
 # --- The RL rollout engine --------------------------------------------------------------------
