@@ -396,6 +396,27 @@ def _sampling_kwargs(temperature, top_p, top_k, eos_tokens, forbidden_tokens, se
     return greedy, filtered, eos, banned, kw
 
 
+def _checked_call(input_strings, max_generation_steps, multi_sampling, beam_size, images):
+    """One-line errors for what ``AspsSampler`` cannot do; the prompts as a list of strings."""
+    if beam_size is not None:
+        raise ValueError(
+            "AspsSampler: beam_size: beam search is not sampling, and speculative sampling "
+            "keeps a sampling law; use tunix.generate.sampler.Sampler for beam search"
+        )
+    if images is not None:
+        raise ValueError("AspsSampler: images: the mapped models (Llama3, Qwen2/3) are text")
+    for name, value in (
+        ("max_generation_steps", max_generation_steps),
+        ("multi_sampling", multi_sampling),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"AspsSampler: {name} must be an int >= 1, got {value!r}")
+    strings = [input_strings] if isinstance(input_strings, str) else list(input_strings)
+    if not strings:
+        raise ValueError("AspsSampler: input_strings is empty")
+    return strings
+
+
 class AspsSampler(base_sampler.BaseSampler):
     """tunix's ``BaseSampler`` sampling with asps_jax's exact speculative sampler.
 
@@ -605,22 +626,9 @@ class AspsSampler(base_sampler.BaseSampler):
         """Sample completions of ``input_strings``: tunix's native ``Sampler.__call__``
         arguments and outputs (the module docstring has the semantics), plus tunix's
         ``multi_sampling``. ``beam_size`` and ``images`` are one-line ``ValueError``s."""
-        if beam_size is not None:
-            raise ValueError(
-                "AspsSampler: beam_size: beam search is not sampling, and speculative sampling "
-                "keeps a sampling law; use tunix.generate.sampler.Sampler for beam search"
-            )
-        if images is not None:
-            raise ValueError("AspsSampler: images: the mapped models (Llama3, Qwen2/3) are text")
-        for name, value in (
-            ("max_generation_steps", max_generation_steps),
-            ("multi_sampling", multi_sampling),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"AspsSampler: {name} must be an int >= 1, got {value!r}")
-        strings = [input_strings] if isinstance(input_strings, str) else list(input_strings)
-        if not strings:
-            raise ValueError("AspsSampler: input_strings is empty")
+        strings = _checked_call(
+            input_strings, max_generation_steps, multi_sampling, beam_size, images
+        )
         self._sync()
 
         prompts = [self.tokenize(s) for s in strings]
