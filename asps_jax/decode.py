@@ -359,22 +359,9 @@ def _prefill_target(dec: Decoder, forward, params, cache, prompts_BP, committed_
     the forward runs on each prompt's first row only (rows ``p * n + i`` hold prompt p; the
     padding rows that end the batch are whole groups of empty rows) and the n rows of a prompt
     take copies of its cache row: one prefill per prompt."""
-    n = dec.samples
-    if n == 1:
-        return scoring.prefill_cache(forward, params, cache, prompts_BP, committed_B)
-    batch = prompts_BP.shape[0]
-    first = np.arange(0, batch, n)  # static: each group's first row
-    dtype = (cache.k[0] if cache.per_layer else cache.k).dtype
-    once = kv_cache.init_cache(
-        dec.target_config, first.size, cache.max_len, dtype, per_layer=cache.per_layer
+    return scoring.prefill_cache_grouped(
+        forward, params, cache, prompts_BP, committed_B, dec.samples
     )
-    once = scoring.prefill_cache(forward, params, once, prompts_BP[first], committed_B[first])
-    src = np.arange(batch) // n  # row -> its group's row of ``once``
-    if once.per_layer:
-        k, v = tuple(x[src] for x in once.k), tuple(x[src] for x in once.v)
-    else:
-        k, v = once.k[:, src], once.v[:, src]
-    return dataclasses.replace(cache, k=k, v=v, lengths=once.lengths[src])
 
 
 def _fresh_rows(dec: Decoder, prompts_BP, lengths_B, committed_B, row_keys_B, budget_B) -> dict:

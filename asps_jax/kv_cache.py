@@ -49,6 +49,14 @@ class KVCache:
         """Layer ``i``'s ``(k, v)``, each ``[B, KVH, S, H]``."""
         return self.k[i], self.v[i]
 
+    def take_rows(self, rows) -> KVCache:
+        """The cache of rows ``rows`` (an index array, repeats allowed), in this layout."""
+        if self.per_layer:
+            k, v = tuple(x[rows] for x in self.k), tuple(x[rows] for x in self.v)
+        else:
+            k, v = self.k[:, rows], self.v[:, rows]
+        return KVCache(k=k, v=v, lengths=self.lengths[rows])
+
     def stacked(self) -> tuple[jax.Array, jax.Array]:
         """``(k, v)`` stacked ``[L, B, KVH, S, H]`` (a copy when per layer), for a ``lax.scan``
         over the layers."""

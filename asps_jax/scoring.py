@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from asps_jax.kv_cache import KVBlock, KVCache, cache_mask, commit, init_cache
 from asps_jax.trees import Tree, attention_mask
@@ -100,6 +101,21 @@ def prefill_cache(forward, params, cache: KVCache, prompts_BP, num_B) -> KVCache
     _, new_kv = score_chain(forward, params, cache, prompts_BP, valid_BP)
     nodes_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
     return commit(cache, new_kv, nodes_BP, num_B)
+
+
+def prefill_cache_grouped(forward, params, cache: KVCache, prompts_BP, num_B, group: int):
+    """:func:`prefill_cache` for a cache whose rows come in groups of ``group`` (a static int)
+    that hold one prompt each: cache rows ``g * group .. g * group + group - 1`` take prompt row
+    ``g * (B * group // rows)`` (a prompt's n samples, a draft's K replicas; the last group may
+    be short). One forward per group on its first row, the row then copied to the group's rows:
+    the cache that a forward over every row gives, at 1 / group of its cost."""
+    rows = cache.lengths.shape[0]
+    if group == 1 and rows == prompts_BP.shape[0]:
+        return prefill_cache(forward, params, cache, prompts_BP, num_B)
+    first = np.arange(0, rows, group)  # static: each group's first cache row
+    src = first * prompts_BP.shape[0] // rows  # ... and its prompt row
+    once = prefill_cache(forward, params, cache.take_rows(first), prompts_BP[src], num_B[src])
+    return once.take_rows(np.arange(rows) // group)
 
 
 def _write_rows(cache: KVCache, row: KVCache, first, count: int) -> KVCache:

@@ -84,13 +84,11 @@ class ModelDraft(Drafter):
         )
 
     def prefill(self, dec, params, state, prompts_BP, committed_B):
-        k = dec.spec.tree.num_chains
-        return scoring.prefill_cache(
-            forward_for(self.config),
-            params,
-            state,
-            jnp.repeat(prompts_BP, k, axis=0),
-            jnp.repeat(committed_B, k),
+        # The K replicas of a row (and the n rows of a prompt's samples) start from one cache
+        # row: one forward per prompt.
+        group = dec.samples * dec.spec.tree.num_chains
+        return scoring.prefill_cache_grouped(
+            forward_for(self.config), params, state, prompts_BP, committed_B, group
         )
 
     def refill(self, dec, params, state, take_B, prompts_BP, committed_B):
