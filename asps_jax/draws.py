@@ -42,7 +42,7 @@ import jax.numpy as jnp
 NUM_DIGITS = 6
 DIGIT_BITS = 20
 BITS = NUM_DIGITS * DIGIT_BITS  # resolution of the integer inverse CDF: 120 bits
-BLOCK = 128  # tokens per block of the two-level search
+BLOCK = 128  # tokens per block of the two-level search (the vocabulary's size when smaller)
 MAX_VOCAB = BLOCK << 11  # block-level int32 cumsums of 20-bit digits stay below 2^31
 _DIGIT_MASK = (1 << DIGIT_BITS) - 1
 
@@ -83,16 +83,18 @@ def _canonical(x: jax.Array) -> jax.Array:
 
 
 def categorical_table(weights_V: jax.Array):
-    """``(digits [NUM_DIGITS, nb, BLOCK], block_cum [NUM_DIGITS, nb])``: the integer weights
-    ``W_i`` in blocks of ``BLOCK`` tokens (zero-padded) and the canonical digits of the inclusive
-    cumulative sums of the block totals (``block_cum[:, -1]`` is ``T``). Pure and deterministic."""
+    """``(digits [NUM_DIGITS, nb, width], block_cum [NUM_DIGITS, nb])``: the integer weights
+    ``W_i`` in blocks of ``width = min(BLOCK, V)`` tokens (zero-padded) and the canonical digits
+    of the inclusive cumulative sums of the block totals (``block_cum[:, -1]`` is ``T``). Pure and
+    deterministic."""
     vocab = weights_V.shape[-1]
     if vocab > MAX_VOCAB:
         raise ValueError(f"draws: vocabulary V={vocab} is larger than {MAX_VOCAB}")
-    num_blocks = -(-vocab // BLOCK)
+    width = min(BLOCK, vocab)  # a small vocabulary is one block, not one padded to BLOCK
+    num_blocks = -(-vocab // width)
     digits = _digits(weights_V)
-    digits = jnp.pad(digits, ((0, 0), (0, num_blocks * BLOCK - vocab)))
-    digits = digits.reshape(NUM_DIGITS, num_blocks, BLOCK)
+    digits = jnp.pad(digits, ((0, 0), (0, num_blocks * width - vocab)))
+    digits = digits.reshape(NUM_DIGITS, num_blocks, width)
     block_sums = _canonical(jnp.sum(digits, axis=-1))
     return digits, _canonical(jnp.cumsum(block_sums, axis=-1))
 
@@ -115,7 +117,7 @@ def index_from_digits(table, r_D: jax.Array) -> jax.Array:
     before = jnp.where(block > 0, block_cum[:, jnp.maximum(block - 1, 0)], 0)
     local = _canonical(jnp.cumsum(digits[:, block], axis=-1) + before[:, None])
     inside = jnp.sum(_less_equal(local, r_D[:, None], strict=False), dtype=jnp.int32)
-    return block * BLOCK + inside
+    return block * digits.shape[-1] + inside
 
 
 def uniform_digits(key: jax.Array) -> jax.Array:

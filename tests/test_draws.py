@@ -36,16 +36,23 @@ def _to_digits(value: int) -> jnp.ndarray:
     return jnp.asarray(out[::-1], jnp.int32)
 
 
-def test_far_tail_token_measure_is_its_probability():
+# The far-tail law twice over 300 tokens: three blocks of draws.BLOCK, the last one short.
+_RNG = np.random.default_rng(9)
+LONG_LOGITS = np.concatenate([_RNG.normal(0, 3, 291), FAR_LOGITS]).astype(np.float32)
+
+
+@pytest.mark.parametrize("logits", [FAR_LOGITS, LONG_LOGITS], ids=["one_block", "three_blocks"])
+def test_far_tail_token_measure_is_its_probability(logits):
     """Deterministic proof on exact rationals: the R values mapping to token y are exactly
     [cum_{y-1}, cum_y), so after rejection of R >= T its law is W_y / T; for tokens 25..40 nats
     below the top that is w_y / sum(w) within 2^-40 relative (w = the float32 weights drawn from,
     as exact rationals), and every token is within 2^-(BITS-2) absolute."""
-    weights = jnp.exp(jnp.asarray(FAR_LOGITS))
+    weights = jnp.exp(jnp.asarray(logits))
     table = jax.jit(draws.categorical_table)(weights)
     digits, block_cum = (np.asarray(a) for a in table)
-    vocab = len(FAR_LOGITS)
-    int_w = [_int(digits[:, 0, i]) for i in range(vocab)]
+    vocab = len(logits)
+    assert digits.shape[1:] == ((1, vocab) if vocab <= draws.BLOCK else (3, draws.BLOCK))
+    int_w = [_int(digits[:, i // digits.shape[2], i % digits.shape[2]]) for i in range(vocab)]
     total = _int(block_cum[:, -1])
     assert total == sum(int_w) and 0 < total < 1 << draws.BITS
     exact_w = [Fraction(float(w)) for w in np.asarray(weights)]
@@ -56,7 +63,7 @@ def test_far_tail_token_measure_is_its_probability():
         law = Fraction(int_w[y], total)
         target = exact_w[y] / exact_total
         assert abs(law - target) <= Fraction(1, 1 << (draws.BITS - 2)), y
-        if y in FAR_TOKENS:
+        if y - (vocab - len(FAR_LOGITS)) in FAR_TOKENS:
             assert law > 0 and abs(law / target - 1) < Fraction(1, 1 << 40), (y, float(law))
         if int_w[y]:  # the first and the last R of the interval map to y, the next R does not
             assert int(index(table, _to_digits(cum))) == y
@@ -64,7 +71,7 @@ def test_far_tail_token_measure_is_its_probability():
             if cum + int_w[y] < total:
                 assert int(index(table, _to_digits(cum + int_w[y]))) != y
         cum += int_w[y]
-    assert int_w[7] == 0  # -inf: never drawn
+    assert int_w[vocab - 2] == 0  # -inf: never drawn
 
 
 def test_old_gumbel_path_cannot_reach_a_token_25_nats_down():
