@@ -7,14 +7,23 @@ tokens A(s), next state δ(s, x). It is kept in memory and on disk (``<compilati
 dir>/constraints/<sha256>.npz``, see :mod:`asps_jax.compile_cache`), keyed by a hash of the
 pattern and the vocabulary's token byte strings.
 
-Device side. The DFAs of a batch are stacked into one dense table ``next int32[S, V]`` (-1 =
+Token classes. A DFA treats most tokens alike: every token of a string's body, say, moves every
+state to the same next state. The tokens that every state treats alike form a class, and the DFA
+is kept as ``classes int32[V]`` (each token's class) with ``next int32[S, C]`` over the classes —
+an exact rewrite of the dense ``S x V`` table (``δ(s, x) = next[s, classes[x]]``) that is a few
+hundred columns wide instead of V: a 444-state JSON schema at V = 100 k has 214 classes (0.4 MB
+instead of 170 MB). :mod:`asps_jax.dfa_worker` builds it without the dense table.
+
+Device side. The DFAs of a batch are stacked into one table over their joint classes (tokens that
+every DFA of the batch puts in the same class): ``classes int32[V]``, ``next int32[S, C]`` (-1 =
 forbidden) with ``final bool[S]`` (accepting states) and a start state per row; state 0 is the
 sink (nothing allowed), state 1 the free state of an unconstrained row (everything allowed,
-accepting). ``S * V`` is bounded by :data:`MAX_TABLE_ENTRIES` (a larger DFA is refused; there is
-no compact form). Since outlines-core builds the whole DFA before it can be counted (and aborts
-the process when that runs out of memory), what would be too large is refused before it runs: a
-regex whose estimated DFA (:func:`estimate_states`: counted repetitions unrolled) is past the
-bound, or longer / deeper than :data:`MAX_PATTERN_LENGTH` / :data:`MAX_PATTERN_DEPTH`; a schema
+accepting). ``S * C`` is bounded by :data:`MAX_TABLE_ENTRIES`. Since outlines-core builds every
+transition of the DFA (``S x V`` of them, less the forbidden ones) before it can be counted, and
+aborts the process when that runs out of memory, what would be too large is refused before it
+runs: a regex whose estimated DFA (:func:`estimate_states`: counted repetitions unrolled) is past
+:data:`MAX_STATES` or whose transitions would be past :data:`MAX_INDEX_ENTRIES`, or longer /
+deeper than :data:`MAX_PATTERN_LENGTH` / :data:`MAX_PATTERN_DEPTH`; a schema
 nested deeper than :data:`MAX_SCHEMA_DEPTH`, recursive, or whose regex would be past the length
 bound (:func:`check_schema`). Each row carries its committed state (``History.dfa``; -1 before
 the first generated token = the row's start state); a tree node's state is δ* of its path below
@@ -55,10 +64,16 @@ import numpy as np
 from asps_jax import compile_cache, tokenbytes
 
 MAX_TABLE_ENTRIES = 1 << 26
-"""The bound on ``states x vocabulary`` of a batch's stacked DFA table (int32: 256 MiB)."""
+"""The bound on ``states x token classes`` of a batch's stacked DFA table (int32: 256 MiB)."""
+
+MAX_INDEX_ENTRIES = 1 << 27
+"""The bound on ``estimated states x vocabulary``: about the transitions outlines-core would
+build (in Rust maps, before anything can be counted): 512 states at V = 262 k (a 444-state schema
+is 116 M), 1 342 at V = 100 k; ``[a-z]{1,100000}`` at V = 2 048 (205 M) ran 40 s into a
+MemoryError. Past it a pattern is refused before outlines-core runs."""
 
 SINK, FREE, FIRST = 0, 1, 2  # global state ids: the sink, the free state, the first pattern state
-_FORMAT = 1  # bump when the cached table layout changes
+_FORMAT = 2  # bump when the cached table layout changes (2: token classes)
 
 STATS: collections.Counter = collections.Counter()
 """``compiled`` (outlines-core ran), ``disk`` (read from the disk cache), ``memory`` (reused in
@@ -81,9 +96,12 @@ SCHEMA_TYPES = ("string", "integer", "number", "boolean", "null", "object", "arr
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenDFA:
-    """One compiled constraint: ``next int32[S, V]`` (-1 forbidden; local state ids),
-    ``final bool[S]``, ``start`` (the initial state) and ``key`` (the cache key)."""
+    """One compiled constraint as a token-class automaton: ``classes int32[V]`` (each token's
+    class), ``next int32[S, C]`` (-1 forbidden; local state ids; ``δ(s, x) =
+    next[s, classes[x]]``), ``final bool[S]``, ``start`` (the initial state) and ``key`` (the
+    cache key)."""
 
+    classes: np.ndarray
     next: np.ndarray
     final: np.ndarray
     start: int
@@ -92,6 +110,14 @@ class TokenDFA:
     @property
     def num_states(self) -> int:
         return self.next.shape[0]
+
+    @property
+    def num_classes(self) -> int:
+        return self.next.shape[1]
+
+    def dense(self) -> np.ndarray:
+        """The dense ``int32[S, V]`` table (for small vocabularies and tests)."""
+        return self.next[:, self.classes]
 
 
 def _one_line(err) -> str:
@@ -193,7 +219,9 @@ def compile_regex(
         tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            np.savez_compressed(tmp, next=dfa.next, final=dfa.final, start=dfa.start)
+            np.savez_compressed(
+                tmp, classes=dfa.classes, next=dfa.next, final=dfa.final, start=dfa.start
+            )
             os.replace(tmp, path)
             written = True
         except OSError:  # a read-only cache: compile next time
@@ -211,19 +239,23 @@ def _load_entry(path: Path, key: str, vocab: int) -> TokenDFA:
     """A disk cache entry, checked against the shape its key promises: a ValueError (or the
     loader's own error) when it does not hold a valid table over ``vocab`` tokens."""
     with np.load(path, allow_pickle=False) as data:
-        nxt, final, start = data["next"], data["final"], data["start"]
-    if nxt.dtype != np.int32 or nxt.ndim != 2 or nxt.shape[0] < 1 or nxt.shape[1] != vocab:
-        raise ValueError(f"next is {nxt.dtype}{list(nxt.shape)}, not int32[S >= 1, {vocab}]")
-    states = nxt.shape[0]
-    if states * vocab > MAX_TABLE_ENTRIES:
-        raise ValueError(f"{states} states x {vocab} tokens is past the table bound")
+        classes, nxt, final, start = data["classes"], data["next"], data["final"], data["start"]
+    if nxt.dtype != np.int32 or nxt.ndim != 2 or min(nxt.shape) < 1:
+        raise ValueError(f"next is {nxt.dtype}{list(nxt.shape)}, not int32[S >= 1, C >= 1]")
+    states, num_classes = nxt.shape
+    if states * num_classes > MAX_TABLE_ENTRIES:
+        raise ValueError(f"{states} states x {num_classes} classes is past the table bound")
+    if classes.dtype != np.int32 or classes.shape != (vocab,):
+        raise ValueError(f"classes is {classes.dtype}{list(classes.shape)}, not int32[{vocab}]")
+    if vocab and (int(classes.min()) < 0 or int(classes.max()) >= num_classes):
+        raise ValueError(f"classes holds a class outside [0, {num_classes})")
     if nxt.size and (int(nxt.min()) < -1 or int(nxt.max()) >= states):
         raise ValueError(f"next holds a state outside [-1, {states})")
     if final.dtype != np.bool_ or final.shape != (states,):
         raise ValueError(f"final is {final.dtype}{list(final.shape)}, not bool[{states}]")
     if start.ndim != 0 or start.dtype.kind not in "iu" or not 0 <= int(start) < states:
         raise ValueError(f"start is {start!r}, not a state in [0, {states})")
-    return TokenDFA(nxt, final, int(start), key)
+    return TokenDFA(classes, nxt, final, int(start), key)
 
 
 def _half_the_memory() -> int:
@@ -254,7 +286,6 @@ def _compile(pattern: str, tokens: list[bytes | None], key: str, what: str) -> T
         raise ValueError(msg) from None
     if all(t is None for t in tokens):
         raise ValueError(f"{what}: the tokenizer has no usable token")
-    vocab = len(tokens)
     request = pickle.dumps((pattern, tokens, MAX_TABLE_ENTRIES, COMPILE_MEMORY_BYTES))
     fix = "simplify the pattern (bound repetitions and string lengths, e.g. maxLength)"
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -279,11 +310,11 @@ def _compile(pattern: str, tokens: list[bytes | None], key: str, what: str) -> T
         result = ("crash", "")
     kind = result[0]
     if kind == "ok":
-        return TokenDFA(result[1], result[2], 0, key)
+        return TokenDFA(result[1], result[2], result[3], 0, key)
     if kind == "compile":
         raise ValueError(f"{what} {pattern!r} does not compile: {result[1]}")
     if kind == "size":
-        raise ValueError(_size_error(what, result[1], vocab))
+        raise ValueError(_size_error(what, result[1], result[2]))
     stderr = done.stderr.decode(errors="replace").strip().splitlines()
     if kind == "memory" or (stderr and "memory allocation" in stderr[-1]):
         raise ValueError(
@@ -297,11 +328,11 @@ def _compile(pattern: str, tokens: list[bytes | None], key: str, what: str) -> T
     )
 
 
-def _size_error(what: str, states: int, vocab: int) -> str:
+def _size_error(what: str, states: int, classes: int) -> str:
     return (
-        f"{what}: the constraint's DFA has {states} states x {vocab} tokens = {states * vocab} "
-        f"table entries, past the bound of {MAX_TABLE_ENTRIES}: simplify the pattern (bound "
-        "repetitions and string lengths, e.g. maxLength)"
+        f"{what}: the constraint's DFA has {states} states x {classes} token classes = "
+        f"{states * classes} table entries, past the bound of {MAX_TABLE_ENTRIES}: simplify the "
+        "pattern (bound repetitions and string lengths, e.g. maxLength)"
     )
 
 
@@ -579,12 +610,12 @@ def _check_estimate(pattern: str, vocab: int, what: str) -> None:
         raise ValueError(f"{what}: {err}") from None
     if estimate is None:
         return
-    if estimate > min(MAX_STATES, MAX_TABLE_ENTRIES // max(vocab, 1)):
+    if estimate > min(MAX_STATES, MAX_INDEX_ENTRIES // max(vocab, 1)):
         shown = f"{estimate}" if estimate < _HUGE else f"more than {_HUGE}"
         raise ValueError(
             f"{what}: the constraint's DFA is estimated (counted repetitions unrolled) at "
-            f"{shown} states x {vocab} tokens, past the bound of {MAX_TABLE_ENTRIES} table "
-            f"entries (and of {MAX_STATES} states): refused before compiling; bound the "
+            f"{shown} states x {vocab} tokens, past the bound of {MAX_INDEX_ENTRIES} "
+            f"transitions (and of {MAX_STATES} states): refused before compiling; bound the "
             "repetitions ({m,n} with a smaller n, maxLength / maxItems in a schema)"
         )
 
@@ -814,31 +845,39 @@ def schema_regex(schema) -> str:
 
 
 def stack(dfas: list[TokenDFA | None], vocab: int):
-    """One table for a batch: ``(next int32[S, V], final bool[S], start int32[B])`` with the
-    sink at 0, the free state at 1 (rows without a constraint) and each distinct DFA after, its
-    states offset; S is padded to a multiple of 64 with sink rows (fewer compiled shapes)."""
-    offsets: dict[str, int] = {}
-    parts, finals, size = [], [], FIRST
+    """One table for a batch: ``(classes int32[V], next int32[S, C], final bool[S], start
+    int32[B])`` with the sink at 0, the free state at 1 (rows without a constraint) and each
+    distinct DFA after, its states offset. The classes are the batch's joint classes (tokens in
+    the same class of every DFA); S and C are padded to multiples of 64 (C at most V) with
+    sink rows and unused columns (fewer compiled shapes)."""
+    distinct: dict[str, TokenDFA] = {}
     for dfa in dfas:
-        if dfa is not None and dfa.key not in offsets:
-            offsets[dfa.key] = size
-            parts.append(np.where(dfa.next >= 0, dfa.next + size, -1).astype(np.int32))
-            finals.append(dfa.final)
-            size += dfa.num_states
+        if dfa is not None:
+            distinct.setdefault(dfa.key, dfa)
+    per_dfa = np.stack([d.classes for d in distinct.values()] or [np.zeros(vocab, np.int32)])
+    joint, first, classes = np.unique(per_dfa, axis=1, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # joint classes numbered by their first token
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    classes, joint = rank[classes.reshape(-1)].astype(np.int32), joint[:, order]
+    size = FIRST + sum(d.num_states for d in distinct.values())
     padded = -(-size // 64) * 64
-    if padded * vocab > MAX_TABLE_ENTRIES:
-        raise ValueError(_size_error("the batch's constraints", padded, vocab))
-    table = np.full((padded, vocab), -1, np.int32)
+    width = max(1, min(-(-joint.shape[1] // 64) * 64, vocab))
+    if padded * width > MAX_TABLE_ENTRIES:
+        raise ValueError(_size_error("the batch's constraints", padded, width))
+    table = np.full((padded, width), -1, np.int32)
     table[FREE] = FREE
     final = np.zeros(padded, bool)
     final[FREE] = True
-    at = FIRST
-    for part, f in zip(parts, finals):
-        table[at : at + part.shape[0]] = part
-        final[at : at + part.shape[0]] = f
-        at += part.shape[0]
+    offsets, at = {}, FIRST
+    for d, columns in zip(distinct.values(), joint):
+        part = d.next[:, columns]  # [S_d, C_joint]: each joint class's column in this DFA
+        table[at : at + d.num_states, : part.shape[1]] = np.where(part >= 0, part + at, -1)
+        final[at : at + d.num_states] = d.final
+        offsets[d.key] = at
+        at += d.num_states
     start = np.array([FREE if d is None else offsets[d.key] + d.start for d in dfas], np.int32)
-    return table, final, start
+    return classes, table, final, start
 
 
 # ------------------------------------------------------------------------------------------
@@ -852,7 +891,7 @@ def root_states(sampling, history) -> jax.Array:
 
 def advance(sampling, states, tokens) -> jax.Array:
     """δ(state, token) elementwise; a forbidden token leads to the sink."""
-    nxt = sampling.dfa_next[states, jnp.asarray(tokens, jnp.int32)]
+    nxt = sampling.dfa_next[states, sampling.dfa_classes[jnp.asarray(tokens, jnp.int32)]]
     return jnp.where(nxt >= 0, nxt, SINK)
 
 
@@ -868,10 +907,10 @@ def node_states(sampling, history, path_BXD, depth_BX) -> jax.Array:
 
 def allowed(sampling, states) -> jax.Array:
     """bool[..., V]: the tokens allowed in each state (the EOS ids in accepting states only)."""
-    vocab = sampling.dfa_next.shape[1]
+    vocab = sampling.dfa_classes.shape[0]
     eos = sampling.eos_ids
     is_eos_V = jnp.zeros(vocab, bool).at[jnp.where(eos >= 0, eos, vocab)].set(True, mode="drop")
-    steps = sampling.dfa_next[states] >= 0
+    steps = jnp.take(sampling.dfa_next[states] >= 0, sampling.dfa_classes, axis=-1)
     is_eos = is_eos_V.reshape((1,) * (steps.ndim - 1) + (vocab,))
     return (steps & ~is_eos) | (sampling.dfa_final[states][..., None] & is_eos)
 
@@ -882,7 +921,7 @@ def allows(sampling, states, tokens) -> jax.Array:
     tokens = jnp.asarray(tokens, jnp.int32)
     eos = sampling.eos_ids.reshape((1,) * tokens.ndim + (-1,))
     is_eos = jnp.any(tokens[..., None] == eos, axis=-1)
-    step = sampling.dfa_next[states, tokens] >= 0
+    step = sampling.dfa_next[states, sampling.dfa_classes[tokens]] >= 0
     return jnp.where(is_eos, sampling.dfa_final[states], step)
 
 

@@ -162,8 +162,10 @@ class SamplingParams:
         when no row has a bias.
       ngram_window: static int, :func:`ngram_window` of the rows' n-gram sizes (0: none; the
         n-gram code is then not compiled at all).
-      dfa_next: int32[S, V], the stacked constraint DFAs (-1 = forbidden; state 0 the sink, 1
-        the free state of unconstrained rows), or int32[1, 1] when no row is constrained.
+      dfa_classes: int32[V], each token's class in the stacked constraint DFAs, or int32[1]
+        when no row is constrained.
+      dfa_next: int32[S, C], the stacked constraint DFAs over the token classes (-1 = forbidden;
+        state 0 the sink, 1 the free state of unconstrained rows), or int32[1, 1].
       dfa_final: bool[S], the accepting states.
       dfa_start: int32[B], each row's start state.
       constrained: static bool, some row has a constraint (else none of its code is compiled).
@@ -195,6 +197,7 @@ class SamplingParams:
     frequency_penalty: jax.Array = _laid_out("rows")
     no_repeat_ngram_size: jax.Array = _laid_out("rows")
     logit_bias: jax.Array = _laid_out("rows")
+    dfa_classes: jax.Array = _laid_out("replicated")
     dfa_next: jax.Array = _laid_out("replicated")
     dfa_final: jax.Array = _laid_out("replicated")
     dfa_start: jax.Array = _laid_out("rows")
@@ -223,7 +226,8 @@ class SamplingParams:
         constraint=None,
         draft_stop=None,
     ):
-        """``constraint``: None, or ``(next int32[S, V], final bool[S], start int32[B])`` from
+        """``constraint``: None, or ``(classes int32[V], next int32[S, C], final bool[S],
+        start int32[B])`` from
         :func:`asps_jax.constraints.stack`. A control or filter left None is absent: its code is
         not compiled (:attr:`filters`, :attr:`penalized`)."""
         given = dict(top_k=top_k, top_p=top_p, min_p=min_p)
@@ -257,9 +261,10 @@ class SamplingParams:
             frequency_penalty=rows(frequency_penalty, jnp.float32, 0.0),
             no_repeat_ngram_size=ngram,
             logit_bias=bias,
-            dfa_next=jnp.full((1, 1), -1, jnp.int32) if constraint is None else constraint[0],
-            dfa_final=jnp.zeros((1,), bool) if constraint is None else constraint[1],
-            dfa_start=rows(None if constraint is None else constraint[2], jnp.int32, 0),
+            dfa_classes=jnp.zeros((1,), jnp.int32) if constraint is None else constraint[0],
+            dfa_next=jnp.full((1, 1), -1, jnp.int32) if constraint is None else constraint[1],
+            dfa_final=jnp.zeros((1,), bool) if constraint is None else constraint[2],
+            dfa_start=rows(None if constraint is None else constraint[3], jnp.int32, 0),
             draft_stop=rows(draft_stop, jnp.float32, 0.0),
             ngram_window=ngram_window(np.asarray(ngram).reshape(-1).tolist()),
             constrained=constraint is not None,

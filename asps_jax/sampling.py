@@ -302,9 +302,11 @@ def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True, eq=False)
 class HostConstraint:
     """The stacked constraint tables of a call, kept on the host to tell which rows' text the
-    constraint accepts (:meth:`incomplete_rows`): ``next int32[S, V]``, ``final bool[S]``,
-    ``start int32[rows]`` (:func:`asps_jax.constraints.stack`) and the EOS ids."""
+    constraint accepts (:meth:`incomplete_rows`): ``classes int32[V]``, ``next int32[S, C]``,
+    ``final bool[S]``, ``start int32[rows]`` (:func:`asps_jax.constraints.stack`) and the EOS
+    ids."""
 
+    classes: np.ndarray
     next: np.ndarray
     final: np.ndarray
     start: np.ndarray
@@ -325,6 +327,6 @@ class HostConstraint:
         for j in range(tokens.shape[1]):
             token = tokens[:, j]
             live &= (j < lengths) & ~np.isin(token, eos)
-            moved = self.next[state, np.clip(token, 0, self.next.shape[1] - 1)]
+            moved = self.next[state, self.classes[np.clip(token, 0, self.classes.shape[0] - 1)]]
             state = np.where(live, np.where(moved >= 0, moved, constraints.SINK), state)
         return ~self.final[state]

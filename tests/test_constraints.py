@@ -48,7 +48,8 @@ def _hand_tables():
     for s, edges in HAND_DFA.items():
         for x, t in edges.items():
             table[s, x] = t
-    dfa = constraints.TokenDFA(table, np.array([True, False, True]), 0, "hand")
+    classes = np.arange(V4, dtype=np.int32)  # every token its own class
+    dfa = constraints.TokenDFA(classes, table, np.array([True, False, True]), 0, "hand")
     return SamplingParams.make(1, constraint=constraints.stack([dfa], V4))
 
 
@@ -393,7 +394,7 @@ def test_the_test_patterns_compile_to_their_regex_language(char_models):
             for s in itertools.product(CHARS, repeat=length):
                 state = dfa.start
                 for c in s:
-                    state = dfa.next[state, CHARS.index(c) + 1] if state >= 0 else -1
+                    state = dfa.dense()[state, CHARS.index(c) + 1] if state >= 0 else -1
                 accepted = state >= 0 and bool(dfa.final[state])
                 assert accepted == bool(re.fullmatch(pattern, "".join(s))), (pattern, s)
 
@@ -435,6 +436,7 @@ def test_second_compile_reads_the_disk_cache(char_models, tmp_path, monkeypatch)
     assert constraints.STATS["compiled"] == before.get("compiled", 0) + 1
     assert constraints.STATS["disk"] == before.get("disk", 0) + 1
     np.testing.assert_array_equal(first.next, second.next)
+    np.testing.assert_array_equal(first.classes, second.classes)
     np.testing.assert_array_equal(first.final, second.final)
     # Another vocabulary is another entry.
     constraints.compile_regex("[a-c]+k", tokens[:-1] + [b"z"])

@@ -18,7 +18,7 @@ import numpy as np
 import outlines_core.json_schema
 import pytest
 
-from asps_jax import constraints
+from asps_jax import constraints, dfa_worker
 
 # Every byte as a token, a few multi-byte tokens and a special token (None): small enough that
 # outlines-core compiles the patterns below in milliseconds.
@@ -120,7 +120,9 @@ def _nested_arrays(depth: int, leaf=None) -> dict:
     [
         ("[a-z]{1,100000}", 2048),  # 40 s, then MemoryError, before
         ("(a{1000}){1000}", 2048),  # nested counted repetitions multiply
-        (r"\p{L}{1,200}", 2048),  # a Unicode class is ~300 UTF-8 states per position
+        # A Unicode class is ~300 UTF-8 states per position: {1,200} (63 k states, 97 token
+        # classes at 2 048 tokens) compiles in 9 s; {1,500} would be 158 k states.
+        (r"\p{L}{1,500}", 2048),
         ("[a-z]{1,300000}", 12),  # a tiny vocabulary: the absolute cap on states
         ('"([^"\\\\]|\\\\.){0,100000}"', 100_000),
     ],
@@ -186,10 +188,11 @@ def test_the_estimate_tracks_the_real_dfa_and_admits_what_compiles(name, monkeyp
     estimate = constraints.estimate_states(regex)
     assert real / 2 <= estimate <= 2 * real, (real, estimate)
     for vocab in (2048, 100_000):
-        if real * vocab <= constraints.MAX_TABLE_ENTRIES:
+        if real * vocab <= constraints.MAX_INDEX_ENTRIES:
             constraints._check_estimate(regex, vocab, "json_schema")  # no refusal
-    if name == "three_fields":
-        constraints._check_estimate(regex, 100_000, "json_schema")  # 444 x 100k < 2**26
+    if name == "three_fields":  # 444 states: admitted at Llama 3's and Gemma 3's vocabularies
+        for vocab in (128_256, 262_144):
+            constraints._check_estimate(regex, vocab, "json_schema")
 
 
 # --- 2. Schemas: depth, recursion, expansion ------------------------------------------------
@@ -327,25 +330,37 @@ def _empty(path, fresh):
     path.write_bytes(b"")
 
 
-def _wrong_width(path, fresh):
-    np.savez_compressed(
-        path, next=np.zeros((fresh.num_states, len(BYTES) + 1), np.int32), final=fresh.final,
-        start=fresh.start,
-    )  # fmt: skip
+def _save(path, fresh, **changed):
+    arrays = dict(classes=fresh.classes, next=fresh.next, final=fresh.final, start=fresh.start)
+    np.savez_compressed(path, **{**arrays, **changed})
+
+
+def _wrong_width(path, fresh):  # a class map over another vocabulary
+    _save(path, fresh, classes=np.zeros(len(BYTES) + 1, np.int32))
 
 
 def _out_of_range(path, fresh):
     bad = fresh.next.copy()
     bad[0, 0] = fresh.num_states + 5
-    np.savez_compressed(path, next=bad, final=fresh.final, start=fresh.start)
+    _save(path, fresh, next=bad)
+
+
+def _class_out_of_range(path, fresh):
+    bad = fresh.classes.copy()
+    bad[3] = fresh.num_classes
+    _save(path, fresh, classes=bad)
+
+
+def _old_format(path, fresh):  # a dense table of format 1 (no class map)
+    np.savez_compressed(path, next=fresh.dense(), final=fresh.final, start=fresh.start)
 
 
 def _wrong_final(path, fresh):
-    np.savez_compressed(path, next=fresh.next, final=fresh.final[:-1], start=fresh.start)
+    _save(path, fresh, final=fresh.final[:-1])
 
 
 def _bad_start(path, fresh):
-    np.savez_compressed(path, next=fresh.next, final=fresh.final, start=fresh.num_states)
+    _save(path, fresh, start=fresh.num_states)
 
 
 def _text(path, fresh):
@@ -354,7 +369,17 @@ def _text(path, fresh):
 
 @pytest.mark.parametrize(
     "damage",
-    [_truncate, _empty, _wrong_width, _out_of_range, _wrong_final, _bad_start, _text],
+    [
+        _truncate,
+        _empty,
+        _wrong_width,
+        _out_of_range,
+        _class_out_of_range,
+        _old_format,
+        _wrong_final,
+        _bad_start,
+        _text,
+    ],  # fmt: skip
     ids=lambda f: f.__name__.strip("_"),
 )
 def test_a_broken_cache_entry_is_compiled_again_and_rewritten(
@@ -371,6 +396,7 @@ def test_a_broken_cache_entry_is_compiled_again_and_rewritten(
     with caplog.at_level(logging.WARNING, logger="asps_jax.constraints"):
         again = constraints.compile_regex(CACHED, BYTES)
     np.testing.assert_array_equal(again.next, fresh.next)
+    np.testing.assert_array_equal(again.classes, fresh.classes)
     np.testing.assert_array_equal(again.final, fresh.final)
     assert again.start == fresh.start
     assert constraints.STATS["compiled"] == before.get("compiled", 0) + 1
@@ -447,3 +473,80 @@ def test_a_pattern_that_is_not_unicode_text_names_its_flag(uncached):
     """A lone surrogate raised "'utf-8' codec can't encode ...", naming no argument."""
     with pytest.raises(ValueError, match="regex: the pattern is not valid Unicode text"):
         constraints.compile_regex("ab\ud800", BYTES)
+
+
+# --- 5. Token classes: an exact rewrite of the dense table ------------------------------------
+
+# Byte tokens, multi-byte pieces that cross the patterns' boundaries, and ids never allowed.
+CLASS_VOCAB = BYTES + [b"12", b"3,", b'","', b'"b', b"true", b" -", "\u00e9t\u00e9".encode(), None]
+CLASS_PATTERNS = [
+    r"(true|false|-?[0-9]{1,4})(,[0-9]{2})?",
+    r"\p{L}{1,3}[a-c]?",  # multi-byte UTF-8: partial characters are states of their own
+    constraints.schema_regex(THREE_FIELDS),
+]
+
+
+def _outlines_index(pattern: str):
+    """outlines-core's own ``Index`` over CLASS_VOCAB: its transitions and the state ids the
+    worker gives them (start first, then by outlines-core's id)."""
+    from outlines_core import Index, Vocabulary
+
+    mapping: dict = {}
+    for i, t in enumerate(CLASS_VOCAB):
+        if t is not None:
+            mapping.setdefault(t, []).append(i)
+    index = Index(pattern, Vocabulary(len(CLASS_VOCAB), mapping))
+    transitions, start = index.get_transitions(), index.get_initial_state()
+    finals = set(index.get_final_states())
+    states = {start} | set(transitions) | finals
+    for edges in transitions.values():
+        states |= set(edges.values())
+    ids = {s: i for i, s in enumerate([start] + sorted(states - {start}))}
+    return transitions, ids, finals
+
+
+def _outlines_dense(pattern: str) -> tuple[np.ndarray, np.ndarray]:
+    """The dense ``int32[S, V]`` table and ``final bool[S]`` from outlines-core's transitions."""
+    transitions, ids, finals = _outlines_index(pattern)
+    dense = np.full((len(ids), len(CLASS_VOCAB)), -1, np.int32)
+    for s, edges in transitions.items():
+        for t, n in edges.items():
+            if t < len(CLASS_VOCAB):
+                dense[ids[s], t] = ids[n]
+    final = np.zeros(len(ids), bool)
+    final[[ids[s] for s in finals]] = True
+    return dense, final
+
+
+@pytest.mark.parametrize("pattern", CLASS_PATTERNS, ids=["regex", "unicode", "three_fields"])
+def test_token_classes_equal_the_dense_table(pattern, monkeypatch):
+    """Every state x token: ``next[s, classes[x]]`` is outlines-core's own transition (or -1),
+    the classes are as few as the distinct columns, and a hash collision's fallback (forced
+    here) groups the columns themselves into the very same classes."""
+    monkeypatch.setattr(constraints, "_MEMORY", {})
+    monkeypatch.setenv("ASPS_JAX_NO_CACHE", "1")
+    dfa = constraints.compile_regex(pattern, CLASS_VOCAB)
+    dense, final = _outlines_dense(pattern)
+    np.testing.assert_array_equal(dfa.dense(), dense)
+    np.testing.assert_array_equal(dfa.final, final)
+    assert dfa.num_classes == np.unique(dense, axis=1).shape[1] < len(CLASS_VOCAB) // 2
+    transitions, ids, _ = _outlines_index(pattern)
+    classes, reps = dfa_worker.token_classes(transitions, ids, len(CLASS_VOCAB))
+    np.testing.assert_array_equal(classes, dfa.classes)
+    monkeypatch.setattr(dfa_worker, "_exact", lambda *a: False)
+    slow = dfa_worker.token_classes(transitions, ids, len(CLASS_VOCAB))
+    np.testing.assert_array_equal(slow[0], classes)
+    np.testing.assert_array_equal(slow[1], reps)
+
+
+def test_a_collision_is_caught_by_the_exact_check():
+    """Two tokens with different columns given one class fail the check (what sends the worker
+    to its fallback)."""
+    transitions, ids, _ = _outlines_index(CLASS_PATTERNS[0])
+    classes, reps = dfa_worker.token_classes(transitions, ids, len(CLASS_VOCAB))
+    assert dfa_worker._exact(transitions, ids, classes, reps)
+    merged = classes.copy()
+    one, two = int(classes[ord("1")]), int(classes[ord("t")])
+    assert one != two
+    merged[merged == two] = one
+    assert not dfa_worker._exact(transitions, ids, merged, reps)

@@ -242,7 +242,7 @@ def test_every_input_field_is_placed_as_it_declares():
     specs = sharding.field_shardings(inputs, mesh)
     row_fields = set(SamplingParams.row_fields())
     assert row_fields and set(SamplingParams.array_fields()) - row_fields == {
-        "eos_ids", "dfa_next", "dfa_final"
+        "eos_ids", "dfa_classes", "dfa_next", "dfa_final"
     }  # fmt: skip
     for name in SamplingParams.array_fields():
         spec, value = getattr(specs.sampling, name).spec, getattr(inputs.sampling, name)
