@@ -21,58 +21,79 @@ import pickle
 import sys
 
 
-def token_classes(transitions: dict, ids: dict, vocab: int):
-    """``(classes int32[V], representatives int64[C])``: tokens that every state treats alike
-    (the same next state from each state, or forbidden) share a class; classes are numbered in
-    the order of their first token, whose id is the class's representative. Found by hashing
-    each token's column state by state (no ``S x V`` table), then checked exactly: a hash
-    collision (never seen) falls back to grouping the columns themselves."""
+def state_rows(transitions: dict, ids: dict, vocab: int) -> list:
+    """``[(state id, tokens int64[k], next state ids int64[k])]``, one per state with
+    transitions, in state id order (tokens past the vocabulary, outlines-core's own end token,
+    left out)."""
     import numpy as np
 
-    h = np.zeros(vocab + 1, np.uint64)  # one spare slot: outlines-core's own end token
+    rows = []
     for s in sorted(transitions, key=ids.__getitem__):
         edges = transitions[s]
         tok = np.fromiter(edges.keys(), np.int64, len(edges))
-        nxt = np.fromiter((ids[n] for n in edges.values()), np.uint64, len(edges))
-        v = (nxt + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(ids[s])
-        h[tok] = (h[tok] ^ v) * np.uint64(0x100000001B3) + np.uint64(0xD6E8FEB86659FD93)
-    _, first, inverse = np.unique(h[:vocab], return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")  # classes by their first token
+        nxt = np.fromiter((ids[n] for n in edges.values()), np.int64, len(edges))
+        keep = tok < vocab
+        rows.append((ids[s], tok[keep], nxt[keep]))
+    return rows
+
+
+def _numbered(keys):
+    """``(classes int32[V], representatives int64[C])`` for per-token keys: equal keys share a
+    class, classes numbered in the order of their first token (the representative)."""
+    import numpy as np
+
+    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
     rank = np.empty_like(order)
     rank[order] = np.arange(order.size)
-    classes, representatives = rank[inverse].astype(np.int32), np.sort(first)
-    if not _exact(transitions, ids, classes, representatives):
-        columns: dict = {}
-        for s in sorted(transitions, key=ids.__getitem__):
-            for t, n in transitions[s].items():
-                if t < vocab:
-                    columns.setdefault(t, []).append((ids[s], ids[n]))
-        seen: dict = {}
-        classes = np.array(
-            [seen.setdefault(tuple(columns.get(t, ())), len(seen)) for t in range(vocab)],
-            np.int32,
-        )
-        representatives = np.unique(classes, return_index=True)[1]
-    return classes, representatives
+    return rank[inverse.reshape(-1)].astype(np.int32), np.sort(first)
 
 
-def _exact(transitions: dict, ids: dict, classes, representatives) -> bool:
-    """Every token's transitions are its class representative's: per state, the same next
-    state for each allowed token, and as many allowed tokens as the allowed classes hold."""
+def token_classes(rows: list, vocab: int):
+    """``(classes int32[V], representatives int64[C])``: tokens that every state treats alike
+    (the same next state from each state, or forbidden) share a class, found by hashing each
+    token's column state by state (no ``S x V`` table). :func:`class_table` then checks the
+    classes exactly; :func:`exact_classes` is the fallback for a hash collision."""
+    import numpy as np
+
+    h = np.zeros(vocab, np.uint64)
+    for sid, tok, nxt in rows:
+        v = (nxt.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        v += np.uint64(sid)
+        h[tok] = (h[tok] ^ v) * np.uint64(0x100000001B3) + np.uint64(0xD6E8FEB86659FD93)
+    return _numbered(h)
+
+
+def exact_classes(rows: list, vocab: int):
+    """:func:`token_classes` by the columns themselves (each token's ``(state, next)`` pairs):
+    slower, and free of collisions."""
+    import numpy as np
+
+    columns: list[list] = [[] for _ in range(vocab)]
+    for sid, tok, nxt in rows:
+        for t, n in zip(tok.tolist(), nxt.tolist()):
+            columns[t].append((sid, n))
+    seen: dict = {}
+    keys = np.array([seen.setdefault(tuple(c), len(seen)) for c in columns], np.int64)
+    return _numbered(keys)
+
+
+def class_table(rows: list, classes, representatives, num_states: int):
+    """``next int32[S, C]``: each state's next state for each class's representative (-1:
+    forbidden), or None when some token's transition is not its class's (a hash collision):
+    each state's dense row is rebuilt and compared in full, so a table returned is exact."""
     import numpy as np
 
     vocab = classes.shape[0]
-    sizes = np.bincount(classes, minlength=representatives.size)
-    rep_of = representatives[classes]
-    for edges in transitions.values():
-        tok = np.fromiter((t for t in edges if t < vocab), np.int64)
-        nxt = np.fromiter((ids[edges[t]] for t in tok.tolist()), np.int64, tok.size)
-        reps = {t: ids[edges[t]] for t in representatives.tolist() if t in edges}
-        rep_next = np.array([reps.get(t, -1) for t in rep_of[tok].tolist()], np.int64)
-        allowed = sum(int(sizes[classes[t]]) for t in reps)
-        if not np.array_equal(rep_next, nxt) or allowed != tok.size:
-            return False
-    return True
+    table = np.full((num_states, representatives.size), -1, np.int32)
+    dense = np.empty(vocab, np.int64)
+    for sid, tok, nxt in rows:
+        dense.fill(-1)
+        dense[tok] = nxt
+        table[sid] = dense[representatives]
+        if not np.array_equal(table[sid][classes], dense):
+            return None
+    return table
 
 
 def build_table(pattern: str, tokens: list, max_entries: int):
@@ -103,15 +124,14 @@ def build_table(pattern: str, tokens: list, max_entries: int):
     for edges in transitions.values():
         states |= set(edges.values())
     ids = {s: i for i, s in enumerate([start] + sorted(states - {start}))}
-    classes, representatives = token_classes(transitions, ids, vocab)
-    if len(ids) * representatives.size > max_entries:
-        return ("size", len(ids), int(representatives.size))
-    table = np.full((len(ids), representatives.size), -1, np.int32)
-    for s, edges in transitions.items():
-        row = table[ids[s]]
-        for c, t in enumerate(representatives.tolist()):
-            if t in edges:
-                row[c] = ids[edges[t]]
+    rows = state_rows(transitions, ids, vocab)
+    for group in (token_classes, exact_classes):  # the second after a hash collision only
+        classes, representatives = group(rows, vocab)
+        if len(ids) * representatives.size > max_entries:
+            return ("size", len(ids), int(representatives.size))
+        table = class_table(rows, classes, representatives, len(ids))
+        if table is not None:
+            break
     final = np.zeros(len(ids), bool)
     final[[ids[s] for s in finals]] = True
     return ("ok", classes, table, final)

@@ -521,8 +521,8 @@ def _outlines_dense(pattern: str) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("pattern", CLASS_PATTERNS, ids=["regex", "unicode", "three_fields"])
 def test_token_classes_equal_the_dense_table(pattern, monkeypatch):
     """Every state x token: ``next[s, classes[x]]`` is outlines-core's own transition (or -1),
-    the classes are as few as the distinct columns, and a hash collision's fallback (forced
-    here) groups the columns themselves into the very same classes."""
+    the classes are as few as the distinct columns, and the fallback for a hash collision
+    (grouping the columns themselves) gives the very same classes."""
     monkeypatch.setattr(constraints, "_MEMORY", {})
     monkeypatch.setenv("ASPS_JAX_NO_CACHE", "1")
     dfa = constraints.compile_regex(pattern, CLASS_VOCAB)
@@ -531,22 +531,27 @@ def test_token_classes_equal_the_dense_table(pattern, monkeypatch):
     np.testing.assert_array_equal(dfa.final, final)
     assert dfa.num_classes == np.unique(dense, axis=1).shape[1] < len(CLASS_VOCAB) // 2
     transitions, ids, _ = _outlines_index(pattern)
-    classes, reps = dfa_worker.token_classes(transitions, ids, len(CLASS_VOCAB))
+    rows = dfa_worker.state_rows(transitions, ids, len(CLASS_VOCAB))
+    classes, reps = dfa_worker.token_classes(rows, len(CLASS_VOCAB))
     np.testing.assert_array_equal(classes, dfa.classes)
-    monkeypatch.setattr(dfa_worker, "_exact", lambda *a: False)
-    slow = dfa_worker.token_classes(transitions, ids, len(CLASS_VOCAB))
-    np.testing.assert_array_equal(slow[0], classes)
-    np.testing.assert_array_equal(slow[1], reps)
+    for got, want in zip(dfa_worker.exact_classes(rows, len(CLASS_VOCAB)), (classes, reps)):
+        np.testing.assert_array_equal(got, want)
 
 
-def test_a_collision_is_caught_by_the_exact_check():
-    """Two tokens with different columns given one class fail the check (what sends the worker
-    to its fallback)."""
-    transitions, ids, _ = _outlines_index(CLASS_PATTERNS[0])
-    classes, reps = dfa_worker.token_classes(transitions, ids, len(CLASS_VOCAB))
-    assert dfa_worker._exact(transitions, ids, classes, reps)
-    merged = classes.copy()
+def test_a_collision_is_caught_by_the_exact_check(monkeypatch):
+    """Two tokens with different columns given one class (a hash collision) make no table, and
+    the worker then groups the columns themselves: the same automaton as without a collision."""
+    pattern = CLASS_PATTERNS[0]
+    transitions, ids, _ = _outlines_index(pattern)
+    rows = dfa_worker.state_rows(transitions, ids, len(CLASS_VOCAB))
+    classes, reps = dfa_worker.token_classes(rows, len(CLASS_VOCAB))
+    assert dfa_worker.class_table(rows, classes, reps, len(ids)) is not None
     one, two = int(classes[ord("1")]), int(classes[ord("t")])
     assert one != two
-    merged[merged == two] = one
-    assert not dfa_worker._exact(transitions, ids, merged, reps)
+    merged = np.where(classes == two, one, classes)
+    assert dfa_worker.class_table(rows, merged, reps, len(ids)) is None
+    good = dfa_worker.build_table(pattern, CLASS_VOCAB, constraints.MAX_TABLE_ENTRIES)
+    monkeypatch.setattr(dfa_worker, "token_classes", lambda rows, vocab: (merged, reps))
+    again = dfa_worker.build_table(pattern, CLASS_VOCAB, constraints.MAX_TABLE_ENTRIES)
+    for a, b in zip(good[1:], again[1:], strict=True):
+        np.testing.assert_array_equal(a, b)
