@@ -6,11 +6,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from subprocess_env import xla_flags
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
 
@@ -363,3 +366,35 @@ def test_without_torch_the_transformers_columns_are_skipped_up_front(
     assert (
         "| method | K | n | tokens/step" in captured.out and "| transformers |" not in captured.out
     )
+
+
+@pytest.mark.slow
+def test_bench_device_smoke(tmp_path):
+    """scripts/bench_device.py --smoke on the CPU: random tiny target and draft, AR and a tree
+    method, ms per step beside the roofline measured in the same run (a subprocess at -O0: the
+    figures are not the point here, the script's path through prepare / compile / run is)."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "device.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), PYTHONPATH=str(root))
+    argv = ["--smoke", "--methods", "ar,tv", "--repeats", "1", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_device.py"), *argv],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["platform"] == "cpu" and report["meta"]["roofline_ms"] > 0
+    assert [(r["batch"], r["method"]) for r in report["rows"]] == [(2, "ar"), (2, "tv")]
+    for row in report["rows"]:
+        assert row["ms_per_step"] > 0 and row["compile_s"] > 0 and row["tokens_per_step"] >= 1
+    assert "| 2 | tv |" in run.stdout and "roofline" in run.stdout
+
+
+def test_bench_device_refuses_an_unknown_method(capsys):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
+    spec = importlib.util.spec_from_file_location("bench_device", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--methods", "ar,beam"]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "unknown method(s) ['beam']" in out

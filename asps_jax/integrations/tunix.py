@@ -348,6 +348,39 @@ def _next_power_of_2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
+def _left_padded(prompts: list, max_prompt_length: int | None, pad: int) -> np.ndarray:
+    """The prompts left-padded to ``max_prompt_length`` (tunix's layout), or to the next power
+    of two of the longest when that is None or too short."""
+    longest = max(len(p) for p in prompts)
+    if max_prompt_length is None or max_prompt_length < longest:
+        max_prompt_length = _next_power_of_2(longest)
+    padded = np.full((len(prompts), int(max_prompt_length)), pad, np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, padded.shape[1] - len(p) :] = p
+    return padded
+
+
+def _sequences(out, row_prompts: list, eos, P: int, M: int, pad: int):
+    """``(generated, seq, valid)``: each row's generated ids without the EOS it stopped at
+    (asps_jax keeps it, tunix does not), and the rows as tunix lays them out: the prompt
+    left-padded to P, then the generated ids, padded to P + M (``valid`` marks the real ids)."""
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    rows = len(row_prompts)
+    generated = []
+    for r in range(rows):
+        g = tokens[r, : lengths[r]].astype(np.int32)
+        if len(g) and int(g[-1]) in eos:
+            g = g[:-1]
+        generated.append(g)
+    seq = np.full((rows, P + M), pad, np.int32)
+    valid = np.zeros((rows, P + M), bool)
+    for r, (p, g) in enumerate(zip(row_prompts, generated)):
+        seq[r, P - len(p) : P] = p
+        seq[r, P : P + len(g)] = g
+        valid[r, P - len(p) : P + len(g)] = True
+    return generated, seq, valid
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _score(config, want_logits: bool, params, tokens, valid, temperature, banned):
     """One teacher-forced forward over left-padded ``tokens`` (``valid`` marks the real ones):
@@ -632,14 +665,9 @@ class AspsSampler(base_sampler.BaseSampler):
         self._sync()
 
         prompts = [self.tokenize(s) for s in strings]
-        longest = max(len(p) for p in prompts)
-        if max_prompt_length is None or max_prompt_length < longest:
-            max_prompt_length = _next_power_of_2(longest)
-        P, M, n = int(max_prompt_length), int(max_generation_steps), int(multi_sampling)
         pad = self.tokenizer.pad_id()
-        padded = np.full((len(prompts), P), pad, np.int32)
-        for i, p in enumerate(prompts):
-            padded[i, P - len(p) :] = p
+        padded = _left_padded(prompts, max_prompt_length, pad)
+        P, M, n = padded.shape[1], int(max_generation_steps), int(multi_sampling)
 
         greedy, filtered, eos, banned, kw = _sampling_kwargs(
             temperature, top_p, top_k, eos_tokens, forbidden_tokens, seed, self.tokenizer.eos_id()
@@ -666,19 +694,7 @@ class AspsSampler(base_sampler.BaseSampler):
 
         rows = len(prompts) * n
         row_prompts = [prompts[r // n] for r in range(rows)]
-        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-        generated = []
-        for r in range(rows):
-            g = tokens[r, : lengths[r]].astype(np.int32)
-            if len(g) and int(g[-1]) in eos:  # asps_jax keeps the EOS a row stopped at; tunix not
-                g = g[:-1]
-            generated.append(g)
-        seq = np.full((rows, P + M), pad, np.int32)
-        valid = np.zeros((rows, P + M), bool)
-        for r, (p, g) in enumerate(zip(row_prompts, generated)):
-            seq[r, P - len(p) : P] = p
-            seq[r, P : P + len(g)] = g
-            valid[r, P - len(p) : P + len(g)] = True
+        generated, seq, valid = _sequences(out, row_prompts, eos, P, M, pad)
 
         logits = logprobs = None
         if forward:
