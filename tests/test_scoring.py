@@ -209,8 +209,9 @@ def test_scoring_rejects_bad_inputs(models):
         score_chain(m.forward, m.params, None, jnp.zeros((5,), jnp.int32), jnp.ones((5,), bool))
 
 
-@pytest.mark.parametrize("per_layer", [False, True])
-def test_grouped_prefill_is_the_prefill_of_every_row(models, per_layer):
+# An uneven split (11 rows in groups of 3: the last group short) stacked, an even one per layer.
+@pytest.mark.parametrize("group, rows, per_layer", [(3, 11, False), (2, 4, True)])
+def test_grouped_prefill_is_the_prefill_of_every_row(models, group, rows, per_layer):
     """A prompt's n samples and a draft's K replicas are prefilled once and copied: the cache of
     a forward over every row (to float rounding: XLA's matrix products may round differently at
     another row count), every row of a group the same bits, slots past a row's length zero."""
@@ -218,19 +219,18 @@ def test_grouped_prefill_is_the_prefill_of_every_row(models, per_layer):
     rng = np.random.default_rng(4)
     prompts = rng.integers(0, V, (4, 6)).astype(np.int32)
     num = np.array([6, 1, 4, 0], np.int32)
-    for group, rows in [(3, 24), (3, 11), (2, 4)]:
-        cache = init_cache(m.config, rows, S, per_layer=per_layer)
-        src = np.arange(rows) // group * group * len(prompts) // rows  # each row's prompt
-        grouped = jax.jit(prefill_cache_grouped, static_argnums=(0, 5))(
-            m.forward, m.params, cache, jnp.asarray(prompts), jnp.asarray(num), group
-        )
-        full = jax.jit(prefill_cache, static_argnums=0)(
-            m.forward, m.params, cache, jnp.asarray(prompts[src]), jnp.asarray(num[src])
-        )
-        np.testing.assert_array_equal(grouped.lengths, num[src])
-        for a, b in zip(grouped.stacked(), full.stacked(), strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-        k = np.asarray(grouped.stacked()[0])  # [L, rows, KVH, S, H]
-        np.testing.assert_array_equal(k, k[:, np.arange(rows) // group * group])
-        for r in range(rows):
-            assert not k[:, r, :, num[src[r]] :].any() and k[:, r, :, : num[src[r]]].all()
+    cache = init_cache(m.config, rows, S, per_layer=per_layer)
+    src = np.arange(rows) // group * group * len(prompts) // rows  # each row's prompt
+    grouped = jax.jit(prefill_cache_grouped, static_argnums=(0, 5))(
+        m.forward, m.params, cache, jnp.asarray(prompts), jnp.asarray(num), group
+    )
+    full = jax.jit(prefill_cache, static_argnums=0)(
+        m.forward, m.params, cache, jnp.asarray(prompts[src]), jnp.asarray(num[src])
+    )
+    np.testing.assert_array_equal(grouped.lengths, num[src])
+    for a, b in zip(grouped.stacked(), full.stacked(), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    k = np.asarray(grouped.stacked()[0])  # [L, rows, KVH, S, H]
+    np.testing.assert_array_equal(k, k[:, np.arange(rows) // group * group])
+    for r in range(rows):
+        assert not k[:, r, :, num[src[r]] :].any() and k[:, r, :, : num[src[r]]].all()
