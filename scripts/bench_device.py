@@ -75,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def random_model(name: str, dtype) -> Model:
-    """A Llama of shape ``SHAPES[name]`` with random weights (N(0, 0.02), made on the device)."""
-    config = LlamaConfig(**SHAPES[name])
+def random_model(shape: dict, dtype, name: str) -> Model:
+    """A Llama of ``shape`` (LlamaConfig fields) with random weights (N(0, 0.02), made on the
+    device)."""
+    config = LlamaConfig(**shape)
     params = llama.init_params(config, jax.random.key(len(name)), dtype)
     return Model(name=f"random-{name}", path="", config=config, params=params)
 
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
     start = time.perf_counter()
-    target, draft = (random_model(name, dtype) for name in names)
+    target, draft = (random_model(SHAPES[name], dtype, name) for name in names)
     nbytes = weight_bytes(target)
     bandwidth = read_bandwidth(nbytes, args.repeats)
     roofline_ms = 1e3 * nbytes / bandwidth

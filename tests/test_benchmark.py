@@ -398,3 +398,23 @@ def test_bench_device_refuses_an_unknown_method(capsys):
     assert bench.main(["--smoke", "--methods", "ar,beam"]) == 2
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "unknown method(s) ['beam']" in out
+
+
+@pytest.mark.slow
+def test_bench_vocab_smoke(tmp_path):
+    """scripts/bench_vocab.py --smoke: tiny random models over the first 300 cl100k ids, a plain
+    step and one under a regex, the ratio printed against the plain step of the same run."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "vocab.json"
+    argv = ["--smoke", "--vocabs", "300", "--methods", "asps", "--batches", "2"]
+    argv += ["--features", "plain,regex", "--repeats", "1", "--json", str(out)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), PYTHONPATH=str(root))
+    run = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_vocab.py"), *argv],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [(r["V"], r["feature"]) for r in rows] == [(300, "plain"), (300, "regex")]
+    assert all(r["ms_per_step"] > 0 and r["first_call_s"] > 0 for r in rows)
+    assert "| 300 | asps | 2 | plain |" in run.stdout and "| 1.00 |" in run.stdout
