@@ -256,9 +256,10 @@ def _run_batch(args, target, draft, mesh, load_s, out_stream, primary) -> int:
         print(f"[{session.calibration.describe()}]", file=sys.stderr, flush=True)
     _stop_if_interrupted("preparing the batch")
     if not args.json and primary:
+        cached = "" if compile_cache.disabled_by_env() else ", or loading it from the cache"
         print(
             f"[compiling {args.method} for {args.target} / "
-            f"{args.draft if draft is not None else '-'}, or loading it from the cache ...]",
+            f"{args.draft if draft is not None else '-'}{cached} ...]",
             file=sys.stderr,
             flush=True,
         )

@@ -203,10 +203,12 @@ def test_num_draft_tokens_auto_prints_and_reports_the_choice(capsys):
 
 
 @pytest.mark.slow
-def test_lookup_says_how_often_it_found_a_match_and_ar_shows_no_draft_statistics(capsys):
+def test_lookup_says_how_often_it_found_a_match_and_ar_shows_no_draft_statistics(
+    capsys, monkeypatch
+):
     """A prompt that repeats itself: greedy text loops and the lookup finds matches; the line
     counts the steps whose drafter proposed a token, against the target calls. ``ar`` has no
-    draft, so no draft line."""
+    draft, so no draft line. The compile line names the cache only when it is on."""
     prompt = "ROMEO: But soft, what light through yonder window breaks? ROMEO: But soft"
     common = ["--prompt", prompt, "--max-new-tokens", "40", "--temperature", "0"]
     assert cli.main([*common, "--draft", "lookup", "--method", "sps", "--json"]) == 0
@@ -217,8 +219,16 @@ def test_lookup_says_how_often_it_found_a_match_and_ar_shows_no_draft_statistics
     out = capsys.readouterr().out
     assert f"{stats['drafted_steps']} of {stats['target_calls']} (steps where the lookup" in out
     assert cli.main([*common, "--method", "ar"]) == 0
-    out = capsys.readouterr().out.split("--- statistics ---")[1]
+    captured = capsys.readouterr()
+    out = captured.out.split("--- statistics ---")[1]
     assert "draft acceptance" not in out and "steps with a draft" not in out
+    assert "[compiling ar for tinyshakespeare-target / -, or loading it from the cache" in (
+        captured.err
+    )
+    monkeypatch.setenv("ASPS_JAX_NO_CACHE", "1")
+    assert cli.main([*common, "--method", "ar"]) == 0
+    err = capsys.readouterr().err
+    assert "[compiling ar for tinyshakespeare-target / - ...]" in err and "cache ..." not in err
 
 
 @pytest.mark.parametrize(
