@@ -385,9 +385,11 @@ class Prepared:
         return self.width
 
 
-def _placed(inputs: DecodeInputs, mesh, target, draft) -> DecodeInputs:
+def _placed(decoder, inputs: DecodeInputs, mesh, target, draft) -> DecodeInputs:
     """The inputs on the mesh (jit propagates their shardings through the whole loop), the
-    parameters in each model's fast run layout (made once per model)."""
+    parameters in each model's fast run layout (made once per model). Several processes must
+    make the same call (:func:`_check_same_everywhere`)."""
+    _check_same_everywhere(mesh, decoder, inputs)
     if mesh is not None:
         inputs = sharding.shard_inputs(
             inputs, mesh, {"target_params": target, "draft_params": draft}
@@ -460,10 +462,7 @@ def prepare(
     plan.check_fits(target, drafter, draft, spec, lengths_b[:batch], budgets, mesh, slot_count)
 
     # Lowering: the static decoder and the inputs' arrays.
-    if mesh is not None:  # rows of length 0 until the batch splits evenly over "data"
-        prompts_bp, lengths_b = sharding.pad_batch(
-            prompts_bp, lengths_b, sharding.batch_multiple(mesh)
-        )
+    prompts_bp, lengths_b = sharding.pad_to_mesh(prompts_bp, lengths_b, mesh)
     params, constraint = sampling.lower(target, batch, prompts_bp.shape[0], draft_stop=tau)
     decoder = plan.decoder(
         target, drafter, spec, prompts_bp.shape[1], mesh, diagnostics, top_logprobs,
@@ -473,11 +472,9 @@ def prepare(
         target, draft, params, prompts_bp, lengths_b, key, batch, budgets, stop_bytes, slot_count
     )
 
-    # Placing: the same call in every process, the inputs on the mesh and in the run layout.
-    _check_same_everywhere(mesh, decoder, inputs)
     return Prepared(
         decoder=decoder,
-        inputs=_placed(inputs, mesh, target, draft),
+        inputs=_placed(decoder, inputs, mesh, target, draft),  # the same in every process
         batch=batch,
         slots=slot_count,
         width=max(budgets),

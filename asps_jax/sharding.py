@@ -436,6 +436,14 @@ def pad_batch(prompts_BP: np.ndarray, lengths_B: np.ndarray, multiple: int):
     return prompts_BP, np.concatenate([lengths_B, np.zeros(extra, lengths_B.dtype)])
 
 
+def pad_to_mesh(prompts_BP: np.ndarray, lengths_B: np.ndarray, mesh: Mesh | None):
+    """:func:`pad_batch` to a multiple of the mesh's batch axis (:func:`batch_multiple`), so
+    that the batch splits evenly over it; unchanged without a mesh."""
+    if mesh is None:
+        return prompts_BP, lengths_B
+    return pad_batch(prompts_BP, lengths_B, batch_multiple(mesh))
+
+
 def shard_inputs(inputs, mesh: Mesh, models: dict, rules: ShardingRules = ShardingRules()):
     """Place the array arguments of ``Decoder.generate`` / ``prefill`` (``sampler.DecodeInputs``,
     or any dataclass whose fields declare their layouts) on ``mesh``, each field as it declares

@@ -283,6 +283,12 @@ def test_batch_padding():
     assert lengths.tolist() == [4, 1, 2, 0]
     same, _ = sharding.pad_batch(np.ones((8, 4), np.int32), np.ones(8, np.int32), 2)
     assert same.shape == (8, 4)
+    # To the mesh's data axis (data=2 here), or unchanged without a mesh.
+    mesh = AbstractMesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    odd = np.ones((3, 4), np.int32), np.array([4, 1, 2])
+    prompts, lengths = sharding.pad_to_mesh(*odd, mesh)
+    assert prompts.shape == (4, 4) and lengths.tolist() == [4, 1, 2, 0]
+    assert sharding.pad_to_mesh(*odd, None)[0] is odd[0]
 
 
 # --- mesh specs and bad input -----------------------------------------------------------------
