@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import compile_cache, tokenbytes
+from asps_jax import compile_cache, dfa_worker, tokenbytes
 
 MAX_TABLE_ENTRIES = 1 << 26
 """The bound on ``states x token classes`` of a batch's stacked DFA table (int32: 256 MiB)."""
@@ -856,11 +856,8 @@ def stack(dfas: list[TokenDFA | None], vocab: int):
         if dfa is not None:
             distinct.setdefault(dfa.key, dfa)
     per_dfa = np.stack([d.classes for d in distinct.values()] or [np.zeros(vocab, np.int32)])
-    joint, first, classes = np.unique(per_dfa, axis=1, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")  # joint classes numbered by their first token
-    rank = np.empty_like(order)
-    rank[order] = np.arange(order.size)
-    classes, joint = rank[classes.reshape(-1)].astype(np.int32), joint[:, order]
+    classes, representatives = dfa_worker.number_classes(per_dfa.T)  # a token's key: its classes
+    joint = per_dfa[:, representatives]  # [D, C_joint]: each joint class's class in each DFA
     size = FIRST + sum(d.num_states for d in distinct.values())
     padded = -(-size // 64) * 64
     width = max(1, min(-(-joint.shape[1] // 64) * 64, vocab))

@@ -347,21 +347,14 @@ def _prefill(
         draft = dec.drafter.init(dec, draft_params, batch)
     if run_forward:
         forward = forward_for(dec.target_config)
-        t_cache = _prefill_target(dec, forward, target_params, t_cache, prompts_BP, committed_B)
+        # With n samples per prompt (rows p * n + i hold prompt p): one forward per prompt.
+        t_cache = scoring.prefill_cache_grouped(
+            forward, target_params, t_cache, prompts_BP, committed_B, dec.samples
+        )
         if dec.drafter is not None:
             draft = dec.drafter.prefill(dec, draft_params, draft, prompts_BP, committed_B)
     fresh = _fresh_rows(dec, prompts_BP, prompt_lengths_B, committed_B, row_keys_B, budget_B)
     return DecodeState(target_cache=t_cache, draft=draft, stop=stop, **fresh)
-
-
-def _prefill_target(dec: Decoder, forward, params, cache, prompts_BP, committed_B):
-    """The target cache after each row's committed prompt tokens. With ``dec.samples = n > 1``
-    the forward runs on each prompt's first row only (rows ``p * n + i`` hold prompt p; the
-    padding rows that end the batch are whole groups of empty rows) and the n rows of a prompt
-    take copies of its cache row: one prefill per prompt."""
-    return scoring.prefill_cache_grouped(
-        forward, params, cache, prompts_BP, committed_B, dec.samples
-    )
 
 
 def _fresh_rows(dec: Decoder, prompts_BP, lengths_B, committed_B, row_keys_B, budget_B) -> dict:

@@ -37,9 +37,10 @@ def state_rows(transitions: dict, ids: dict, vocab: int) -> list:
     return rows
 
 
-def _numbered(keys):
-    """``(classes int32[V], representatives int64[C])`` for per-token keys: equal keys share a
-    class, classes numbered in the order of their first token (the representative)."""
+def number_classes(keys):
+    """``(classes int32[V], representatives int64[C])`` for per-token keys (``[V]`` or ``[V, D]``):
+    equal keys share a class, classes numbered in the order of their first token (the
+    representative)."""
     import numpy as np
 
     _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
@@ -61,7 +62,7 @@ def token_classes(rows: list, vocab: int):
         v = (nxt.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
         v += np.uint64(sid)
         h[tok] = (h[tok] ^ v) * np.uint64(0x100000001B3) + np.uint64(0xD6E8FEB86659FD93)
-    return _numbered(h)
+    return number_classes(h)
 
 
 def exact_classes(rows: list, vocab: int):
@@ -75,7 +76,7 @@ def exact_classes(rows: list, vocab: int):
             columns[t].append((sid, n))
     seen: dict = {}
     keys = np.array([seen.setdefault(tuple(c), len(seen)) for c in columns], np.int64)
-    return _numbered(keys)
+    return number_classes(keys)
 
 
 def class_table(rows: list, classes, representatives, num_states: int):

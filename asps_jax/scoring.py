@@ -106,8 +106,8 @@ def prefill_cache(forward, params, cache: KVCache, prompts_BP, num_B) -> KVCache
 def prefill_cache_grouped(forward, params, cache: KVCache, prompts_BP, num_B, group: int):
     """:func:`prefill_cache` for a cache whose rows come in groups of ``group`` (a static int)
     that hold one prompt each: cache rows ``g * group .. g * group + group - 1`` take prompt row
-    ``g * (B * group // rows)`` (a prompt's n samples, a draft's K replicas; the last group may
-    be short). One forward per group on its first row, the row then copied to the group's rows:
+    ``g * group * B // rows`` (a prompt's n samples, a draft's K replicas; the last group may be
+    short). One forward per group on its first row, the row then copied to the group's rows:
     the cache that a forward over every row gives, at 1 / group of its cost."""
     rows = cache.lengths.shape[0]
     if group == 1 and rows == prompts_BP.shape[0]:
