@@ -26,14 +26,18 @@ import json
 import platform
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import decode, sampler
+from asps_jax import sampler
 from asps_jax.models import LlamaConfig, llama
 from asps_jax.models.base import Model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark import timed_runs  # noqa: E402
 
 SHAPES = {
     "7b": dict(  # llama-7B
@@ -107,16 +111,7 @@ def run(target, draft, prompts, method: str, args) -> dict:
         target, None if method == "ar" else draft, prompts, key=jax.random.key(args.seed),
         max_new_tokens=args.max_new_tokens, method=method, eos_token_id=-1, **METHODS[method],
     )  # fmt: skip
-    dynamic = prepared.inputs.kwargs()
-    start = time.perf_counter()
-    compiled = decode.generate.lower(prepared.decoder, **dynamic).compile()
-    compile_s = time.perf_counter() - start
-    jax.block_until_ready(compiled(**dynamic))  # warm-up: first-call allocations
-    times = []
-    for _ in range(max(args.repeats, 1)):
-        start = time.perf_counter()
-        state = jax.block_until_ready(compiled(**dynamic))
-        times.append(time.perf_counter() - start)
+    state, compile_s, _, times = timed_runs(prepared, args.repeats)
     stats = jax.device_get(sampler.summarize_stats(state, prepared.batch))
     wall = float(np.median(times))
     steps = max(int(np.max(stats["target_calls"])), 1)

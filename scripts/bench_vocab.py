@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import decode, sampler
+from asps_jax import sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_device import random_model  # noqa: E402
+from benchmark import timed_runs  # noqa: E402
 
 TARGET = dict(
     hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
@@ -108,15 +109,9 @@ def run(target, draft, prompts, method, feature, args) -> dict:
         target, draft, prompts, key=jax.random.key(0), max_new_tokens=args.max_new_tokens,
         method=method, eos_token_id=-1, **METHODS[method], **FEATURES[feature],
     )  # fmt: skip
-    dynamic = prepared.inputs.kwargs()
-    compiled = decode.generate.lower(prepared.decoder, **dynamic).compile()
-    jax.block_until_ready(compiled(**dynamic))
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(max(args.repeats, 1)):
-        t = time.perf_counter()
-        state = jax.block_until_ready(compiled(**dynamic))
-        times.append(time.perf_counter() - t)
+    prepare_s = time.perf_counter() - start
+    state, compile_s, warmup_s, times = timed_runs(prepared, max(args.repeats, 1))
+    first = prepare_s + compile_s + warmup_s  # the first call: prepare, compile, run
     stats = jax.device_get(sampler.summarize_stats(state, prepared.batch))
     steps = max(int(np.max(stats["target_calls"])), 1)
     return dict(

@@ -327,6 +327,26 @@ BENCH_SCHEMA = {
 }
 
 
+def timed_runs(prepared, repeats: int):
+    """``prepared``'s whole loop compiled ahead of time, run once as a warm-up (first-call
+    allocations; when ``repeats > 0``) and then ``max(repeats, 1)`` timed runs: ``(the last
+    run's state, compile seconds, warm-up seconds, run seconds)``."""
+    dynamic = prepared.inputs.kwargs()  # the decoder is compiled in
+    start = time.perf_counter()
+    compiled = decode.generate.lower(prepared.decoder, **dynamic).compile()
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    if repeats > 0:
+        jax.block_until_ready(compiled(**dynamic))
+    warmup_s = time.perf_counter() - start
+    times = []
+    for _ in range(max(repeats, 1)):
+        start = time.perf_counter()
+        state = jax.block_until_ready(compiled(**dynamic))
+        times.append(time.perf_counter() - start)
+    return state, compile_s, warmup_s, times
+
+
 def run_ours(target, draft, prompts, method, n, k, args, tree=(), controls=None) -> dict:
     sizes = dict(tree=tree) if tree else dict(num_draft_tokens=n, num_drafts=k)
     sizes.update(controls or {})
@@ -345,17 +365,8 @@ def run_ours(target, draft, prompts, method, n, k, args, tree=(), controls=None)
         eos_token_id=-1,
         diagnostics=True,  # the root optimal-acceptance column
     )
-    batch, dynamic = prepared.batch, prepared.inputs.kwargs()  # the decoder is compiled in
-    start = time.perf_counter()
-    compiled = decode.generate.lower(prepared.decoder, **dynamic).compile()
-    compile_s = time.perf_counter() - start
-    if args.repeats > 0:
-        jax.block_until_ready(compiled(**dynamic))  # warm-up: first-call allocations
-    times = []
-    for _ in range(max(args.repeats, 1)):
-        start = time.perf_counter()
-        state = jax.block_until_ready(compiled(**dynamic))
-        times.append(time.perf_counter() - start)
+    batch = prepared.batch
+    state, compile_s, _, times = timed_runs(prepared, args.repeats)
     stats = jax.device_get(sampler.summarize_stats(state, batch))
     if np.any(stats["bad_logits"]):
         raise FloatingPointError(f"{method} n={n} K={k}: a model produced non-finite logits")

@@ -368,20 +368,25 @@ def test_without_torch_the_transformers_columns_are_skipped_up_front(
     )
 
 
-@pytest.mark.slow
-def test_bench_device_smoke(tmp_path):
-    """scripts/bench_device.py --smoke on the CPU: random tiny target and draft, AR and a tree
-    method, ms per step beside the roofline measured in the same run (a subprocess at -O0: the
-    figures are not the point here, the script's path through prepare / compile / run is)."""
+def _run_script(name: str, *argv: str) -> subprocess.CompletedProcess:
+    """``scripts/<name> *argv --repeats 1`` in a subprocess on the CPU at -O0 (the figures are
+    not the point, the script's path through prepare / compile / run is); it must succeed."""
     root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "device.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), PYTHONPATH=str(root))
-    argv = ["--smoke", "--methods", "ar,tv", "--repeats", "1", "--json", str(out)]
     run = subprocess.run(
-        [sys.executable, str(root / "scripts" / "bench_device.py"), *argv],
+        [sys.executable, str(root / "scripts" / name), *argv, "--repeats", "1"],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
+@pytest.mark.slow
+def test_bench_device_smoke(tmp_path):
+    """scripts/bench_device.py --smoke on the CPU: random tiny target and draft, AR and a tree
+    method, ms per step beside the roofline measured in the same run."""
+    out = tmp_path / "device.json"
+    run = _run_script("bench_device.py", "--smoke", "--methods", "ar,tv", "--json", str(out))
     report = json.loads(out.read_text())
     assert report["meta"]["platform"] == "cpu" and report["meta"]["roofline_ms"] > 0
     assert [(r["batch"], r["method"]) for r in report["rows"]] == [(2, "ar"), (2, "tv")]
@@ -404,16 +409,9 @@ def test_bench_device_refuses_an_unknown_method(capsys):
 def test_bench_vocab_smoke(tmp_path):
     """scripts/bench_vocab.py --smoke: tiny random models over the first 300 cl100k ids, a plain
     step and one under a regex, the ratio printed against the plain step of the same run."""
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "vocab.json"
     argv = ["--smoke", "--vocabs", "300", "--methods", "asps", "--batches", "2"]
-    argv += ["--features", "plain,regex", "--repeats", "1", "--json", str(out)]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), PYTHONPATH=str(root))
-    run = subprocess.run(
-        [sys.executable, str(root / "scripts" / "bench_vocab.py"), *argv],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = _run_script("bench_vocab.py", *argv, "--features", "plain,regex", "--json", str(out))
     rows = json.loads(out.read_text())
     assert [(r["V"], r["feature"]) for r in rows] == [(300, "plain"), (300, "regex")]
     assert all(r["ms_per_step"] > 0 and r["first_call_s"] > 0 for r in rows)

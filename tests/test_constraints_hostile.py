@@ -486,16 +486,16 @@ CLASS_PATTERNS = [
 ]
 
 
-def _outlines_index(pattern: str):
-    """outlines-core's own ``Index`` over CLASS_VOCAB: its transitions and the state ids the
-    worker gives them (start first, then by outlines-core's id)."""
+def outlines_index(pattern: str, tokens: list = CLASS_VOCAB):
+    """outlines-core's own ``Index`` over ``tokens``: its transitions, the state ids the worker
+    gives them (start first, then by outlines-core's id) and its final states."""
     from outlines_core import Index, Vocabulary
 
     mapping: dict = {}
-    for i, t in enumerate(CLASS_VOCAB):
+    for i, t in enumerate(tokens):
         if t is not None:
             mapping.setdefault(t, []).append(i)
-    index = Index(pattern, Vocabulary(len(CLASS_VOCAB), mapping))
+    index = Index(pattern, Vocabulary(len(tokens), mapping))
     transitions, start = index.get_transitions(), index.get_initial_state()
     finals = set(index.get_final_states())
     states = {start} | set(transitions) | finals
@@ -507,7 +507,7 @@ def _outlines_index(pattern: str):
 
 def _outlines_dense(pattern: str) -> tuple[np.ndarray, np.ndarray]:
     """The dense ``int32[S, V]`` table and ``final bool[S]`` from outlines-core's transitions."""
-    transitions, ids, finals = _outlines_index(pattern)
+    transitions, ids, finals = outlines_index(pattern)
     dense = np.full((len(ids), len(CLASS_VOCAB)), -1, np.int32)
     for s, edges in transitions.items():
         for t, n in edges.items():
@@ -530,7 +530,7 @@ def test_token_classes_equal_the_dense_table(pattern, monkeypatch):
     np.testing.assert_array_equal(dfa.dense(), dense)
     np.testing.assert_array_equal(dfa.final, final)
     assert dfa.num_classes == np.unique(dense, axis=1).shape[1] < len(CLASS_VOCAB) // 2
-    transitions, ids, _ = _outlines_index(pattern)
+    transitions, ids, _ = outlines_index(pattern)
     rows = dfa_worker.state_rows(transitions, ids, len(CLASS_VOCAB))
     classes, reps = dfa_worker.token_classes(rows, len(CLASS_VOCAB))
     np.testing.assert_array_equal(classes, dfa.classes)
@@ -542,7 +542,7 @@ def test_a_collision_is_caught_by_the_exact_check(monkeypatch):
     """Two tokens with different columns given one class (a hash collision) make no table, and
     the worker then groups the columns themselves: the same automaton as without a collision."""
     pattern = CLASS_PATTERNS[0]
-    transitions, ids, _ = _outlines_index(pattern)
+    transitions, ids, _ = outlines_index(pattern)
     rows = dfa_worker.state_rows(transitions, ids, len(CLASS_VOCAB))
     classes, reps = dfa_worker.token_classes(rows, len(CLASS_VOCAB))
     assert dfa_worker.class_table(rows, classes, reps, len(ids)) is not None

