@@ -203,19 +203,25 @@ def run(args) -> int:
 
 
 def _load_models(args):
-    """``(target, draft)``: the draft a model, a drafter's name (lookup, self:L) or None (ar)."""
+    """``(target, draft)``: the draft a model, a drafter's name (lookup, self:L, quant:int8) or
+    None (ar)."""
     import asps_jax
     from asps_jax.cli.args import DTYPES
     from asps_jax.drafters import is_named as named_draft
 
     dtype = DTYPES[args.dtype]
-    target = asps_jax.load_model(args.target, dtype=dtype)
+    target = asps_jax.load_model(args.target, dtype=dtype, quantize=args.quantize)
     _stop_if_interrupted("loading the models")
     draft = None
     if args.method != "ar":  # a checkpoint, or a drafter named by --draft (lookup, self:L)
         draft = args.draft
         if not named_draft(args.draft):
-            draft = asps_jax.load_model(args.draft, dtype=dtype)
+            draft = asps_jax.load_model(args.draft, dtype=dtype, quantize=args.draft_quantize)
+        elif args.draft_quantize is not None:
+            raise ValueError(
+                f"--draft-quantize quantizes a draft checkpoint; --draft {args.draft} is not one "
+                "(for the target's own quantized copy give --draft quant:int8)"
+            )
     _stop_if_interrupted("loading the models")
     if target.tokenizer is None:
         raise FileNotFoundError(f"{args.target}: no tokenizer files next to the checkpoint")

@@ -53,7 +53,9 @@ def _models(p: argparse.ArgumentParser) -> None:
         help=f"draft model, same forms as --target (default {DEFAULT_DRAFT}); or 'lookup': "
         "prompt lookup, the continuation of the last --lookup-ngram tokens' most recent earlier "
         "occurrence in the prompt + generated text (no draft model); or self:L, the target's "
-        "first L layers with its final norm and head (self-drafting); ignored by --method ar",
+        "first L layers with its final norm and head (self-drafting); or quant:int8 / "
+        "quant:int4[:G], the target's own weights quantized (no second checkpoint); ignored by "
+        "--method ar",
     )
     p.add_argument(
         "--lookup-ngram",
@@ -275,6 +277,22 @@ def _devices(p: argparse.ArgumentParser) -> None:
         choices=sorted(DTYPES),
         default="f32",
         help="parameter dtype: f32 or bf16 (default f32)",
+    )
+    p.add_argument(
+        "--quantize",
+        type=flags.quantize,
+        default=None,
+        metavar="int8|int4[:G]",
+        help="store the target's matrices as int8 (per channel) or int4 (per group of G inputs, "
+        "default 128) weights; the embedding, norms and head stay --dtype (default: off)",
+    )
+    p.add_argument(
+        "--draft-quantize",
+        type=flags.quantize,
+        default=None,
+        metavar="int8|int4[:G]",
+        help="the same for the --draft checkpoint (for the target's own quantized copy as the "
+        "draft, give --draft quant:int8)",
     )
     p.add_argument(
         "--mesh",

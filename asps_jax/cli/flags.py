@@ -63,6 +63,17 @@ def draft_stop(text: str) -> str:
     return text
 
 
+def quantize(text: str) -> str:
+    """``int8``, ``int4`` or ``int4:G`` (checked by the library's own parser)."""
+    from asps_jax.models import quant
+
+    try:
+        quant.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).split(": ", 1)[1]) from None
+    return text
+
+
 def bias(text: str) -> tuple[int, float]:
     """``ID=BIAS`` for --logit-bias (``-inf`` bans the token)."""
     token, sep, value = text.partition("=")

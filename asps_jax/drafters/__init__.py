@@ -7,7 +7,9 @@
 * :mod:`~asps_jax.drafters.self_layers`: the target's first L layers (``draft="self:L"``),
   reading the target's cache where its layers allow;
 * :mod:`~asps_jax.drafters.lookup`: prompt lookup (``draft="lookup"``), chains copied from the
-  row's own text.
+  row's own text;
+* ``draft="quant:int8"`` / ``"quant:int4[:G]"``: the target's own weights quantized
+  (:func:`asps_jax.models.quant.quantized_copy`) as a draft model of its own cache.
 
 :func:`resolve` is the one reader of the ``draft=`` argument. A drafter is a frozen value, static
 under jit (a field of :class:`~asps_jax.decode.Decoder`), so a user can also build one of their
@@ -25,8 +27,9 @@ from asps_jax.drafters.lookup import DEFAULT_NGRAM, Lookup
 from asps_jax.drafters.model import ModelDraft
 from asps_jax.drafters.self_layers import PREFIX as SELF_PREFIX
 from asps_jax.drafters.self_layers import SelfDraft, SharedLayers
+from asps_jax.models import quant
 
-NAMES = ("lookup", SELF_PREFIX + "L")
+NAMES = ("lookup", SELF_PREFIX + "L", quant.PREFIX + "int8", quant.PREFIX + "int4")
 """The drafters named by a string ``draft`` argument (a model object is the draft model)."""
 
 OPTIONS = ("lookup_ngram", "lookup_max", "draft_stop")
@@ -54,9 +57,11 @@ __all__ = [
 
 
 def is_named(draft) -> bool:
-    """Whether ``draft`` names a drafter (``"lookup"``, ``"self:L"``) rather than a model or a
-    checkpoint (what the command line loads)."""
-    return isinstance(draft, str) and (draft == "lookup" or draft.startswith(SELF_PREFIX))
+    """Whether ``draft`` names a drafter (``"lookup"``, ``"self:L"``, ``"quant:int8"``) rather
+    than a model or a checkpoint (what the command line loads)."""
+    return isinstance(draft, str) and (
+        draft == "lookup" or draft.startswith((SELF_PREFIX, quant.PREFIX))
+    )
 
 
 def draft_model(target, draft):
@@ -69,9 +74,12 @@ def draft_model(target, draft):
         return draft
     if draft.startswith(SELF_PREFIX):
         return self_layers.self_draft(target, draft)
+    if draft.startswith(quant.PREFIX):
+        return quant.quantized_copy(target, draft)
     raise ValueError(
         f"draft: unknown drafter {draft!r}; give a draft model, 'lookup', 'self:L' (the "
-        "target's first L layers), or None (method 'ar')"
+        "target's first L layers), 'quant:int8' / 'quant:int4' (the target quantized), or None "
+        "(method 'ar')"
     )
 
 
@@ -173,6 +181,11 @@ def resolve(
     from asps_jax.models.vocab import align_vocabularies, check_compatible
 
     model = draft_model(target, draft)
+    if mesh is not None and any(quant.is_quantized(m.params) for m in (target, model) if m):
+        raise ValueError(
+            "quantize: quantized weights do not run on a mesh yet (their scales have no "
+            "sharding rule); pass mesh=None or float weights"
+        )
     context = target.config.max_position_embeddings
     ngram, cap, tau = _options(draft, uses_draft, context, lookup_ngram, lookup_max, draft_stop)
     if tau is not None and widths:

@@ -61,6 +61,7 @@ from asps_jax.models.layers import (
     soft_cap,
     window_mask,
 )
+from asps_jax.models.quant import einsum
 from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -359,8 +360,8 @@ def _layer(c: DecoderConfig, p: dict, x_BTE, cache_k, cache_v, *, cos, sin, mask
         out = norm(out, p["post_attn_norm"], eps)
     x_BTE = x_BTE + out
     h = norm(x_BTE, p["mlp_norm"], eps)
-    gate = activation(c.hidden_act)(jnp.einsum("bte,ef->btf", h, p["w_gate"]))
-    out = jnp.einsum("btf,fe->bte", gate * jnp.einsum("bte,ef->btf", h, p["w_up"]), p["w_down"])
+    gate = activation(c.hidden_act)(einsum("bte,ef->btf", h, p["w_gate"]))
+    out = einsum("btf,fe->bte", gate * einsum("bte,ef->btf", h, p["w_up"]), p["w_down"])
     if c.GEMMA:
         out = norm(out, p["post_mlp_norm"], eps)
     return x_BTE + out, (k, v)

@@ -13,6 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from asps_jax.models.quant import einsum
+
 # HF ``hidden_act`` / ``activation_function`` names. "gelu_new" is GPT-2's tanh approximation.
 ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -163,21 +165,21 @@ def project_qkv(h_BTE: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Ar
     """``q, k, v [B, T, heads, H]`` of one layer's ``wq/wk/wv``, plus ``bq/bk/bv`` when present."""
     out = []
     for name in ("q", "k", "v"):
-        y = jnp.einsum("bte,enh->btnh", h_BTE, p["w" + name])
+        y = einsum("bte,enh->btnh", h_BTE, p["w" + name])
         out.append(y + p["b" + name][None, None] if "b" + name in p else y)
     return tuple(out)
 
 
 def attention_out(attn_BTNH: jax.Array, p: dict) -> jax.Array:
     """The output projection ``wo`` (+ ``bo`` when present) back to ``[B, T, E]``."""
-    y = jnp.einsum("btnh,nhe->bte", attn_BTNH, p["wo"])
+    y = einsum("btnh,nhe->bte", attn_BTNH, p["wo"])
     return y + p["bo"][None, None] if "bo" in p else y
 
 
 def dense_mlp(h_BTE: jax.Array, p: dict, act) -> jax.Array:
     """The two-matrix MLP of the learned-position families: ``act(h w_in + b_in) w_out + b_out``."""
-    h = act(jnp.einsum("bte,ef->btf", h_BTE, p["w_in"]) + p["b_in"][None, None])
-    return jnp.einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"][None, None]
+    h = act(einsum("bte,ef->btf", h_BTE, p["w_in"]) + p["b_in"][None, None])
+    return einsum("btf,fe->bte", h, p["w_out"]) + p["b_out"][None, None]
 
 
 def gpt_layer_shapes(config, ffn: int, qkv_bias: bool) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -36,6 +37,7 @@ from asps_jax.models.layers import (
     output_logits,
     rms_norm,
 )
+from asps_jax.models.quant import einsum, merge
 from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
 
 MODEL_TYPE = "llama"
@@ -223,8 +225,12 @@ RUN_LAYER_KEYS = frozenset(
 def _run_layer(p: dict) -> dict:
     """One layer of the stored layout (``[in, out]``, head axes split) in the run layout."""
     E = p["wq"].shape[0]
-    run = {name: p[name].reshape(E, -1).T for name in ("wq", "wk", "wv", "w_gate", "w_up")}
-    run.update(wo=p["wo"].reshape(-1, E).T, w_down=p["w_down"].T)
+    # quant.merge and .transpose() (not reshape and .T): a quantized matrix (qwix.QArray)
+    # reshapes and transposes its scales with it.
+    size = {name: math.prod(p[name].shape) // E for name in ("wq", "wk", "wv", "w_gate", "w_up")}
+    run = {name: merge(p[name], (E, out)).transpose() for name, out in size.items()}
+    inner = math.prod(p["wo"].shape) // E
+    run.update(wo=merge(p["wo"], (inner, E)).transpose(), w_down=p["w_down"].transpose())
     return dict(run, attn_norm=p["attn_norm"], mlp_norm=p["mlp_norm"])
 
 
@@ -262,8 +268,9 @@ def _layer(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, run, cos, sin, m
     def proj(h_BTI, name):  # [B, T, in] -> [B, T, out]
         w = p[name]
         if run:
-            return jnp.einsum("bti,oi->bto", h_BTI, w)
-        return jnp.einsum("bti,io->bto", h_BTI, w.reshape(h_BTI.shape[-1], -1))
+            return einsum("bti,oi->bto", h_BTI, w)
+        inputs = h_BTI.shape[-1]
+        return einsum("bti,io->bto", h_BTI, merge(w, (inputs, math.prod(w.shape) // inputs)))
 
     h = rms_norm(x_BTE, p["attn_norm"], c.rms_norm_eps)
     q = apply_rope(proj(h, "wq").reshape(B, T, NH, H), cos, sin)

@@ -383,8 +383,14 @@ def load_tokenizer(path: Path):
         return None
 
 
-def load_model(name_or_path, *, dtype=None):
-    """Load an alias, a checkpoint folder or a cached HF repo id (docs/api.md §2) as a ``Model``."""
+def load_model(name_or_path, *, dtype=None, quantize=None):
+    """Load an alias, a checkpoint folder or a cached HF repo id (docs/api.md §2) as a ``Model``;
+    ``quantize="int8"`` / ``"int4"`` / ``"int4:G"`` stores its matrices quantized
+    (:mod:`asps_jax.models.quant`)."""
+    from asps_jax.models import quant
+
+    if quantize is not None:
+        quant.parse(quantize)  # a bad request fails before anything is read
     from asps_jax.models import cards
     from asps_jax.models.base import Model, family_for_type
 
@@ -393,6 +399,7 @@ def load_model(name_or_path, *, dtype=None):
     cards.check_card(found.card, config.to_hf(), found.path)
     params = load_params(found.path, config, family, dtype=dtype)
     tokenizer = load_tokenizer(found.path)
-    return Model(
+    model = Model(
         name=found.name, path=str(found.path), config=config, params=params, tokenizer=tokenizer
     )
+    return model if quantize is None else quant.quantize_model(model, quantize)

@@ -41,6 +41,7 @@ from asps_jax.models.layers import (
     output_logits,
     project_qkv,
 )
+from asps_jax.models.quant import einsum
 
 MODEL_TYPE = "opt"
 ARCHITECTURE = "OPTForCausalLM"
@@ -254,12 +255,12 @@ def forward(
 
     x = params["embed"][tokens]  # [B, T, P]
     if c.projected:
-        x = jnp.einsum("btp,pe->bte", x, params["project_in"])
+        x = einsum("btp,pe->bte", x, params["project_in"])
     x = x + lookup(params["positions"], positions + POSITION_OFFSET).astype(x.dtype)
     xs = (params["layers"], None, None) if cache is None else (params["layers"], *cache.stacked())
     x, (new_k, new_v) = jax.lax.scan(layer, x, xs)
     if c.final_layer_norm:
         x = layer_norm(x, params["final_norm"], params["final_norm_b"], LAYER_NORM_EPS)
     if c.projected:
-        x = jnp.einsum("bte,ep->btp", x, params["project_out"])
+        x = einsum("bte,ep->btp", x, params["project_out"])
     return output_logits(x, params, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)

@@ -1,0 +1,248 @@
+"""Weight-only quantization (``load_model(..., quantize="int8")``, ``draft="quant:int8"``).
+
+Every projection matrix of a family (``wq wk wv wo``, the MLP matrices, OPT's ``project_in/out``)
+is stored as a Qwix :class:`qwix.QArray`: symmetric integer values and float scales,
+
+* ``"int8"``: one scale per output channel (per layer), absmax / 127;
+* ``"int4"`` / ``"int4:G"``: one scale per output channel and per group of ``G`` consecutive
+  inputs (default 128), absmax / 7; a matrix whose inputs ``G`` does not divide is a one-line
+  error naming it.
+
+The embedding, learned position tables, norms, biases and the LM head stay in float: the
+embedding is a row lookup (nothing to multiply), and the head sets the logits' precision, which
+the draft's acceptance and a quantized target's law depend on most (vLLM and tpu-inference keep
+it unquantized by default too).
+
+The forward reads a quantized matrix through :func:`einsum`: Qwix's ``einsum``, which multiplies by
+the integer values converted to the activations' dtype and applies the scales (per channel after
+the product, per group inside it). So a quantized model's logits are those of its dequantized
+float weights (:func:`dequantize_params`) up to float rounding: sampling from it samples exactly
+the quantized model's law. As a draft (:func:`quantized_copy`, ``draft="quant:int8"``) it is just
+another draft law, so every verifier keeps the full-precision target's law.
+
+On accelerators XLA fuses the integer-to-float conversion into the matrix product, so the
+integer bytes are what is read per token. XLA:CPU does not: it converts the whole matrix before
+the product, so on CPU a quantized forward is *slower* than a float one (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import weakref
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("int8", "int4")
+PREFIX = "quant:"  # draft="quant:int8": the target's own quantized copy
+DEFAULT_GROUP = 128
+_BITS = {"int8": jnp.int8, "int4": jnp.int4}
+_FLOAT = ("embed", "positions", "lm_head")  # the tensors kept in float, see the docstring
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """How to quantize: ``mode`` ("int8" / "int4") and, for int4, the input group size."""
+
+    mode: str
+    group: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.mode if self.group is None else f"{self.mode}:{self.group}"
+
+
+def parse(spec, what: str = "quantize", given=None) -> Scheme:
+    """``"int8"``, ``"int4"`` or ``"int4:G"`` as a :class:`Scheme`; a one-line error naming
+    ``what={given}`` (default ``spec``) otherwise."""
+    text = spec if isinstance(spec, str) else ""
+    mode, _, group = text.partition(":")
+    if mode == "int8" and not group:
+        return Scheme("int8")
+    if mode == "int4":
+        try:
+            size = int(group, 10) if group else DEFAULT_GROUP
+        except ValueError:
+            size = 0
+        if size >= 1:
+            return Scheme("int4", size)
+    raise ValueError(
+        f"{what}={spec if given is None else given!r}: weight-only quantization is 'int8' (per "
+        f"channel) or 'int4' / 'int4:G' (per channel and group of G inputs, default "
+        f"{DEFAULT_GROUP})"
+    )
+
+
+def _is_q(x) -> bool:
+    """A quantized matrix (a ``qwix.QArray``; told by its fields, so that ``import asps_jax``
+    does not import Qwix and Flax: 0.5 s, paid only by a quantized call)."""
+    return hasattr(x, "qvalue") and hasattr(x, "scale")
+
+
+def is_quantized(tree) -> bool:
+    """Whether any leaf of ``tree`` is a quantized matrix."""
+    return any(_is_q(x) for x in jax.tree.leaves(tree, is_leaf=_is_q))
+
+
+def einsum(spec: str, x: jax.Array, w) -> jax.Array:
+    """``jnp.einsum(spec, x, w)`` for a float ``w``; Qwix's for a quantized one (the product of
+    the dequantized matrix, in ``x``'s dtype)."""
+    if _is_q(w):
+        import qwix
+
+        return qwix.einsum(spec, x, w, preferred_element_type=x.dtype).astype(x.dtype)
+    return jnp.einsum(spec, x, w)
+
+
+def merge(w, shape: tuple):
+    """``w.reshape(shape)`` where ``shape`` merges runs of consecutive axes (e.g. ``[E, NH, H]``
+    -> ``[E, NH * H]``); a quantized matrix merges its scale axes the same way (its groups are
+    contiguous runs of inputs, so the merged scales are in order)."""
+    if not _is_q(w):
+        return w.reshape(shape)
+    scale, old, merged, i = w.scale.shape, w.qvalue.shape, [], 0
+    for size in shape:
+        start, run = i, 1
+        while run < size:
+            run *= old[i]
+            i += 1
+        if run != size:
+            raise ValueError(f"quant.merge: {old} does not merge into {shape}")
+        merged.append(math.prod(scale[start:i]))
+    return dataclasses.replace(w, qvalue=w.qvalue.reshape(shape), scale=w.scale.reshape(merged))
+
+
+def _is_matrix(name: str, axes: tuple) -> bool:
+    """A projection matrix: an ``embed`` or ``mlp`` axis among two or more non-layer axes."""
+    own = [a for a in axes if a != "layers"]
+    return name not in _FLOAT and len(own) >= 2 and bool({"embed", "mlp"} & set(own))
+
+
+def _inputs(axes: tuple) -> tuple[int, ...]:
+    """The contracted (input) axes of a stored ``x @ W`` matrix ``[layers?, in..., out...]``:
+    ``heads, head_dim`` for an attention output, else the first non-layer axis."""
+    first = 1 if axes[0] == "layers" else 0
+    return (first, first + 1) if axes[first] == "heads" else (first,)
+
+
+def _how(name: str, shape: tuple, axes: tuple, scheme: Scheme) -> dict:
+    """Qwix's ``channelwise_axes`` / ``tiled_axes`` for one matrix."""
+    inputs = _inputs(axes)
+    channels = tuple(a for a in range(len(shape)) if a not in inputs)
+    if scheme.group is None:
+        return dict(channelwise_axes=channels)
+    size = 1
+    for a in inputs:
+        size *= shape[a]
+    group, last = scheme.group, inputs[-1]
+    if shape[last] % group == 0:
+        # An attention output's heads are groups apart (each head its own scales).
+        whole = tuple((a, 1) for a in inputs[:-1])
+        return dict(channelwise_axes=channels, tiled_axes=(*whole, (last, group)))
+    if len(inputs) == 2 and group % shape[last] == 0 and size % group == 0:
+        # An attention output: a group is whole heads (head_dim inputs each).
+        return dict(channelwise_axes=channels, tiled_axes=((inputs[0], group // shape[last]),))
+    raise ValueError(
+        f"quantize={scheme.name!r}: {name} has {size} inputs per output "
+        f"({'x'.join(str(shape[a]) for a in inputs)}), which groups of {group} do not divide; "
+        f"give a group size that does (e.g. 'int4:{math.gcd(group, shape[last])}') or 'int8'"
+    )
+
+
+def _axes_of(config) -> dict:
+    from asps_jax.models.base import family_for_config
+
+    family = family_for_config(config)
+    if not hasattr(family, "param_axes"):
+        raise ValueError(
+            f"quantize: {type(config).__name__} models do not say which of their tensors are "
+            "matrices (no param_axes); quantize the weights of your own model yourself"
+        )
+    return family.param_axes(config)
+
+
+def plan(config, params, scheme: Scheme) -> dict:
+    """``{path: qwix keyword arguments}`` of every matrix of ``params`` (stored layout) to
+    quantize; one-line errors for a layout it does not know or a group that does not divide."""
+    axes = _axes_of(config)
+    flat = dict(jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_q)[0])
+    out = {}
+    for path, names in jax.tree_util.tree_flatten_with_path(
+        axes, is_leaf=lambda x: isinstance(x, tuple)
+    )[0]:
+        name = str(path[-1].key)
+        if path not in flat:
+            raise ValueError(
+                f"quantize: the parameters have no {jax.tree_util.keystr(path)}; quantize "
+                "the stored layout load_model returns, once"
+            )
+        leaf = flat[path]
+        if _is_q(leaf):
+            raise ValueError(f"quantize: {name} is quantized already; quantize float weights")
+        if _is_matrix(name, names):
+            out[path] = _how(name, tuple(leaf.shape), names, scheme)
+    return out
+
+
+def quantize_params(config, params, spec) -> dict:
+    """``params`` (the stored layout of ``config``'s family) with every projection matrix a
+    :class:`qwix.QArray` of ``spec`` (see the module docstring); the rest unchanged."""
+    scheme = parse(spec) if not isinstance(spec, Scheme) else spec
+    how = plan(config, params, scheme)
+    qtype = _BITS[scheme.mode]
+    leaves = jax.tree_util.tree_flatten_with_path(params)
+    flat = [
+        _quantize(leaf, qtype, tuple(sorted(how[path].items()))) if path in how else leaf
+        for path, leaf in leaves[0]
+    ]
+    return jax.tree.unflatten(leaves[1], flat)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize(w: jax.Array, qtype, how: tuple):
+    import qwix
+
+    kw = dict(how)
+    tiled = kw.get("tiled_axes")
+    if tiled is not None:
+        kw["tiled_axes"] = dict(tiled)
+    return qwix.quantize(w, qtype, **kw)
+
+
+def dequantize_params(params) -> dict:
+    """``params`` with every quantized matrix replaced by its float value (scale x integer)."""
+    import qwix
+
+    return jax.tree.map(lambda x: qwix.dequantize(x) if _is_q(x) else x, params, is_leaf=_is_q)
+
+
+def quantize_model(model, spec):
+    """``model`` with quantized weights (its name marked ``[int8]``), a new Model."""
+    from asps_jax.models.base import Model
+
+    if not isinstance(model, Model):
+        raise ValueError(f"quantize: expected a Model, got {type(model).__name__}")
+    scheme = parse(spec)
+    return dataclasses.replace(
+        model,
+        name=f"{model.name}[{scheme.name}]",
+        params=quantize_params(model.config, model.params, scheme),
+    )
+
+
+# One quantized copy per (target, scheme) while the target lives (its params do not change: a
+# new weight set is a new Model, ``Sampler.update_params``, so the copy is made again).
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def quantized_copy(target, spec: str):
+    """The draft model of ``draft="quant:int8"`` (or ``"quant:int4[:G]"``): the target's own
+    weights quantized, one object per target and scheme."""
+    scheme = parse(spec[len(PREFIX) :], what="draft", given=spec)
+    per_target = _COPIES.setdefault(target, {})
+    if scheme not in per_target:
+        copy = quantize_model(target, scheme.name)
+        per_target[scheme] = dataclasses.replace(copy, name=f"{target.name}[{PREFIX}{scheme.name}]")
+    return per_target[scheme]
