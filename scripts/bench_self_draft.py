@@ -1,4 +1,5 @@
-"""Self-drafting (``draft="self:L"``) beside the draft model and AR, in one run.
+"""Drafts from the target itself (``draft="self:L"``, ``draft="quant:int8"``) beside the draft model
+and AR, in one run.
 
 ``--pair bundled`` (default): the bundled tinyshakespeare pair (target: 4 layers; draft: its own
 small checkpoint), prompts of ``--prompt-tokens`` consecutive corpus tokens (one starting line per
@@ -7,14 +8,16 @@ row). ``--pair random-0.5b``: the random-weight ~0.5B-shaped target and llama-68
 layers perturb the logits, not what a trained model gives), tokens per step only unless
 ``--repeats`` > 0.
 
-Per configuration (AR; SpS and ASpS with the draft model; SpS and ASpS with ``self:L`` for each
-``--layers`` L), the jitted ``decode.generate`` loop runs compiled ahead of time (compilation
+Per configuration (AR; each of ``--methods``, default SpS and ASpS, with the draft model, with
+``self:L`` for each ``--layers`` L and with the target's quantized copy ``quant:S`` for each
+``--quant`` scheme S, e.g. ``int8 int4:16``; ``--drafts K`` chains), the jitted ``decode.generate`` loop runs compiled ahead of time (compilation
 reported apart), EOS off, temperature 1: tokens per step (mean over all steps of all rows, with
 its standard error), token-level acceptance, wall tokens/s and CPU tokens/s (medians of
 ``--repeats`` runs).
 
     python scripts/bench_self_draft.py [--pair bundled|random-0.5b] [--layers 1 2 3] [--n 4]
-                                       [--batch-size 4] [--max-new-tokens 128] [--repeats 3]
+                                       [--quant int8 int4:16] [--drafts 1] [--batch-size 4]
+                                       [--max-new-tokens 128] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def run(target, draft, prompts, method, args) -> dict:
             max_new_tokens=args.max_new_tokens,
             method=method,
             num_draft_tokens=args.n,
+            num_drafts=None if method == "ar" else args.drafts,
             eos_token_id=-1,
         )
 
@@ -101,6 +105,10 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, nargs="+", default=None, help="L of self:L")
     p.add_argument("--methods", nargs="+", default=["sps", "asps"])
     p.add_argument("--n", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--drafts", type=int, default=1, help="draft chains K per step")
+    p.add_argument(
+        "--quant", nargs="*", default=[], help="schemes S of quant:S drafts (e.g. int8 int4:16)"
+    )
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=32)
@@ -130,6 +138,9 @@ def main(argv=None) -> int:
     configs = [("ar", None)] * (args.repeats > 0) + [(m, draft) for m in args.methods]
     configs += [
         (m, drafters.draft_model(target, f"self:{L}")) for L in layers for m in args.methods
+    ]
+    configs += [
+        (m, drafters.draft_model(target, f"quant:{S}")) for S in args.quant for m in args.methods
     ]
     rows = []
     print(

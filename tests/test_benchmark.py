@@ -416,3 +416,21 @@ def test_bench_vocab_smoke(tmp_path):
     assert [(r["V"], r["feature"]) for r in rows] == [(300, "plain"), (300, "regex")]
     assert all(r["ms_per_step"] > 0 and r["first_call_s"] > 0 for r in rows)
     assert "| 300 | asps | 2 | plain |" in run.stdout and "| 1.00 |" in run.stdout
+
+
+@pytest.mark.slow
+def test_bench_quant_smoke(tmp_path):
+    """scripts/bench_quant.py --smoke: AR per weight format on a tiny shape (fewer bytes per token
+    each step down), and the logit error of the bundled target against its float32 upcast."""
+    out = tmp_path / "quant.json"
+    run = _run_script("bench_quant.py", "--smoke", "--json", str(out))
+    report = json.loads(out.read_text())
+    speed = {r["format"]: r for r in report["speed"]}
+    assert list(speed) == ["float32", "bfloat16", "int8", "int4:32"]
+    mb = [r["mb_per_token"] for r in speed.values()]
+    assert mb == sorted(mb, reverse=True) and len(set(mb)) == 4
+    assert all(r["ms_per_token_wall"] > 0 and r["roofline_ms_wall"] > 0 for r in speed.values())
+    error = {r["format"]: r for r in report["error"]}
+    assert error["bfloat16"]["max_abs_logit"] == 0.0  # the checkpoint is bfloat16
+    assert 0 < error["int8"]["kl_mean"] < error["int4:16"]["kl_mean"] < 0.1
+    assert "logit error on the bundled target" in run.stdout
