@@ -164,7 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="a tiny shape, a few tokens, one repeat")
     args = p.parse_args(argv)
     shapes = {name: SHAPES[name] for name in args.shapes}
-    # Its checkpoint is stored in bfloat16: float32 is its exact upcast (bfloat16's error is 0).
+    # Its checkpoint is stored in bfloat16: float32 is its exact upcast, so bfloat16's error is
+    # that of bfloat16 activations alone.
     target = asps_jax.load_model("tinyshakespeare-target", dtype="float32")
     error_group = 16  # the bundled target's head_dim of 48 takes groups of 16 (or 48)
     if args.smoke:

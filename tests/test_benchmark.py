@@ -431,6 +431,6 @@ def test_bench_quant_smoke(tmp_path):
     assert mb == sorted(mb, reverse=True) and len(set(mb)) == 4
     assert all(r["ms_per_token_wall"] > 0 and r["roofline_ms_wall"] > 0 for r in speed.values())
     error = {r["format"]: r for r in report["error"]}
-    assert error["bfloat16"]["max_abs_logit"] == 0.0  # the checkpoint is bfloat16
+    assert error["bfloat16"]["max_abs_logit"] > 0  # the same weights, bfloat16 activations
     assert 0 < error["int8"]["kl_mean"] < error["int4:16"]["kl_mean"] < 0.1
     assert "logit error on the bundled target" in run.stdout
