@@ -288,12 +288,15 @@ def test_logprobs_and_logits_equal_tunix_forward(ours, model, tok):
 # --- (e) new weights: new outputs, no new program ----------------------------------------------
 
 
-def test_update_params_changes_outputs_without_compiling(model, tok, native):
+@pytest.mark.parametrize("draft", ["self:1", "quant:int8"])
+def test_update_params_changes_outputs_without_compiling(model, tok, native, draft):
     """Two weight versions, one assigned to the module in place (what an optimizer step does),
     one by ``update_params``: our greedy outputs and logprobs are the native sampler's on those
-    weights, and no XLA program is built (after a first call of each shape)."""
+    weights, and no XLA program is built (after a first call of each shape). The drafts follow
+    the weights: ``self:1`` reads them, ``quant:int8`` is re-quantized from them (its quantizing
+    programs are compiled once per matrix shape)."""
     live = _llama(seed=1)  # this test's own copy: it is updated in place
-    sampler = AspsSampler(live, tok, "self:1", **OPTIONS)
+    sampler = AspsSampler(live, tok, draft, **OPTIONS)
     call = dict(max_generation_steps=10, return_logprobs=True)
     first, theirs = sampler(PROMPTS, **call), _call(native, PROMPTS, **call)
     assert first.text == theirs.text
