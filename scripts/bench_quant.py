@@ -9,8 +9,9 @@ token against the memory roofline, and the logit error against full precision.
    at half a byte, plus the scales; the embedding table counts one row) and the roofline: those
    bytes at the read bandwidth of a float32 matrix-vector product of the same size.
 2. **Error** (the bundled tinyshakespeare target, upcast to float32 from its bfloat16 checkpoint,
-   ``--error-tokens`` corpus tokens in one forward): per format, the largest absolute logit difference from float32 and the mean and
-   largest KL(float32 law || quantized law) over the positions.
+   ``--error-tokens`` corpus tokens in one forward): per format, the largest absolute logit
+   difference from float32 and the mean and largest KL(float32 law || quantized law) over the
+   positions.
 
     python scripts/bench_quant.py [--shapes 68m 0.5b] [--new-tokens 32] [--repeats 3]
                                   [--group 128] [--json PATH]

@@ -10,10 +10,10 @@ layers perturb the logits, not what a trained model gives), tokens per step only
 
 Per configuration (AR; each of ``--methods``, default SpS and ASpS, with the draft model, with
 ``self:L`` for each ``--layers`` L and with the target's quantized copy ``quant:S`` for each
-``--quant`` scheme S, e.g. ``int8 int4:16``; ``--drafts K`` chains), the jitted ``decode.generate`` loop runs compiled ahead of time (compilation
-reported apart), EOS off, temperature 1: tokens per step (mean over all steps of all rows, with
-its standard error), token-level acceptance, wall tokens/s and CPU tokens/s (medians of
-``--repeats`` runs).
+``--quant`` scheme S, e.g. ``int8 int4:16``; ``--drafts K`` chains), the jitted
+``decode.generate`` loop runs compiled ahead of time (compilation reported apart), EOS off,
+temperature 1: tokens per step (mean over all steps of all rows, with its standard error),
+token-level acceptance, wall tokens/s and CPU tokens/s (medians of ``--repeats`` runs).
 
     python scripts/bench_self_draft.py [--pair bundled|random-0.5b] [--layers 1 2 3] [--n 4]
                                        [--quant int8 int4:16] [--drafts 1] [--batch-size 4]

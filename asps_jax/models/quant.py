@@ -22,9 +22,7 @@ another draft law, so every verifier keeps the full-precision target's law.
 
 On accelerators XLA fuses the integer-to-float conversion into the matrix product, so the
 integer bytes are what is read per token. XLA:CPU does not: it converts the whole matrix before
-the product. The one-row product of a per-channel matrix (a draft's rollout at batch 1, AR) is
-read as sums instead (:func:`_row_sum`), but on CPU a quantized forward stays *slower* than a
-float32 one (docs/benchmarks.md has the figures).
+the product, so on CPU a quantized forward is *slower* than a float32 one (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -89,37 +87,18 @@ def is_quantized(tree) -> bool:
 
 
 def einsum(spec: str, x: jax.Array, w) -> jax.Array:
-    """``jnp.einsum(spec, x, w)`` for a float ``w``; for a quantized one the product of the
-    dequantized matrix, in ``x``'s dtype: Qwix's ``einsum``, or :func:`_row_sum` on CPU for one
-    row of ``x`` and a per-channel ``[out, in]`` matrix (Llama's run layout)."""
+    """``jnp.einsum(spec, x, w)`` for a float ``w``; for a quantized one Qwix's ``einsum``: the
+    product with the integers converted to ``x``'s dtype, the scales applied after it (per
+    channel) or inside it (per group).
+
+    On CPU a one-row product was also tried as one fused multiply-and-sum over the integers (XLA
+    fuses the conversion into a reduce, not into a dot): faster in an isolated forward, but 1.4x
+    slower than this in the AR loop at both benchmark shapes (docs/benchmarks.md)."""
     if not _is_q(w):
         return jnp.einsum(spec, x, w)
-    if (
-        spec == "bti,oi->bto"
-        and math.prod(x.shape[:-1]) == 1
-        and w.scale.shape[-1] == 1
-        and jax.default_backend() == "cpu"
-    ):
-        return _row_sum(x, w)
     import qwix
 
     return qwix.einsum(spec, x, w, preferred_element_type=x.dtype).astype(x.dtype)
-
-
-def _row_sum(x_11I: jax.Array, w) -> jax.Array:
-    """``x @ dequantized(w).T`` for one row ``x`` and a per-channel ``[out, in]`` matrix: one
-    elementwise multiply-and-sum over each output's contiguous inputs, the integers converted
-    inside the fusion.
-
-    XLA:CPU lowers a product with a converted integer matrix by converting the whole matrix
-    first (float bytes written, then read). Measured (one process, 2 cores, quiet), the int8
-    one-token forward of llama-68m's shape: 32 ms through Qwix's einsum, 12 ms as sums, 8.9 ms
-    in float32; at the 0.5B shape 93 ms as sums against 80-90 ms in float32. With groups (int4)
-    or more rows the sums are slower than Qwix's einsum (docs/benchmarks.md).
-    """
-    q_OI = w.qvalue.astype(x_11I.dtype)
-    y_O = jnp.sum(q_OI * x_11I.reshape(1, -1), axis=-1) * w.scale[:, 0]
-    return y_O.reshape(1, 1, -1)
 
 
 def merge(w, shape: tuple):
