@@ -57,6 +57,8 @@ def _one_line_error(capsys, argv, code=2):
         (["--logit-bias", "5=inf"], "ID=BIAS"),
         (["--logit-bias=-2=1"], "ID=BIAS"),
         (["--top-logprobs", "2"], "--top-logprobs needs --json"),
+        (["--quantize", "int3"], "argument --quantize: weight-only quantization is 'int8'"),
+        (["--draft-quantize", "int4:0"], "argument --draft-quantize: weight-only"),
     ],
 )
 def test_bad_flags_exit_with_one_line(capsys, argv, needle):
@@ -78,6 +80,13 @@ def test_bad_flags_exit_with_one_line(capsys, argv, needle):
         (["--prompt", "x " * 3000], "context"),
         (["--logit-bias", "99999=1"], "logit_bias: token id 99999 lies outside"),
         (["--json", "--top-logprobs", "99999"], "top_logprobs must be at most"),
+        (
+            ["--quantize", "int4"],
+            "groups of 128 do not divide; give a group size that divides every matrix (here "
+            "'int4:16')",
+        ),
+        (["--draft", "lookup", "--draft-quantize", "int8"], "--draft-quantize quantizes a draft"),
+        (["--draft", "quant:int2"], "draft='quant:int2': weight-only quantization"),
     ],
 )
 def test_bad_runs_exit_nonzero_with_one_line(capsys, argv, needle):

@@ -279,8 +279,8 @@ def test_update_params_refreshes_the_quantized_draft(llama):
         ("int8:4", "'int8'"),
         (8, "weight-only quantization"),
         ("int4:12", "w_down has 32 inputs per output \\(32\\), which groups of 12 do not divide; "
-         "give a group size that does \\(e.g. 'int4:4'\\)"),
-        ("int4:3", "inputs per output \\(32\\), which groups of 3 do not divide"),
+         "give a group size that divides every matrix \\(here 'int4:8'\\) or 'int8'"),
+        ("int4:3", "which groups of 3 do not divide; .* \\(here 'int4:2'\\)"),
     ],
 )  # fmt: skip
 def test_bad_quantize_is_a_one_line_error(llama, spec, match):

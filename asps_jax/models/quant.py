@@ -132,28 +132,36 @@ def _inputs(axes: tuple) -> tuple[int, ...]:
     return (first, first + 1) if axes[first] == "heads" else (first,)
 
 
+def _tiles(shape: tuple, inputs: tuple, group: int):
+    """Qwix's ``tiled_axes`` for groups of ``group`` inputs of one matrix, None if they do not
+    divide its inputs: along the last input axis, or for an attention output (inputs ``heads,
+    head_dim``) whole heads per group."""
+    size, last = math.prod(shape[a] for a in inputs), inputs[-1]
+    if shape[last] % group == 0:  # an attention output's heads are groups apart
+        return (*((a, 1) for a in inputs[:-1]), (last, group))
+    if len(inputs) == 2 and group % shape[last] == 0 and size % group == 0:
+        return ((inputs[0], group // shape[last]),)
+    return None
+
+
 def _how(name: str, shape: tuple, axes: tuple, scheme: Scheme) -> dict:
-    """Qwix's ``channelwise_axes`` / ``tiled_axes`` for one matrix."""
+    """Qwix's ``channelwise_axes`` (and ``tiled_axes``) for one matrix."""
     inputs = _inputs(axes)
     channels = tuple(a for a in range(len(shape)) if a not in inputs)
     if scheme.group is None:
         return dict(channelwise_axes=channels)
-    size = 1
-    for a in inputs:
-        size *= shape[a]
-    group, last = scheme.group, inputs[-1]
-    if shape[last] % group == 0:
-        # An attention output's heads are groups apart (each head its own scales).
-        whole = tuple((a, 1) for a in inputs[:-1])
-        return dict(channelwise_axes=channels, tiled_axes=(*whole, (last, group)))
-    if len(inputs) == 2 and group % shape[last] == 0 and size % group == 0:
-        # An attention output: a group is whole heads (head_dim inputs each).
-        return dict(channelwise_axes=channels, tiled_axes=((inputs[0], group // shape[last]),))
-    raise ValueError(
-        f"quantize={scheme.name!r}: {name} has {size} inputs per output "
-        f"({'x'.join(str(shape[a]) for a in inputs)}), which groups of {group} do not divide; "
-        f"give a group size that does (e.g. 'int4:{math.gcd(group, shape[last])}') or 'int8'"
-    )
+    tiles = _tiles(shape, inputs, scheme.group)
+    if tiles is None:
+        size = "x".join(str(shape[a]) for a in inputs)
+        raise _GroupError(
+            f"{name} has {math.prod(shape[a] for a in inputs)} inputs per output ({size}), "
+            f"which groups of {scheme.group} do not divide"
+        )
+    return dict(channelwise_axes=channels, tiled_axes=tiles)
+
+
+class _GroupError(ValueError):
+    """An int4 group that does not divide a matrix's inputs (:func:`plan` words the error)."""
 
 
 def _axes_of(config) -> dict:
@@ -187,8 +195,21 @@ def plan(config, params, scheme: Scheme) -> dict:
         if _is_q(leaf):
             raise ValueError(f"quantize: {name} is quantized already; quantize float weights")
         if _is_matrix(name, names):
-            out[path] = _how(name, tuple(leaf.shape), names, scheme)
-    return out
+            out[path] = (name, tuple(leaf.shape), names)
+    try:
+        return {path: _how(*spec, scheme) for path, spec in out.items()}
+    except _GroupError as err:
+        # A group size that divides every matrix: the largest power of two below the one given.
+        fits = [
+            g
+            for g in (1 << k for k in reversed(range((scheme.group - 1).bit_length())))
+            if all(_tiles(shape, _inputs(names), g) for _, shape, names in out.values())
+        ]
+        hint = f"'int4:{fits[0]}'" if fits else "none does"
+        raise ValueError(
+            f"quantize={scheme.name!r}: {err}; give a group size that divides every matrix "
+            f"(here {hint}) or 'int8'"
+        ) from None
 
 
 def quantize_params(config, params, spec) -> dict:
