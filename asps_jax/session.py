@@ -400,7 +400,8 @@ class Sampler:
     built during this sampler's calls.
 
     :meth:`update_params` swaps the weights: no recompile, no host copy; a drafter derived from
-    the target (``"self:L"``, whose layers are views of the target's) follows it, ``"lookup"``
+    the target (``"self:L"``, whose layers are views of the target's; ``"quant:int8"``, made from
+    them) follows it, ``"lookup"``
     has no weights, and a separate draft model keeps its own unless new ones are given.
     """
 
@@ -438,7 +439,7 @@ class Sampler:
             if not isinstance(self.draft, Model):
                 raise ValueError(
                     f"update_params: draft={self.draft!r} has no weights of its own to replace "
-                    "(a 'self:L' draft follows the target's); omit draft_params"
+                    "(a 'self:L' or 'quant:int8' draft follows the target's); omit draft_params"
                 )
             self.draft = _with_params(self.draft, draft_params, "draft_params")
 

@@ -456,8 +456,9 @@ class AspsSampler(base_sampler.BaseSampler):
     ``AspsSampler(transformer, tokenizer, draft=None, *, method=None, max_length=32768,
     **options)``: ``transformer`` a tunix ``Llama3``, ``Qwen2`` or dense ``Qwen3``;
     ``tokenizer`` anything tunix's ``TokenizerAdapter`` takes (or one); ``draft`` as for
-    :func:`asps_jax.sample` (``"self:L"``, ``"lookup"``, an asps_jax ``Model``, None for
-    ``method="ar"``) or another tunix model of the same vocabulary (mapped the same way);
+    :func:`asps_jax.sample` (``"self:L"``, ``"quant:int8"``, ``"lookup"``, an asps_jax
+    ``Model``, None for ``method="ar"``) or another tunix model of the same vocabulary (mapped
+    the same way);
     ``method`` defaults to ``"asps"`` with a draft, ``"ar"`` without; ``max_length`` the longest
     prompt plus output accepted; ``options`` the fixed keyword arguments of
     :class:`asps_jax.Sampler` (``num_draft_tokens``, ``num_drafts``, ``batch_size``,
@@ -538,8 +539,8 @@ class AspsSampler(base_sampler.BaseSampler):
         runs them without recompiling."""
         if draft_params is not None and self._draft is None:
             raise ValueError(
-                "update_params: the draft is not a tunix model of its own (a 'self:L' draft "
-                "follows the target's weights); omit draft_params"
+                "update_params: the draft is not a tunix model of its own (a 'self:L' or "
+                "'quant:int8' draft follows the target's weights); omit draft_params"
             )
         target = self._target.merged(params, "update_params")
         if draft_params is not None:
