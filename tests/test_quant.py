@@ -295,8 +295,14 @@ def test_bad_requests_name_what_is_wrong(llama, tmp_path):
     with pytest.raises(ValueError, match="draft='quant:int2': weight-only") as err:
         drafters.draft_model(target, "quant:int2")
     assert "\n" not in str(err.value)
+    int8 = quant.quantize_model(target, "int8")
     with pytest.raises(ValueError, match="quantized already"):
-        quant.quantize_params(target.config, quant.quantize_model(target, "int8").params, "int8")
+        quant.quantize_params(target.config, int8.params, "int8")
+    with pytest.raises(
+        ValueError, match=r"draft='quant:int4:8': the target .*\[int8\] is q"
+    ) as err:
+        drafters.draft_model(int8, "quant:int4:8")
+    assert "\n" not in str(err.value)
     own = asps_jax.models.own_model(
         lambda *a: None, {"w": jnp.ones((4, 4))}, vocab_size=4, num_hidden_layers=1,
         num_key_value_heads=1, head_dim=4, max_position_embeddings=8,

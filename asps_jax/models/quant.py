@@ -267,6 +267,11 @@ def quantized_copy(target, spec: str):
     """The draft model of ``draft="quant:int8"`` (or ``"quant:int4[:G]"``): the target's own
     weights quantized, one object per target and scheme."""
     scheme = parse(spec[len(PREFIX) :], what="draft", given=spec)
+    if is_quantized(target.params):
+        raise ValueError(
+            f"draft={spec!r}: the target {target.name} is quantized already, and its copy is "
+            "made from float weights; load the target without quantize=, or give a draft model"
+        )
     per_target = _COPIES.setdefault(target, {})
     if scheme not in per_target:
         copy = quantize_model(target, scheme.name)
