@@ -20,6 +20,7 @@ import transformers
 from hf_checkpoints import FAMILY_CONFIGS, write_tiny_family, write_tiny_llama
 from multidraft_laws import node_law
 from multidraft_reference import continuation_error, tree_law
+from test_decode import _hf_greedy
 from test_self_draft import _outcome
 
 import asps_jax
@@ -135,6 +136,36 @@ def test_quantized_forward_is_transformers_on_the_dequantized_weights(tmp_path, 
     # ... and quantization changed the model (the comparison is not float against float).
     float_logits, _ = forward(run_params(full), tokens, positions, mask, None)
     assert np.abs(np.asarray(float_logits) - want).max() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, quantized_target", [("gpt2", True), ("qwen3", False)])
+def test_greedy_sample_is_transformers_generate(tmp_path, family, quantized_target):
+    """Temperature 0 through ``sample`` with ASpS: an int8 GPT-2 target (stacked layers, a scan)
+    drafted by its own first layer is transformers' greedy ``generate`` on the dequantized
+    weights; a float Qwen3 target (per-layer run layout) drafted by its int8 copy is
+    ``generate`` on the float weights."""
+    write_tiny_family(tmp_path / "ckpt", family, seed=0)
+    full = asps_jax.load_model(str(tmp_path / "ckpt"))
+    target = quant.quantize_model(full, "int8") if quantized_target else full
+    save_checkpoint(tmp_path / "ref", target.config, quant.dequantize_params(target.params))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ref", attn_implementation="eager"
+    ).eval()
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    expected = [_hf_greedy(hf, prompt, 6) for prompt in prompts]
+    out = asps_jax.sample(
+        target,
+        "self:1" if quantized_target else "quant:int8",
+        prompts,
+        method="asps",
+        key=jax.random.key(0),
+        max_new_tokens=6,
+        num_draft_tokens=2,
+        temperature=0.0,
+        eos_token_id=-1,
+    )
+    assert np.asarray(out.tokens).tolist() == expected
 
 
 # --- Laws --------------------------------------------------------------------------------------
