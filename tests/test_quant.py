@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from hf_checkpoints import FAMILY_CONFIGS, write_tiny_family, write_tiny_llama
 from multidraft_laws import node_law
 from multidraft_reference import continuation_error, tree_law
 from test_decode import _hf_greedy
-from test_self_draft import _outcome
+from test_self_draft import _cli, _outcome
 
 import asps_jax
 from asps_jax import drafters
@@ -373,3 +374,17 @@ def test_quantizing_again_compiles_nothing():
     before = quant._quantize._cache_size()
     quant.quantize_params(config, jax.tree.map(lambda a: a + 1, params), "int8")
     assert quant._quantize._cache_size() == before
+
+
+@pytest.mark.slow
+def test_cli_quantized_target_and_draft(capsys):
+    """scripts/sample.py with the target and the draft checkpoint loaded as int8, then the
+    target's own int8 copy as the draft: both run, and the copy is accepted nearly always."""
+    cli = _cli()
+    argv = ["--max-new-tokens", "8", "--num-draft-tokens", "3", "--method", "asps", "--json"]
+    assert cli.main(argv + ["--quantize", "int8", "--draft-quantize", "int8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["new_tokens"] == 8 and result["tokens_per_step"] >= 1.0
+    assert cli.main(argv + ["--draft", "quant:int8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["new_tokens"] == 8 and result["acceptance"] > 0.9
