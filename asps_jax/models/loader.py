@@ -387,12 +387,11 @@ def load_model(name_or_path, *, dtype=None, quantize=None):
     """Load an alias, a checkpoint folder or a cached HF repo id (docs/api.md §2) as a ``Model``;
     ``quantize="int8"`` / ``"int4"`` / ``"int4:G"`` stores its matrices quantized
     (:mod:`asps_jax.models.quant`)."""
-    from asps_jax.models import quant
+    from asps_jax.models import cards, quant
+    from asps_jax.models.base import Model, family_for_type
 
     if quantize is not None:
         quant.parse(quantize)  # a bad request fails before anything is read
-    from asps_jax.models import cards
-    from asps_jax.models.base import Model, family_for_type
 
     found = cards.resolve(name_or_path)
     family, config = read_config(found.path, family_for_type)

@@ -3,10 +3,11 @@
 Every projection matrix of a family (``wq wk wv wo``, the MLP matrices, OPT's ``project_in/out``)
 is stored as a Qwix :class:`qwix.QArray`: symmetric integer values and float scales,
 
-* ``"int8"``: one scale per output channel (per layer), absmax / 127;
+* ``"int8"``: one scale per output channel (per layer), absmax / 127.5 (Qwix's convention: the
+  largest magnitude rounds to 127);
 * ``"int4"`` / ``"int4:G"``: one scale per output channel and per group of ``G`` consecutive
-  inputs (default 128), absmax / 7; a matrix whose inputs ``G`` does not divide is a one-line
-  error naming it.
+  inputs (default 128), absmax / 7.5; a matrix whose inputs ``G`` does not divide is a one-line
+  error naming it and a group size that divides every matrix.
 
 The embedding, learned position tables, norms, biases and the LM head stay in float: the
 embedding is a row lookup (nothing to multiply), and the head sets the logits' precision, which
@@ -35,7 +36,6 @@ import weakref
 import jax
 import jax.numpy as jnp
 
-MODES = ("int8", "int4")
 PREFIX = "quant:"  # draft="quant:int8": the target's own quantized copy
 DEFAULT_GROUP = 128
 _BITS = {"int8": jnp.int8, "int4": jnp.int4}
