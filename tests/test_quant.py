@@ -8,7 +8,6 @@ it, and the one-line errors."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 
 import jax
@@ -22,7 +21,7 @@ from hf_checkpoints import FAMILY_CONFIGS, write_tiny_family, write_tiny_llama
 from multidraft_laws import node_law
 from multidraft_reference import continuation_error, tree_law
 from test_decode import _hf_greedy
-from test_self_draft import _cli, _outcome
+from test_self_draft import PROMPT, VOCAB, N, _cli, _laws, _outcome
 
 import asps_jax
 from asps_jax import drafters
@@ -31,9 +30,6 @@ from asps_jax.models import quant, save_checkpoint
 from asps_jax.models.base import forward_for, run_params
 from asps_jax.models.llama import init_params as llama_init
 
-VOCAB = 5
-PROMPT = [1, 4, 2]
-N = 2
 INT4 = "int4:8"  # the tiny Llama: head_dim 4 (a group is two heads of wo), 16 / 32 inputs
 
 
@@ -170,18 +166,6 @@ def test_greedy_sample_is_transformers_generate(tmp_path, family, quantized_targ
 
 
 # --- Laws --------------------------------------------------------------------------------------
-
-
-def _laws(hf_model, depth: int) -> list[np.ndarray]:
-    """Tabular float64 laws of ``hf_model`` after PROMPT (``laws[i][x_1..x_i]``)."""
-    out = []
-    for i in range(depth):
-        prefixes = list(itertools.product(range(VOCAB), repeat=i))
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([PROMPT + list(x) for x in prefixes])).logits[:, -1]
-        law = torch.softmax(logits.double(), -1).numpy()
-        out.append(law.reshape((VOCAB,) * i + (VOCAB,)))
-    return out
 
 
 @pytest.fixture(scope="module")
