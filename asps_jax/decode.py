@@ -346,15 +346,28 @@ def _prefill(
     if dec.drafter is not None:
         draft = dec.drafter.init(dec, draft_params, batch)
     if run_forward:
-        forward = forward_for(dec.target_config)
+        forward = forward_for(dec.target_config, _feature_layers(dec))
         # With n samples per prompt (rows p * n + i hold prompt p): one forward per prompt.
         t_cache = scoring.prefill_cache_grouped(
             forward, target_params, t_cache, prompts_BP, committed_B, dec.samples
         )
+        t_cache, features = t_cache if isinstance(t_cache, tuple) else (t_cache, None)
         if dec.drafter is not None:
-            draft = dec.drafter.prefill(dec, draft_params, draft, prompts_BP, committed_B)
+            draft = dec.drafter.prefill(
+                dec, draft_params, draft, prompts_BP, committed_B, **_features(features)
+            )
     fresh = _fresh_rows(dec, prompts_BP, prompt_lengths_B, committed_B, row_keys_B, budget_B)
     return DecodeState(target_cache=t_cache, draft=draft, stop=stop, **fresh)
+
+
+def _feature_layers(dec: Decoder) -> tuple[int, ...]:
+    """The target layers whose streams the drafter reads (``Drafter.feature_layers``)."""
+    return () if dec.drafter is None else dec.drafter.feature_layers
+
+
+def _features(features) -> dict:
+    """The ``features=`` keyword of a drafter's prefill / refill (none for one that reads none)."""
+    return {} if features is None else {"features": features}
 
 
 def _fresh_rows(dec: Decoder, prompts_BP, lengths_B, committed_B, row_keys_B, budget_B) -> dict:
@@ -405,14 +418,17 @@ def _refill(
     batch = prompts_BP.shape[0]
     lengths_B = jnp.where(take_B, prompt_lengths_B.astype(jnp.int32), 0)
     committed_B = jnp.maximum(lengths_B - 1, 0)
-    forward = forward_for(dec.target_config)
+    forward = forward_for(dec.target_config, _feature_layers(dec))
     t_cache = scoring.refill_rows(
         forward, dec.target_config, target_params, state.target_cache, take_B, prompts_BP,
         committed_B,
     )  # fmt: skip
+    t_cache, features = t_cache if isinstance(t_cache, tuple) else (t_cache, None)
     draft = state.draft
     if dec.drafter is not None:
-        draft = dec.drafter.refill(dec, draft_params, draft, take_B, prompts_BP, committed_B)
+        draft = dec.drafter.refill(
+            dec, draft_params, draft, take_B, prompts_BP, committed_B, **_features(features)
+        )
     fresh = _fresh_rows(dec, prompts_BP, lengths_B, committed_B, row_keys_B, budget_B)
 
     def pick(new, old):
@@ -591,8 +607,8 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
     the number of draft nodes scored per row, int32[B], and the raw logits, [B, N, V]."""
     tree = dec.spec.tree.nodes
     scored_BN = drafts.scored_BN == jnp.arange(tree.num_nodes)[None, :]
-    logits_BNV, new_kv = scoring.score_tree(
-        forward_for(dec.target_config),
+    out = scoring.score_tree(
+        forward_for(dec.target_config, _feature_layers(dec)),
         target_params,
         state.target_cache,
         drafts.tokens_BN,
@@ -600,6 +616,9 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
         scored_BN,
         trees.merged_attention_mask(tree, drafts.scored_BN),
     )
+    logits_BNV, new_kv = out[:2]
+    if len(out) == 3:  # the drafter's features of every node travel with the new keys / values
+        new_kv = (new_kv, out[2])
     logits_BNV = sharding.constrain(logits_BNV, ("batch", None, "vocab"), dec.mesh)
     # Node i's path: its ancestors' tokens below the root.
     path_BND = drafts.tokens_BN[:, np.maximum(tree.paths[:, 1:], 0)]
@@ -629,13 +648,20 @@ def _verify(dec: Decoder, state, drafts: Drafts, target_lp_BNV) -> tuple[Verdict
     )
 
 
-def _commit(dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B) -> DecodeState:
+def _commit(
+    dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B, tokens_BT
+) -> DecodeState:
     """Stage 4: commit the first ``num_B`` nodes of the accepted path (the root and the accepted
     draft tokens) into the target cache, and the drafter's state after it (``Drafter.commit``:
-    replica ``chain_B`` drew the accepted path)."""
+    replica ``chain_B`` drew the accepted path; ``Drafter.take``: the path's target features and
+    the emitted tokens ``tokens_BT``, for a drafter that reads features)."""
     row_loop = kv_cache.row_loop_for(dec.mesh)
+    new_kv, features_BNF = new_kv if isinstance(new_kv, tuple) else (new_kv, None)
     t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=row_loop)
     draft = dec.drafter.commit(dec, state.draft, drafts.state, chain_B, num_B)
+    if features_BNF is not None:  # the accepted path's features, and the token after each
+        path_BTF = jnp.take_along_axis(features_BNF, path_BT[:, :, None], axis=1)
+        draft = dec.drafter.take(dec, draft, path_BTF, tokens_BT, num_B)
     return dataclasses.replace(state, target_cache=t_cache, draft=draft)
 
 
@@ -710,7 +736,9 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         hit_eos = hit_eos | hit_stop
         failed_B = failed_B & ~hit_eos & ~ended_B
     with jax.named_scope("commit"):
-        new_state = _commit(dec, state, drafts, new_kv, path_BT, verdict.draft_index, num_B)
+        new_state = _commit(
+            dec, state, drafts, new_kv, path_BT, verdict.draft_index, num_B, verdict.tokens
+        )
     with jax.named_scope("metrics"):
         root_lp_BV = target_lp[:, 0]
         stats = statistics.update(

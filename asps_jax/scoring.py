@@ -94,13 +94,17 @@ def score_chain(
     return forward(params, tokens.astype(jnp.int32), positions_BT, mask_BTT, cache)
 
 
-def prefill_cache(forward, params, cache: KVCache, prompts_BP, num_B) -> KVCache:
-    """Commit the first ``num_B`` prompt tokens of each row into ``cache`` (one forward)."""
+def prefill_cache(forward, params, cache: KVCache, prompts_BP, num_B):
+    """Commit the first ``num_B`` prompt tokens of each row into ``cache`` (one forward).
+
+    A ``forward`` that returns features (``forward_for(config, features)``) gives
+    ``(cache, features [B, P, F])``: the prompt's, for a learned head."""
     rows, width = prompts_BP.shape
     valid_BP = jnp.arange(width)[None, :] < num_B[:, None]
-    _, new_kv = score_chain(forward, params, cache, prompts_BP, valid_BP)
+    out = score_chain(forward, params, cache, prompts_BP, valid_BP)
     nodes_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
-    return commit(cache, new_kv, nodes_BP, num_B)
+    cache = commit(cache, out[1], nodes_BP, num_B)
+    return cache if len(out) == 2 else (cache, out[2])
 
 
 def prefill_cache_grouped(forward, params, cache: KVCache, prompts_BP, num_B, group: int):
@@ -115,6 +119,9 @@ def prefill_cache_grouped(forward, params, cache: KVCache, prompts_BP, num_B, gr
     first = np.arange(0, rows, group)  # static: each group's first cache row
     src = first * prompts_BP.shape[0] // rows  # ... and its prompt row
     once = prefill_cache(forward, params, cache.take_rows(first), prompts_BP[src], num_B[src])
+    if isinstance(once, tuple):  # with features: one row of them per prompt row
+        prompt_group = np.arange(prompts_BP.shape[0]) * rows // prompts_BP.shape[0] // group
+        return once[0].take_rows(np.arange(rows) // group), once[1][prompt_group]
     return once.take_rows(np.arange(rows) // group)
 
 
@@ -140,22 +147,37 @@ def refill_rows(
     batching): each taken row's ``replicas`` cache rows (``b * replicas ..``) take its prompt's
     first ``committed_B`` tokens, one single-row prefill forward per row over the prompt width
     only (no attention over the long cache), in the cache's layout and dtype; their lengths are
-    set, the other rows unchanged (stale slots past a length are masked, as after a rejection)."""
+    set, the other rows unchanged (stale slots past a length are masked, as after a rejection).
+
+    A ``forward`` that returns features gives ``(cache, features [B, P, F])``, the taken rows'
+    prompt features (zeros in the other rows)."""
     batch, width = prompts_BP.shape
     (slots_R,) = jnp.nonzero(take_B, size=batch, fill_value=0)  # the rows to fill, in order
     dtype = jax.tree.leaves(cache.k)[0].dtype
 
-    def fill(i, cache):
-        b = slots_R[i]
+    def row_prefill(b, per_layer):
         prompt_1P = jax.lax.dynamic_slice_in_dim(prompts_BP, b, 1)
         committed_1 = jax.lax.dynamic_slice_in_dim(committed_B, b, 1)
-        row = init_cache(config, 1, width, dtype, per_layer=cache.per_layer)
-        row = prefill_cache(forward, params, row, prompt_1P, committed_1)
-        return _write_rows(cache, row, b * replicas, replicas)
+        row = init_cache(config, 1, width, dtype, per_layer=per_layer)
+        return prefill_cache(forward, params, row, prompt_1P, committed_1)
 
+    def fill(i, carry):
+        cache, features = carry
+        b = slots_R[i]
+        row = row_prefill(b, cache.per_layer)
+        if features is not None:
+            row, row_features = row
+            features = jax.lax.dynamic_update_slice_in_dim(features, row_features, b, axis=0)
+        return _write_rows(cache, row, b * replicas, replicas), features
+
+    shape = jax.eval_shape(lambda: row_prefill(0, cache.per_layer))
+    features = None
+    if isinstance(shape, tuple):
+        features = jnp.zeros((batch,) + shape[1].shape[1:], shape[1].dtype)
     # The work of a refill is its prompts' tokens, whatever the number of rows.
-    cache = jax.lax.fori_loop(0, jnp.sum(take_B), fill, cache)
+    cache, features = jax.lax.fori_loop(0, jnp.sum(take_B), fill, (cache, features))
     take = jnp.repeat(take_B, replicas)
-    return dataclasses.replace(
+    cache = dataclasses.replace(
         cache, lengths=jnp.where(take, jnp.repeat(committed_B, replicas), cache.lengths)
     )
+    return cache if features is None else (cache, features)

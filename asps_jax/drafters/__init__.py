@@ -9,7 +9,9 @@
 * :mod:`~asps_jax.drafters.lookup`: prompt lookup (``draft="lookup"``), chains copied from the
   row's own text;
 * ``draft="quant:int8"`` / ``"quant:int4[:G]"``: the target's own weights quantized
-  (:func:`asps_jax.models.quant.quantized_copy`) as a draft model of its own cache.
+  (:func:`asps_jax.models.quant.quantized_copy`) as a draft model of its own cache;
+* :mod:`~asps_jax.drafters.head`: a learned EAGLE-3 head on the target's own features
+  (``draft="eagle3:PATH"``), trained by :mod:`~asps_jax.drafters.train`.
 
 :func:`resolve` is the one reader of the ``draft=`` argument. A drafter is a frozen value, static
 under jit (a field of :class:`~asps_jax.decode.Decoder`), so a user can also build one of their
@@ -21,7 +23,7 @@ drafter to the package is one file and one line in :func:`resolve`.
 from __future__ import annotations
 
 from asps_jax.checks import check_int
-from asps_jax.drafters import self_layers
+from asps_jax.drafters import head, self_layers
 from asps_jax.drafters.base import Drafter, Proposal, chain_keys, step_keys
 from asps_jax.drafters.lookup import DEFAULT_NGRAM, Lookup
 from asps_jax.drafters.model import ModelDraft
@@ -29,7 +31,13 @@ from asps_jax.drafters.self_layers import PREFIX as SELF_PREFIX
 from asps_jax.drafters.self_layers import SelfDraft, SharedLayers
 from asps_jax.models import quant
 
-NAMES = ("lookup", SELF_PREFIX + "L", quant.PREFIX + "int8", quant.PREFIX + "int4")
+NAMES = (
+    "lookup",
+    SELF_PREFIX + "L",
+    quant.PREFIX + "int8",
+    quant.PREFIX + "int4",
+    head.PREFIX + "PATH",
+)
 """The drafters named by a string ``draft`` argument (a model object is the draft model)."""
 
 OPTIONS = ("lookup_ngram", "lookup_max", "draft_stop")
@@ -57,10 +65,10 @@ __all__ = [
 
 
 def is_named(draft) -> bool:
-    """Whether ``draft`` names a drafter (``"lookup"``, ``"self:L"``, ``"quant:int8"``) rather
-    than a model or a checkpoint (what the command line loads)."""
+    """Whether ``draft`` names a drafter (``"lookup"``, ``"self:L"``, ``"quant:int8"``,
+    ``"eagle3:PATH"``) rather than a model or a checkpoint (what the command line loads)."""
     return isinstance(draft, str) and (
-        draft == "lookup" or draft.startswith((SELF_PREFIX, quant.PREFIX))
+        draft == "lookup" or draft.startswith((SELF_PREFIX, quant.PREFIX, head.PREFIX))
     )
 
 
@@ -76,10 +84,12 @@ def draft_model(target, draft):
         return self_layers.self_draft(target, draft)
     if draft.startswith(quant.PREFIX):
         return quant.quantized_copy(target, draft)
+    if draft.startswith(head.PREFIX):
+        return head.head_for(target, draft)
     raise ValueError(
         f"draft: unknown drafter {draft!r}; give a draft model, 'lookup', 'self:L' (the "
-        "target's first L layers), 'quant:int8' / 'quant:int4' (the target quantized), or None "
-        "(method 'ar')"
+        "target's first L layers), 'quant:int8' / 'quant:int4' (the target quantized), "
+        "'eagle3:PATH' (a learned head), or None (method 'ar')"
     )
 
 
@@ -198,6 +208,13 @@ def resolve(
         return target, Lookup(ngram=ngram, cap=cap), None, None
     if model is None:
         return target, None, None, tau
+    if isinstance(model, head.Head):
+        return (
+            target,
+            head.drafter(model, target, mesh=mesh, confidence_stop=tau is not None),
+            model,
+            tau,
+        )
     target, model = align_vocabularies(target, model)  # padded embeddings of one tokenizer
     check_compatible(target, model)
     if isinstance(model, SelfDraft):

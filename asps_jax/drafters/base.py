@@ -73,6 +73,10 @@ class Drafter:
     one_root_law: bool = True
     #: Whether the K root paths are K replicas of a model's rollout (memory messages say so).
     replicated: bool = False
+    #: The target layers whose input streams the drafter reads (a learned head's features):
+    #: the loop then has the target's forwards return them, passes the prompt's to
+    #: :meth:`prefill` / :meth:`refill` (``features=``) and the accepted path's to :meth:`take`.
+    feature_layers: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -134,6 +138,12 @@ class Drafter:
         whose path was accepted, ``num_B`` int32[B] the slots committed (the root and the
         accepted draft tokens)."""
         return after
+
+    def take(self, dec, state, features_BTF, tokens_BT, num_B):
+        """With :attr:`feature_layers`: the state after the step's commit took the accepted
+        path's target features (``features_BTF[:, j]``: the path's node j, the root first) and
+        the emitted tokens (``tokens_BT[:, j]``: the token after node j), ``num_B`` of them."""
+        return state
 
 
 def step_keys(state, purpose: int = PURPOSE_DRAFT) -> jax.Array:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import weakref
 from typing import Any, Protocol, runtime_checkable
 
@@ -152,13 +153,23 @@ def family_for_config(config):
 
 
 @functools.lru_cache(maxsize=64)
-def forward_for(config):
+def forward_for(config, features: tuple[int, ...] = ()):
     """``forward(params, tokens, positions, mask, cache)`` with the static config bound.
 
     Cached, so equal configs give the *same* function object: passing it as a static argument of
-    ``jax.jit`` then hits the compilation cache instead of recompiling per call.
+    ``jax.jit`` then hits the compilation cache instead of recompiling per call. ``features``
+    (layer ids): the forward also returns the residual stream entering those layers, as a third
+    value (Llama, Qwen, Mistral and Gemma; a one-line error for the other families).
     """
-    return functools.partial(family_for_config(config).forward, config)
+    family = family_for_config(config)
+    if not features:
+        return functools.partial(family.forward, config)
+    if "features" not in inspect.signature(family.forward).parameters:
+        raise ValueError(
+            f"a learned head reads the target's hidden states, which the {type(config).__name__} "
+            "port does not return yet (Llama, Qwen2/3, Mistral and Gemma 2/3 do)"
+        )
+    return functools.partial(family.forward, config, features=tuple(features))
 
 
 def prepare_params(config, params):

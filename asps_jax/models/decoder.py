@@ -60,6 +60,7 @@ from asps_jax.models.layers import (
     rms_norm_offset,
     soft_cap,
     window_mask,
+    with_features,
 )
 from asps_jax.models.quant import einsum
 from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
@@ -374,10 +375,12 @@ def forward(
     positions: jax.Array,  # int32[B, T]
     mask: jax.Array,  # bool[B, T, S+T] (cache slots, then the new tokens) or bool[B, T, T]
     cache: KVCache | None,
-) -> tuple[jax.Array, KVBlock]:
+    features: tuple[int, ...] = (),
+):
     """``(logits float32[B, T, V], new_kv)``; ``new_kv.k/v [L, B, T, KVH, H]`` (k after RoPE).
 
     ``params`` in the stored (stacked) or the run layout (:func:`prepare_params`); same logits.
+    ``features``: also return the residual stream entering those layers (``llama.forward``).
     """
     check_inputs(config, tokens, positions, mask, cache)
     c = config
@@ -395,8 +398,9 @@ def forward(
     run = isinstance(layers, (tuple, list))
     if run and len(layers) != c.num_hidden_layers:
         raise ValueError(f"params has {len(layers)} layers, config {c.num_hidden_layers}")
-    ks, vs = [], []
+    ks, vs, streams = [], [], []
     for i in range(c.num_hidden_layers):
+        streams.append(x)
         p = layers[i] if run else {name: a[i] for name, a in layers.items()}
         kv = (None, None) if cache is None else cache.layer(i)
         window = c.window(i)
@@ -405,6 +409,7 @@ def forward(
         x, (k, v) = _layer(c, p, x, *kv, cos=cos, sin=sin, mask=layer_mask)
         ks.append(k)
         vs.append(v)
+    streams.append(x)
     x = (rms_norm_offset if c.GEMMA else rms_norm)(x, params["final_norm"], c.rms_norm_eps)
-    logits = output_logits(x, params, c.tie_word_embeddings)
-    return soft_cap(logits, c.final_logit_softcapping), KVBlock(k=jnp.stack(ks), v=jnp.stack(vs))
+    logits = soft_cap(output_logits(x, params, c.tie_word_embeddings), c.final_logit_softcapping)
+    return with_features(logits, KVBlock(k=jnp.stack(ks), v=jnp.stack(vs)), streams, features)

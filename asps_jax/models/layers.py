@@ -233,6 +233,16 @@ def output_logits(x_BTE: jax.Array, params: dict, tied: bool) -> jax.Array:
     return lm_logits(x_BTE, params["embed"] if tied else params["lm_head"], tied)
 
 
+def with_features(logits, new_kv, streams: list, features: tuple[int, ...]):
+    """A forward's result: ``(logits, new_kv)``, plus the residual streams ``streams[i]`` of the
+    layers ``features`` concatenated on the last axis when any are asked for."""
+    if not features:
+        return logits, new_kv
+    if any(not 0 <= i < len(streams) for i in features):
+        raise ValueError(f"features: layer ids must lie in [0, {len(streams) - 1}], got {features}")
+    return logits, new_kv, jnp.concatenate([streams[i] for i in features], axis=-1)
+
+
 def lm_logits(x_BTE: jax.Array, head: jax.Array, tied: bool) -> jax.Array:
     """float32 logits from the embedding ``[V, E]`` (tied) or a head ``[E, V]``."""
     spec = "bte,ve->btv" if tied else "bte,ev->btv"

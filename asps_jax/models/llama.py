@@ -36,6 +36,7 @@ from asps_jax.models.layers import (
     init_from_shapes,
     output_logits,
     rms_norm,
+    with_features,
 )
 from asps_jax.models.quant import einsum, merge
 from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
@@ -290,12 +291,18 @@ def forward(
     positions: jax.Array,  # int32[B, T]
     mask: jax.Array,  # bool[B, T, S+T] (cache slots, then the new tokens) or bool[B, T, T]
     cache: KVCache | None,
-) -> tuple[jax.Array, KVBlock]:
+    features: tuple[int, ...] = (),
+):
     """``(logits float32[B, T, V], new_kv)``; ``new_kv.k/v [L, B, T, KVH, H]`` (k after RoPE).
 
     ``params`` in the stored (stacked) layout runs the layers as one ``lax.scan``; in the run
     layout of :func:`prepare_params` the layers are unrolled over the per-layer weights (the fast
     path: no weight is copied per call). Both give the same logits to float tolerance.
+
+    ``features`` (static layer ids): also return ``float[B, T, len(features) * E]``, the
+    residual stream entering each listed layer (Hugging Face's ``hidden_states[i]``; ``L`` is the
+    last layer's output before the final norm), concatenated: what a learned head reads
+    (:mod:`asps_jax.drafters.head`). The result is then ``(logits, new_kv, features)``.
     """
     check_inputs(config, tokens, positions, mask, cache)
     c = config
@@ -305,11 +312,13 @@ def forward(
     kw = dict(cos=cos, sin=sin, mask=mask, scale=c.head_dim**-0.5)
     x = params["embed"][tokens]  # [B, T, E]
     layers = params["layers"]
+    streams = []  # the residual stream entering each layer, then the last layer's output
     if isinstance(layers, (tuple, list)):
         if len(layers) != c.num_hidden_layers:
             raise ValueError(f"params has {len(layers)} layers, config {c.num_hidden_layers}")
         ks, vs = [], []
         for i, p in enumerate(layers):
+            streams.append(x)
             if set(p) != RUN_LAYER_KEYS:
                 want = sorted(RUN_LAYER_KEYS)
                 raise ValueError(f"params layer {i} has keys {sorted(p)}; the run layout: {want}")
@@ -322,9 +331,15 @@ def forward(
 
         def body(x_BTE, xs):
             p, cache_k, cache_v = xs
-            return _layer(c, p, x_BTE, cache_k, cache_v, run=False, **kw)
+            out, kv = _layer(c, p, x_BTE, cache_k, cache_v, run=False, **kw)
+            return out, (kv, x_BTE if features else None)
 
         xs = (layers, None, None) if cache is None else (layers, *cache.stacked())
-        x, (new_k, new_v) = jax.lax.scan(body, x, xs)
-    x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
-    return output_logits(x, params, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)
+        x, ((new_k, new_v), inputs) = jax.lax.scan(body, x, xs)
+        if features:
+            streams = list(inputs)
+    streams.append(x)
+    logits = output_logits(
+        rms_norm(x, params["final_norm"], c.rms_norm_eps), params, c.tie_word_embeddings
+    )
+    return with_features(logits, KVBlock(k=new_k, v=new_v), streams, features)

@@ -1,0 +1,659 @@
+"""A learned head on the target's own features (``draft="eagle3:PATH"``): EAGLE-3's one decoder
+layer, drafting from the target's hidden states, exact under every verifier.
+
+The head (Li et al. 2025, EAGLE-3) reads, at position t, the target's residual stream entering
+three of its layers (a low, a middle and a high one: ``HeadConfig.feature_layers``) fused by
+``fc`` into one hidden vector, and the embedding of token t + 1. One Llama decoder layer whose
+attention reads both (``[input_norm(embed); hidden_norm(hidden)]``, 2E wide) and keeps its own
+small KV cache over the committed text; its output hidden vector, through ``norm`` and its own
+``lm_head`` over a draft vocabulary of ``V_d <= V`` tokens (``d2t`` maps each to its target id),
+gives the law of token t + 2. Drafting deeper, the head feeds its own output hidden vector in
+place of the target's features (as it was trained: :mod:`asps_jax.drafters.train`).
+
+Exactness: the draft law is the softmax of those logits placed on the target's vocabulary
+(probability 0 outside the draft vocabulary: the residual covers those tokens), then processed
+like every drafter's (:func:`asps_jax.penalties.process`: temperature, every control and
+constraint, on each chain's own path). It depends on the committed text and the chain's own
+tokens only, so every verifier (sps, asps, specinfer, spectr, is, tv, tv_wr, is_bv) keeps the
+target's law with it, on chains, K chains and branching trees.
+
+Features without an extra forward. The target's scoring pass returns the chosen layers' streams
+at every scored node (``forward_for(config, features)``); after verification the accepted path's
+features and the emitted tokens are the head's *pending* entries (:meth:`EagleHead.take`): entry
+j pairs the feature at committed slot ``m + j`` with the token after it. The next step's rollout
+first feeds the pending entries in one head forward (their keys / values committed to the head's
+cache), whose last output gives the first draft law; depth i >= 1 feeds the head's own hidden
+vector and the token drawn at depth i - 1. Prefill fills the head's cache from the prompt's
+features (the target's prefill forward returns them), the prompt's last entry left pending.
+
+K chains and trees: the head keeps K replicas of every row's cache (like a draft model,
+:class:`~asps_jax.drafters.model.ModelDraft`); the rollout's slots past the committed ones are
+overwritten by the next step's pending entries, so no replica needs syncing after a step.
+
+Checkpoints are in the EAGLE-3 layout (SpecForge, the EAGLE repository, vLLM and SGLang read
+it): ``config.json`` with ``"architectures": ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``
+and ``eagle_config.eagle_aux_hidden_state_layer_ids``, and ``model.safetensors`` with ``fc``,
+``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` (offsets: target id = draft id + ``d2t[id]``),
+``t2d`` and optionally ``embed_tokens`` (else the target's embedding is used).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import weakref
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asps_jax import footprint, kv_cache, scoring
+from asps_jax.drafters.base import Drafter, Proposal
+from asps_jax.drafters.model import rollout_proposal
+from asps_jax.models.base import Model
+from asps_jax.models.layers import attention, rms_norm
+from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
+
+PREFIX = "eagle3:"
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """The head's static sizes (hashable: a field of the drafter, static under jit).
+
+    ``hidden_size`` E is the head's (EAGLE-3 heads use the target's); ``target_hidden_size`` the
+    target's (``fc`` maps ``3 * target_hidden_size`` to E); ``vocab_size`` V the target's and
+    ``draft_vocab_size`` V_d the head's own; ``feature_layers`` the target layers whose input
+    streams it reads (Hugging Face's ``hidden_states[i]``).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    feature_layers: tuple[int, ...]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    num_hidden_layers: int = 1  # the head's cache has one layer (kv_cache reads this)
+
+    @classmethod
+    def for_target(cls, target_config, draft_vocab_size: int | None = None, layers=None):
+        """A head for ``target_config`` (a Llama-style config): the target's sizes, the default
+        feature layers (:func:`default_feature_layers`) and ``V_d`` (default: V)."""
+        c = target_config
+        return cls(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            vocab_size=c.vocab_size,
+            draft_vocab_size=draft_vocab_size or c.vocab_size,
+            target_hidden_size=c.hidden_size,
+            feature_layers=tuple(layers or default_feature_layers(c.num_hidden_layers)),
+            rms_norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_theta,
+            rope_scaling=getattr(c, "rope_scaling", None),
+            max_position_embeddings=c.max_position_embeddings,
+        )
+
+    @classmethod
+    def from_hf(cls, d: dict, target_config, where: str = "config.json") -> HeadConfig:
+        """From an EAGLE-3 ``config.json`` (SpecForge / EAGLE layout) for ``target_config``."""
+        arch = d.get("architectures") or []
+        if not any("Eagle3" in a for a in arch):
+            raise ValueError(
+                f"{where}: not an EAGLE-3 head (architectures {arch}); expected {ARCHITECTURE!r}"
+            )
+        if int(d.get("num_hidden_layers", 1)) != 1:
+            raise ValueError(
+                f"{where}: an EAGLE-3 head has one layer, got {d['num_hidden_layers']}"
+            )
+        try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            target_layers = target_config.num_hidden_layers
+            layers = tuple(int(i) for i in ids) if ids else default_feature_layers(target_layers)
+            max_pos = int(d.get("max_position_embeddings", 2048))
+            rope = d.get("rope_scaling") or d.get("rope_parameters")
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                vocab_size=int(d["vocab_size"]),
+                draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+                target_hidden_size=int(d.get("target_hidden_size") or hidden),
+                feature_layers=layers,
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(d.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))),
+                rope_scaling=RopeScaling.from_hf(rope, max_pos),
+                max_position_embeddings=max_pos,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: not a valid EAGLE-3 head config ({e!r})") from None
+
+    def to_hf(self) -> dict:
+        """The ``config.json`` of this head in the EAGLE-3 layout."""
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_hf(),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)},
+        }
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers: ``(2, L // 2, L - 3)`` (vLLM and SpecForge's
+    default); a target of fewer than 8 layers gets ``(1, L // 2, L - 1)``."""
+    if num_layers >= 8:
+        return (2, num_layers // 2, num_layers - 3)
+    return (min(1, num_layers - 1), num_layers // 2, max(num_layers - 1, 0))
+
+
+# --- Parameters -------------------------------------------------------------------------------
+
+# Our name -> the EAGLE-3 checkpoint's (HF nn.Linear orientation [out, in], kept as is).
+TENSORS = {
+    "fc": "fc.weight",
+    "input_norm": "midlayer.input_layernorm.weight",
+    "hidden_norm": "midlayer.hidden_norm.weight",
+    "wq": "midlayer.self_attn.q_proj.weight",
+    "wk": "midlayer.self_attn.k_proj.weight",
+    "wv": "midlayer.self_attn.v_proj.weight",
+    "wo": "midlayer.self_attn.o_proj.weight",
+    "post_norm": "midlayer.post_attention_layernorm.weight",
+    "w_gate": "midlayer.mlp.gate_proj.weight",
+    "w_up": "midlayer.mlp.up_proj.weight",
+    "w_down": "midlayer.mlp.down_proj.weight",
+    "norm": "norm.weight",
+    "lm_head": "lm_head.weight",
+}
+
+
+def param_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every learned parameter (``embed`` and ``d2t`` come with the head)."""
+    E, F, NH, KVH, H = (
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+    )
+    return {
+        "fc": (E, len(c.feature_layers) * c.target_hidden_size),
+        "input_norm": (E,),
+        "hidden_norm": (E,),
+        "wq": (NH * H, 2 * E),
+        "wk": (KVH * H, 2 * E),
+        "wv": (KVH * H, 2 * E),
+        "wo": (E, NH * H),
+        "post_norm": (E,),
+        "w_gate": (F, E),
+        "w_up": (F, E),
+        "w_down": (E, F),
+        "norm": (E,),
+        "lm_head": (c.draft_vocab_size, E),
+    }
+
+
+def init_params(c: HeadConfig, key, embed, d2t, std: float = 0.02, dtype=jnp.float32) -> dict:
+    """Random weights ~ N(0, std), norm scales 1, with the target's ``embed [V, E]`` and ``d2t``
+    (int32[V_d], the target id of each draft id)."""
+    shapes = param_shapes(c)
+    keys = jax.random.split(key, len(shapes))
+    params = {
+        name: jnp.ones(shape, dtype)
+        if name.endswith("norm")
+        else (std * jax.random.normal(k, shape)).astype(dtype)
+        for k, (name, shape) in zip(keys, shapes.items())
+    }
+    return dict(params, embed=jnp.asarray(embed), d2t=jnp.asarray(d2t, jnp.int32))
+
+
+def trainable(params: dict) -> dict:
+    """The learned parameters (everything but the target's embedding and the vocabulary map)."""
+    return {k: v for k, v in params.items() if k not in ("embed", "d2t")}
+
+
+# --- Forward ----------------------------------------------------------------------------------
+
+
+def fuse(params: dict, features_BTF) -> jax.Array:
+    """``fc``: the target's concatenated features ``[B, T, 3 * E_t]`` -> ``[B, T, E]``."""
+    w = params["fc"]
+    return jnp.einsum("btf,ef->bte", features_BTF.astype(w.dtype), w)
+
+
+def forward(c: HeadConfig, params: dict, hidden_BTE, tokens_BT, positions_BT, mask, cache):
+    """One head layer over T entries: ``(draft logits float32[B, T, V_d], hidden out [B, T, E],
+    new_kv [1, B, T, KVH, H])``.
+
+    Entry t reads ``hidden_BTE[:, t]`` (the fused target features, or the head's own output of
+    the previous depth) and the embedding of ``tokens_BT[:, t]``; ``mask`` is ``bool[B, T, S + T]``
+    over the head's cache (``cache``, may be None with a ``[B, T, T]`` mask) and the new entries.
+    """
+    B, T = tokens_BT.shape
+    NH, KVH, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    dtype = params["wq"].dtype
+    hidden = hidden_BTE.astype(dtype)
+    embeds = params["embed"][tokens_BT].astype(dtype)
+    x = jnp.concatenate(
+        [
+            rms_norm(embeds, params["input_norm"], c.rms_norm_eps),
+            rms_norm(hidden, params["hidden_norm"], c.rms_norm_eps),
+        ],
+        axis=-1,
+    )
+
+    def proj(h, name):
+        return jnp.einsum("bti,oi->bto", h, params[name])
+
+    cos, sin = rope_tables(c.rope_theta, H, c.rope_scaling, c.max_position_embeddings, positions_BT)
+    q = apply_rope(proj(x, "wq").reshape(B, T, NH, H), cos, sin)
+    k = apply_rope(proj(x, "wk").reshape(B, T, KVH, H), cos, sin)
+    v = proj(x, "wv").reshape(B, T, KVH, H)
+    cache_kv = (None, None) if cache is None else cache.layer(0)
+    attn = attention(q, k, v, *cache_kv, mask, H**-0.5)
+    hidden = hidden + proj(attn.reshape(B, T, NH * H), "wo")
+    h = rms_norm(hidden, params["post_norm"], c.rms_norm_eps)
+    hidden = hidden + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
+    out = rms_norm(hidden, params["norm"], c.rms_norm_eps)
+    logits = jnp.einsum("bte,ve->btv", out, params["lm_head"], preferred_element_type=jnp.float32)
+    return logits.astype(jnp.float32), hidden, kv_cache.KVBlock(k=k[None], v=v[None])
+
+
+def target_logits(params: dict, logits_BTD, vocab_size: int) -> jax.Array:
+    """The draft logits placed on the target's vocabulary: ``-inf`` (probability 0) at every
+    token outside the draft vocabulary, ``float32[B, T, V]``."""
+    full = jnp.full(logits_BTD.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., params["d2t"]].set(logits_BTD)
+
+
+# The family the models' helpers look up (``models.base.family_for_config``): no run layout.
+HeadConfig.FAMILY = types.SimpleNamespace(forward=forward)
+
+
+# --- The drafter ------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HeadState:
+    """The head's state between steps (a pytree).
+
+    Attributes:
+      cache: the head's KV cache, one layer, K replicas of every row (row b, chain k at
+        ``b * K + k``), its lengths the committed entries.
+      features: float[B, n + 1, F], the pending entries' target features (F = 3 * E_t).
+      tokens: int32[B, n + 1], the token after each pending entry's position.
+      count: int32[B], the pending entries (0 for a finished row).
+    """
+
+    cache: kv_cache.KVCache
+    features: jax.Array
+    tokens: jax.Array
+    count: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Head(Model):
+    """A loaded head as the draft :class:`~asps_jax.models.Model` (``params`` are the head's;
+    ``config`` a :class:`HeadConfig`)."""
+
+
+def _mask(cache, valid_RT):
+    """The mask of a chain of new entries over the committed cache slots."""
+    T = valid_RT.shape[1]
+    return jnp.concatenate([kv_cache.cache_mask(cache, T), scoring.chain_mask(valid_RT)], -1)
+
+
+def _chain(c, params, cache, hidden_RTE, tokens_RT, count_R):
+    """Feed ``count_R`` entries of each row as one chain, committing their keys / values:
+    ``(cache, logits float32[R, T, V_d], hidden out [R, T, E])``."""
+    R, T = tokens_RT.shape
+    valid_RT = jnp.arange(T)[None, :] < count_R[:, None]
+    positions_RT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    logits, hidden, new_kv = forward(
+        c, params, hidden_RTE, tokens_RT, positions_RT, _mask(cache, valid_RT), cache
+    )
+    nodes = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (R, T))
+    return kv_cache.commit(cache, new_kv, nodes, count_R), logits, hidden
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleHead(Drafter):
+    """The drafter of a learned head (``draft="eagle3:PATH"``); see the module docstring."""
+
+    config: HeadConfig
+
+    replicated = True
+
+    @property
+    def name(self) -> str:
+        return "eagle3"
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.config.feature_layers
+
+    def context(self) -> int | None:
+        return self.config.max_position_embeddings
+
+    def footprint(self, sizes) -> dict[str, int]:
+        c = self.config
+        rows, itemsize = sizes.rows * sizes.replicas, sizes.draft_itemsize
+        d = dict(
+            heads=c.num_attention_heads,
+            width=4 * c.hidden_size + 3 * c.intermediate_size,
+            kv_slot=2 * c.num_key_value_heads * c.head_dim,
+        )
+        width = len(c.feature_layers) * c.target_hidden_size
+        pending = sizes.rows * (sizes.depth + 1) * width * footprint.F32
+        chain = footprint.forward_bytes(d, rows, sizes.depth + 1, sizes.slots, itemsize)
+        prompt = footprint.forward_bytes(d, sizes.rows, sizes.prompt, sizes.slots, itemsize)
+        return {
+            "kv caches": rows * sizes.slots * d["kv_slot"] * itemsize + pending,
+            "draft rollout": max(chain, prompt) + 3 * footprint.F32 * rows * sizes.vocab,
+            "laws": footprint.rollout_law_bytes(sizes),
+        }
+
+    def _empty(self, dec, params, batch: int) -> HeadState:
+        c, n = self.config, dec.spec.num_draft_tokens
+        cache = kv_cache.init_cache(
+            c, batch * dec.spec.tree.num_chains, dec.cache_len, params["wq"].dtype
+        )
+        width = len(c.feature_layers) * c.target_hidden_size
+        return HeadState(
+            cache=cache,
+            features=jnp.zeros((batch, n + 1, width), params["fc"].dtype),
+            tokens=jnp.zeros((batch, n + 1), jnp.int32),
+            count=jnp.zeros((batch,), jnp.int32),
+        )
+
+    def init(self, dec, params, batch: int):
+        return self._empty(dec, params, batch)
+
+    def prefill(self, dec, params, state, prompts_BP, committed_B, features=None):
+        """Entries ``t < m - 1`` of the prompt (feature t, token t + 1) into the cache, entry
+        ``m - 1`` (the root's) pending; with no committed token (a one-token prompt) the pending
+        entry has zero features."""
+        c, k = self.config, dec.spec.tree.num_chains
+        batch, width = prompts_BP.shape
+        state = self._empty(dec, params, batch)
+        shifted_BP = jnp.concatenate([prompts_BP[:, 1:], prompts_BP[:, -1:]], axis=1)
+        once = kv_cache.init_cache(c, batch, dec.cache_len, state.cache.k.dtype)
+        once, _, _ = _chain(
+            c,
+            params,
+            once,
+            fuse(params, features),
+            shifted_BP.astype(jnp.int32),
+            jnp.maximum(committed_B - 1, 0),
+        )
+        last_B = jnp.maximum(committed_B - 1, 0)
+        feature_BF = jnp.take_along_axis(features, last_B[:, None, None], axis=1)[:, 0]
+        feature_BF = jnp.where((committed_B > 0)[:, None], feature_BF, 0)
+        root_B = jnp.take_along_axis(prompts_BP, committed_B[:, None], axis=1)[:, 0]
+        return HeadState(
+            cache=once.take_rows(np.arange(batch * k) // k),
+            features=state.features.at[:, 0].set(feature_BF.astype(state.features.dtype)),
+            tokens=state.tokens.at[:, 0].set(root_B.astype(jnp.int32)),
+            count=jnp.ones((batch,), jnp.int32),
+        )
+
+    def refill(self, dec, params, state, take_B, prompts_BP, committed_B, features=None):
+        fresh = self.prefill(dec, params, state, prompts_BP, committed_B, features)
+
+        def pick(new, old):  # a cache's K replicas per row follow the row
+            rows = new.shape[0] // take_B.shape[0]
+            keep = jnp.repeat(take_B, rows).reshape((-1,) + (1,) * (new.ndim - 1))
+            return jnp.where(keep, new, old)
+
+        return jax.tree.map(pick, fresh, state)
+
+    def propose(self, dec, params, sampling, state) -> Proposal:
+        c, k = self.config, dec.spec.tree.num_chains
+        own = state.draft
+        rows = own.count.shape[0] * k
+        rep = lambda a: jnp.repeat(a, k, axis=0)  # noqa: E731
+        cache, logits_RTD, hidden_RTE = _chain(
+            c, params, own.cache, fuse(params, rep(own.features)), rep(own.tokens), rep(own.count)
+        )
+        last_R = jnp.maximum(rep(own.count) - 1, 0)[:, None, None]
+        first_R1V = target_logits(
+            params, jnp.take_along_axis(logits_RTD, last_R, axis=1), c.vocab_size
+        )
+        first_hidden_RE = jnp.take_along_axis(hidden_RTE, last_R, axis=1)[:, 0]
+        base_R = cache.lengths
+        ones_R = jnp.ones((rows,), jnp.int32)
+
+        def feed(carry, token_R, depth):
+            def first(carry):
+                return carry, first_R1V
+
+            def later(carry):
+                cache, hidden_RE = carry
+                cache, logits, hidden = _chain(
+                    c, params, cache, hidden_RE[:, None], token_R[:, None], ones_R
+                )
+                return (cache, hidden[:, 0]), target_logits(params, logits, c.vocab_size)
+
+            return jax.lax.cond(depth == 0, first, later, carry)
+
+        (cache, _), drawn = rollout_proposal(
+            dec, sampling, state, feed, (cache, first_hidden_RE), store_last=False
+        )
+        after = dataclasses.replace(own, cache=dataclasses.replace(cache, lengths=base_R))
+        return Proposal(**drawn, state=after)
+
+    def commit(self, dec, before, after, winner_B, num_B):
+        return after  # the rollout's slots past the committed ones are overwritten next step
+
+    def take(self, dec, state, features_BTF, tokens_BT, num_B):
+        """The accepted path's target features (slot j: the path's node j) and the emitted
+        tokens (slot j: the token after it) become the pending entries."""
+        return dataclasses.replace(
+            state,
+            features=features_BTF.astype(state.features.dtype),
+            tokens=jnp.maximum(tokens_BT, 0).astype(jnp.int32),
+            count=num_B.astype(jnp.int32),
+        )
+
+
+# --- Checkpoints ------------------------------------------------------------------------------
+
+_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _read(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def check_matches(c: HeadConfig, target, where: str) -> None:
+    """A one-line error unless the head ``c`` fits ``target`` (feature width, layers, vocab)."""
+    t = target.config
+    if not hasattr(t, "hidden_size") or not hasattr(t, "num_hidden_layers"):
+        raise ValueError(f"{where}: a learned head needs a decoder target, got {type(t).__name__}")
+    if c.target_hidden_size != t.hidden_size:
+        raise ValueError(
+            f"{where}: the head reads features of width {c.target_hidden_size}, the target "
+            f"{target.name!r} has hidden size {t.hidden_size}; it was trained for another target"
+        )
+    if c.vocab_size != t.vocab_size:
+        raise ValueError(
+            f"{where}: the head maps to a vocabulary of {c.vocab_size} tokens, the target "
+            f"{target.name!r} has {t.vocab_size}; it was trained for another target"
+        )
+    if any(not 0 <= i < t.num_hidden_layers for i in c.feature_layers):
+        raise ValueError(
+            f"{where}: the head reads target layers {list(c.feature_layers)}, the target has "
+            f"{t.num_hidden_layers} (ids 0 .. {t.num_hidden_layers - 1})"
+        )
+
+
+def load_head(path, target, *, dtype=None) -> Head:
+    """The EAGLE-3-layout head in folder ``path`` for ``target`` (one-line errors for a missing
+    or corrupt file, a missing tensor, a wrong shape, or a head made for another target)."""
+    folder = Path(path)
+    where = f"draft={PREFIX}{path}"
+    if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
+        found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "no such folder"
+        raise ValueError(
+            f"{where}: expected an EAGLE-3 head folder with {CONFIG_FILE} and {WEIGHTS_FILE}, "
+            f"found {found}"
+        )
+    try:
+        raw = json.loads((folder / CONFIG_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON ({e})") from None
+    c = HeadConfig.from_hf(raw, target.config, where=f"{where}: {CONFIG_FILE}")
+    check_matches(c, target, where)
+    tensors = {name.removeprefix("model."): a for name, a in _read(folder / WEIGHTS_FILE).items()}
+    want_dtype = np.dtype(dtype or jnp.dtype(jax.tree.leaves(target.params)[0].dtype))
+    params = {}
+    for name, shape in param_shapes(c).items():
+        a = tensors.get(TENSORS[name])
+        if a is None:
+            raise ValueError(f"{where}: {WEIGHTS_FILE} lacks tensor {TENSORS[name]!r}")
+        if tuple(a.shape) != shape:
+            raise ValueError(
+                f"{where}: tensor {TENSORS[name]!r} has shape {list(a.shape)}, the config "
+                f"says {list(shape)}"
+            )
+        params[name] = jnp.asarray(a.astype(np.float32), want_dtype)
+    d2t = tensors.get("d2t")
+    if d2t is None:
+        if c.draft_vocab_size != c.vocab_size:
+            raise ValueError(f"{where}: {WEIGHTS_FILE} lacks 'd2t' (the draft-to-target map)")
+        d2t = np.zeros(c.vocab_size, np.int64)
+    ids = np.arange(c.draft_vocab_size) + np.asarray(d2t).astype(np.int64).reshape(-1)
+    if d2t.shape != (c.draft_vocab_size,) or ids.min() < 0 or ids.max() >= c.vocab_size:
+        raise ValueError(
+            f"{where}: 'd2t' must map each of the {c.draft_vocab_size} draft ids to a target id "
+            f"in [0, {c.vocab_size})"
+        )
+    if len(np.unique(ids)) != len(ids):
+        raise ValueError(f"{where}: 'd2t' maps two draft ids to one target id")
+    embed = tensors.get("embed_tokens.weight")
+    target_embed = target.params["embed"]
+    if embed is None:
+        embed = target_embed
+    elif tuple(embed.shape) != tuple(target_embed.shape):
+        raise ValueError(
+            f"{where}: tensor 'embed_tokens.weight' has shape {list(embed.shape)}, the "
+            f"target's embedding {list(target_embed.shape)}"
+        )
+    params["embed"] = jnp.asarray(np.asarray(embed, np.float32), want_dtype)
+    params["d2t"] = jnp.asarray(ids, jnp.int32)
+    return Head(
+        name=f"{PREFIX}{path}",
+        path=str(folder),
+        config=c,
+        params=params,
+        tokenizer=target.tokenizer,
+    )
+
+
+def save_head(path, config: HeadConfig, params: dict, *, embed: bool = False) -> Path:
+    """Write the head in the EAGLE-3 layout (``config.json`` + ``model.safetensors``, with
+    ``d2t`` offsets and the ``t2d`` mask; ``embed``: also its embedding)."""
+    from safetensors.numpy import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    host = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
+    tensors = {TENSORS[name]: host[name].astype(np.float32) for name in param_shapes(config)}
+    ids = host["d2t"].astype(np.int64)
+    tensors["d2t"] = ids - np.arange(config.draft_vocab_size, dtype=np.int64)
+    t2d = np.zeros(config.vocab_size, bool)
+    t2d[ids] = True
+    tensors["t2d"] = t2d
+    if embed:
+        tensors["embed_tokens.weight"] = host["embed"].astype(np.float32)
+    tmp = folder / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(folder / WEIGHTS_FILE)
+    (folder / CONFIG_FILE).write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    return folder
+
+
+def head_for(target, spec: str) -> Head:
+    """The head that ``draft="eagle3:PATH"`` names for ``target`` (loaded once per target and
+    path; a bundled alias is a folder under ``models/``)."""
+    path = spec[len(PREFIX) :]
+    if not path:
+        raise ValueError(f"draft={spec!r}: give the head's folder, e.g. 'eagle3:path/to/head'")
+    folder = Path(path)
+    if not folder.exists():
+        from asps_jax.models.cards import MODELS_DIR
+
+        if (MODELS_DIR / path).is_dir():
+            folder = MODELS_DIR / path
+    per_target = _HEADS.setdefault(target, {})
+    key = str(folder.resolve()) if folder.exists() else path
+    if key not in per_target:
+        per_target[key] = load_head(folder, target)
+    return per_target[key]
+
+
+def drafter(head: Head, target, *, mesh=None, confidence_stop: bool = False) -> EagleHead:
+    """The drafter of a loaded head, checked against ``target``."""
+    if mesh is not None:
+        raise ValueError(f"draft={head.name!r}: a learned head does not run on a mesh yet")
+    if confidence_stop:
+        raise ValueError("draft_stop: the confidence stop is an option of a draft model's rollout")
+    check_matches(head.config, target, f"draft={head.name!r}")
+    return EagleHead(head.config)
+
+
+__all__ = [
+    "PREFIX",
+    "EagleHead",
+    "Head",
+    "HeadConfig",
+    "HeadState",
+    "default_feature_layers",
+    "drafter",
+    "forward",
+    "fuse",
+    "head_for",
+    "init_params",
+    "load_head",
+    "param_shapes",
+    "save_head",
+    "target_logits",
+    "trainable",
+]
