@@ -10,22 +10,31 @@ lookup (asps, n, ``lookup_ngram``), at each ``--temperatures``.
 checkpoints): AR, asps at fixed n, and asps at n_max with ``draft_stop="confidence:τ"`` for each
 ``--taus``, random prompts as there.
 
+``head`` (the bundled tiny Shakespeare target): the bundled EAGLE-3 head
+(``eagle3:tinyshakespeare-eagle3``) against the bundled draft model, ``self:2`` and prompt lookup,
+for asps at each ``--n``, is with K = 2 chains and is_bv on the tree ``2,2,1,1``, at each
+``--temperatures``, on prompts that are passages of the text's held-out tail; then each drafter's
+cost per draft token (one drafting forward of the batch) against the target's one-token forward.
+
 Per row: tokens per step (mean over all steps of all runs), wall tokens/s (median of
 ``--repeats`` compiled runs, compilation excluded), the draft tokens verified per step.
 
     python scripts/bench_drafters.py copy [--n 4] [--temperatures 0 1] [--max-new-tokens 64]
     python scripts/bench_drafters.py stop [--n 4 8] [--taus 0.3 0.5 0.7] [--max-new-tokens 32]
+    python scripts/bench_drafters.py head [--n 4 8] [--temperatures 1 0.7] [--max-new-tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import asps_jax
@@ -99,6 +108,100 @@ def bench_copy(args) -> None:
                   flush=True)  # fmt: skip
 
 
+HEAD = "eagle3:tinyshakespeare-eagle3"
+
+
+def text_prompts(tokenizer, count: int, chars: int) -> list[list[int]]:
+    """Passages of the last 5 % of the text (the held-out tail of the head's training)."""
+    text = (ROOT / "data" / "tinyshakespeare.txt").read_text()
+    tail = text[len(text) - len(text) // 20 :]
+    rng = np.random.default_rng(1)
+    prompts = []
+    for start in rng.integers(0, len(tail) - chars, count):
+        passage = tail[start : start + chars]
+        prompts.append(tokenizer.encode(passage[passage.find("\n") + 1 :]))
+    return prompts
+
+
+def _median_call_s(fn, *args, repeats: int = 30) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def draft_costs(target, draft, rows: int, slots: int) -> dict:
+    """Seconds of one drafting forward of ``rows`` rows over ``slots`` cached positions: the
+    target's one-token forward, the draft model's, ``self:2``'s (two target layers) and the
+    head's one entry (each jitted, median of 30 calls)."""
+    from asps_jax import kv_cache
+    from asps_jax.drafters import draft_model
+    from asps_jax.drafters import head as head_lib
+    from asps_jax.models.base import run_params
+
+    def model_cost(model):
+        config, params = model.config, run_params(model)
+        cache = kv_cache.init_cache(config, rows, slots, jax.tree.leaves(params)[0].dtype,
+                                    per_layer=kv_cache.per_layer_params(params))  # fmt: skip
+        cache = dataclasses.replace(cache, lengths=jnp.full((rows,), slots - 1, jnp.int32))
+        tokens, positions = jnp.ones((rows, 1), jnp.int32), jnp.full((rows, 1), slots - 1)
+        mask = jnp.ones((rows, 1, slots + 1), bool)
+        fn = jax.jit(lambda p, c: model.forward(p, tokens, positions, mask, c)[0])
+        return _median_call_s(fn, params, cache)
+
+    head = draft_model(target, HEAD)
+    c = head.config
+    cache = kv_cache.init_cache(c, rows, slots, head.params["wq"].dtype)
+    cache = dataclasses.replace(cache, lengths=jnp.full((rows,), slots - 1, jnp.int32))
+    hidden = jnp.zeros((rows, 1, c.hidden_size), head.params["wq"].dtype)
+    tokens, positions = jnp.ones((rows, 1), jnp.int32), jnp.full((rows, 1), slots - 1)
+    mask = jnp.ones((rows, 1, slots + 1), bool)
+    head_fn = jax.jit(
+        lambda p, cache: head_lib.target_logits(
+            p, head_lib.forward(c, p, hidden, tokens, positions, mask, cache)[0], c.vocab_size
+        )
+    )
+    return {
+        "target": model_cost(target),
+        "draft model": model_cost(draft),
+        "self:2": model_cost(draft_model(target, "self:2")),
+        "eagle3 head": _median_call_s(head_fn, head.params, cache),
+    }
+
+
+def bench_head(args) -> None:
+    target = asps_jax.load_model("tinyshakespeare-target", dtype="float32")
+    draft = asps_jax.load_model("tinyshakespeare-draft", dtype="float32")
+    prompts = text_prompts(target.tokenizer, args.batch, args.chars)
+    common = dict(max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    drafters = [("eagle3 head", HEAD), ("draft model", draft), ("self:2", "self:2"),
+                ("lookup", "lookup")]  # fmt: skip
+    print("| temperature | method | drafter | tokens/step | tokens/s | drafted/step |")
+    print("|---:|---|---|---:|---:|---:|")
+    for temperature in args.temperatures:
+        r = run(target, None, prompts, temperature=temperature, method="ar", **common)
+        print(f"| {temperature:g} | ar | - | 1.00 | {r['tokens_per_s']:.1f} | 0 |", flush=True)
+        methods = [(f"asps n={n}", dict(method="asps", num_draft_tokens=n)) for n in args.n]
+        methods += [("is K=2 n=4", dict(method="is", num_drafts=2, num_draft_tokens=4)),
+                    ("is_bv 2,2,1,1", dict(method="is_bv", tree=(2, 2, 1, 1)))]  # fmt: skip
+        for label, kw in methods:
+            for name, drafter in drafters:
+                r = run(target, drafter, prompts, temperature=temperature, **common, **kw)
+                print(f"| {temperature:g} | {label} | {name} | {r['tokens_per_step']:.2f} | "
+                      f"{r['tokens_per_s']:.1f} | {r['drafted_per_step']:.2f} |",
+                      flush=True)  # fmt: skip
+    slots = max(len(p) for p in prompts) + args.max_new_tokens
+    costs = draft_costs(target, draft, args.batch, slots)
+    print(f"\nOne drafting forward of {args.batch} rows over {slots} positions (median of 30):")
+    print("| forward | ms | x the target's |")
+    print("|---|---:|---:|")
+    for name, seconds in costs.items():
+        print(f"| {name} | {1e3 * seconds:.2f} | {seconds / costs['target']:.2f} |")
+
+
 def bench_stop(args) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_cost_ratio import CHECKPOINTS, DRAFT, TARGET, checkpoint_pair
@@ -125,7 +228,7 @@ def bench_stop(args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("task", choices=("copy", "stop"))
+    p.add_argument("task", choices=("copy", "stop", "head"))
     p.add_argument("--n", nargs="+", type=int, default=None)
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--taus", nargs="+", type=float, default=[0.3, 0.5, 0.7])
@@ -141,7 +244,13 @@ def main(argv=None) -> int:
     if args.quick:
         args.n, args.temperatures, args.taus = [4], [0.0], [0.5]
         args.batch, args.chars, args.repeats = 2, 200, 1
-    if args.task == "copy":
+    if args.task == "head":
+        args.n = args.n or [4, 8]
+        args.max_new_tokens = args.max_new_tokens or 64
+        if args.quick:
+            args.temperatures = [1.0]
+        bench_head(args)
+    elif args.task == "copy":
         args.n = args.n or [4]
         args.max_new_tokens = args.max_new_tokens or 64
         bench_copy(args)

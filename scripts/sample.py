@@ -203,8 +203,8 @@ def run(args) -> int:
 
 
 def _load_models(args):
-    """``(target, draft)``: the draft a model, a drafter's name (lookup, self:L, quant:int8) or
-    None (ar)."""
+    """``(target, draft)``: the draft a model, a drafter's name (lookup, self:L, quant:int8,
+    eagle3:PATH) or None (ar)."""
     import asps_jax
     from asps_jax.cli.args import DTYPES
     from asps_jax.drafters import is_named as named_draft

@@ -54,8 +54,9 @@ def _models(p: argparse.ArgumentParser) -> None:
         "prompt lookup, the continuation of the last --lookup-ngram tokens' most recent earlier "
         "occurrence in the prompt + generated text (no draft model); or self:L, the target's "
         "first L layers with its final norm and head (self-drafting); or quant:int8 / "
-        "quant:int4[:G], the target's own weights quantized (no second checkpoint); ignored by "
-        "--method ar",
+        "quant:int4[:G], the target's own weights quantized (no second checkpoint); or "
+        "eagle3:PATH, a learned EAGLE-3 head on the target's hidden states (a folder in the "
+        "EAGLE-3 layout; eagle3:tinyshakespeare-eagle3 is bundled); ignored by --method ar",
     )
     p.add_argument(
         "--lookup-ngram",
