@@ -179,12 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         learned = head_lib.trainable(params)
         opt_state = opt.init(learned)
     fixed = {"embed": params["embed"], "d2t": params["d2t"]}
-    rng = np.random.default_rng([args.seed, start])
     try:
         val = train.sample_windows(np.random.default_rng(1), val_ids, 4 * args.batch_size,
                                    args.seq_len) if n_val >= args.seq_len else None  # fmt: skip
-        batches = (train.sample_windows(rng, train_ids, args.batch_size, args.seq_len)
-                   for _ in range(start, args.steps))  # fmt: skip
+        # Step i's windows come from a generator seeded by (seed, i): a resumed run draws what
+        # the uninterrupted one would have.
+        batches = (train.sample_windows(np.random.default_rng([args.seed, i]), train_ids,
+                                        args.batch_size, args.seq_len)
+                   for i in range(start, args.steps))  # fmt: skip
         first = next(batches, None)
     except ValueError as e:
         sys.exit(f"--data: {e}")

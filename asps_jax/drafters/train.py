@@ -85,27 +85,29 @@ def _step_mask(width: int, step: int) -> jax.Array:
     return jnp.concatenate(blocks, axis=1)
 
 
-def ttt_loss(head_config, config: TrainConfig, learned, fixed, target_config, target_params,
-             tokens_BT):  # fmt: skip
-    """``(loss, metrics)`` of one batch of windows ``tokens_BT`` (see the module docstring);
-    ``learned`` / ``fixed``: the head's trained parameters and its ``embed`` / ``d2t``."""
-    params = {**learned, **fixed}
+def target_pass(head_config, target_config, target_params, tokens_BT):
+    """The frozen target over windows ``tokens_BT``: ``(logits float32[B, T, V], features
+    float[B, T, F])`` (no gradient flows into it)."""
     B, T = tokens_BT.shape
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     forward = forward_for(target_config, head_config.feature_layers)
     logits_BTV, _, features_BTF = forward(target_params, tokens_BT, positions, causal, None)
-    logits_BTV = jax.lax.stop_gradient(logits_BTV)
-    features_BTF = jax.lax.stop_gradient(features_BTF)
-    W = T - 2  # entries p = 0 .. T - 3: token x[p + 1], the target's law of x[p + 2]
-    teacher_BWD = jax.nn.log_softmax(logits_BTV[:, 1 : W + 1][..., params["d2t"]], axis=-1)
-    p_teacher = jnp.exp(teacher_BWD)
+    return jax.lax.stop_gradient(logits_BTV), jax.lax.stop_gradient(features_BTF)
+
+
+def ttt_logits(head_config, params, features_BTF, tokens_BT, steps: int) -> list[jax.Array]:
+    """The head's draft logits of every training-time-test step: ``steps`` arrays float32[B, W,
+    V_d], W = T - 2; step j's entry p reads token ``x[p + 1]`` and stands for depth j of the
+    chain that left the committed text at ``p - j`` (its law of ``x[p + 2]``; entries with
+    ``p < j`` are padding)."""
+    B, T = tokens_BT.shape
+    W = T - 2
     tokens_BW = tokens_BT[:, 1 : W + 1]
-    positions_BW = positions[:, :W]
+    positions_BW = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
     hidden = head_lib.fuse(params, features_BTF[:, :W])
-    keys, values = [], []
-    loss, weights, metrics = 0.0, 0.0, {}
-    for j in range(config.ttt_steps):
+    keys, values, out_logits = [], [], []
+    for j in range(steps):
         mask = jnp.broadcast_to(_step_mask(W, j), (B, W, (j + 1) * W))
         cache = None
         if keys:
@@ -119,18 +121,34 @@ def ttt_loss(head_config, config: TrainConfig, learned, fixed, target_config, ta
         )
         keys.append(jnp.swapaxes(new_kv.k[0], 1, 2))  # [B, KVH, W, H]
         values.append(jnp.swapaxes(new_kv.v[0], 1, 2))
-        valid_W = (jnp.arange(W) >= j).astype(jnp.float32)  # the chain starts at p - j >= 0
+        out_logits.append(logits_BWD)
+        # Depth j + 1 at position p reads depth j's output at p - 1.
+        hidden = jnp.concatenate([jnp.zeros_like(out[:, :1]), out[:, :-1]], axis=1)
+    return out_logits
+
+
+def ttt_loss(head_config, config: TrainConfig, learned, fixed, target_config, target_params,
+             tokens_BT):  # fmt: skip
+    """``(loss, metrics)`` of one batch of windows ``tokens_BT`` (see the module docstring);
+    ``learned`` / ``fixed``: the head's trained parameters and its ``embed`` / ``d2t``."""
+    params = {**learned, **fixed}
+    B, T = tokens_BT.shape
+    W = T - 2  # entries p = 0 .. T - 3: token x[p + 1], the target's law of x[p + 2]
+    logits_BTV, features_BTF = target_pass(head_config, target_config, target_params, tokens_BT)
+    teacher_BWD = jax.nn.log_softmax(logits_BTV[:, 1 : W + 1][..., params["d2t"]], axis=-1)
+    p_teacher = jnp.exp(teacher_BWD)
+    steps = ttt_logits(head_config, params, features_BTF, tokens_BT, config.ttt_steps)
+    loss, weights, metrics = 0.0, 0.0, {}
+    for j, logits_BWD in enumerate(steps):
+        valid_W = (jnp.arange(W) >= j).astype(jnp.float32)[None, :]  # its chain starts at p - j
         log_q = jax.nn.log_softmax(logits_BWD, axis=-1)
-        ce_BW = -jnp.sum(p_teacher * log_q, axis=-1)
-        kl_BW = ce_BW + jnp.sum(p_teacher * teacher_BWD, axis=-1)
+        kl_BW = jnp.sum(p_teacher * (teacher_BWD - log_q), axis=-1)
         per_step = jnp.sum(kl_BW * valid_W) / (B * jnp.sum(valid_W))
         loss = loss + config.decay**j * per_step
         weights += config.decay**j
         hit = jnp.argmax(log_q, -1) == jnp.argmax(teacher_BWD, -1)
         metrics[f"kl_{j}"] = per_step
         metrics[f"acc_{j}"] = jnp.sum(hit * valid_W) / (B * jnp.sum(valid_W))
-        # Depth j + 1 at position p reads depth j's output at p - 1.
-        hidden = jnp.concatenate([jnp.zeros_like(out[:, :1]), out[:, :-1]], axis=1)
     return loss / weights, metrics
 
 
