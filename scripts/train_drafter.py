@@ -59,7 +59,7 @@ def read_corpus(args) -> tuple[list[str], dict]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         sys.exit(f"--data {path}: not UTF-8 text ({e})")
-    info = {"path": str(path), "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    info = {"path": _shown(path), "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
     if path.suffix in (".jsonl", ".json"):
         docs = []
         for n, line in enumerate(text.splitlines(), 1):
@@ -74,6 +74,12 @@ def read_corpus(args) -> tuple[list[str], dict]:
             docs.append(row["text"])
         return docs, dict(info, documents=len(docs))
     return [text], info
+
+
+def _shown(path) -> str:
+    """A path as the log records it: relative to the repository when inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def tokenize(tokenizer, docs: list[str]) -> np.ndarray:
@@ -206,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
             data=data_info,
             tokens={"train": int(len(train_ids)), "val": int(len(val_ids))},
             command="python " + shlex.join(["scripts/train_drafter.py", *(argv or sys.argv[1:])]),
-            config=vars(args),
+            config={
+                k: _shown(v) if k in ("data", "out") and v else v for k, v in vars(args).items()
+            },  # fmt: skip
             step=step,
         )
         (out / LOG_FILE).write_text(json.dumps(log, indent=2) + "\n")

@@ -314,12 +314,18 @@ class HeadState:
       features: float[B, n + 1, F], the pending entries' target features (F = 3 * E_t).
       tokens: int32[B, n + 1], the token after each pending entry's position.
       count: int32[B], the pending entries (0 for a finished row).
+      placeholder: bool[B], the one pending entry stands in for a missing feature (a one-token
+        prompt has no committed position): the next step's entries overwrite it.
     """
 
     cache: kv_cache.KVCache
     features: jax.Array
     tokens: jax.Array
     count: jax.Array
+    placeholder: jax.Array
+
+
+_ROW_FIELDS = ("features", "tokens", "count", "placeholder")  # [B, ...]: a row's own
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -395,6 +401,7 @@ class EagleHead(Drafter):
             features=jnp.zeros((batch, n + 1, width), params["fc"].dtype),
             tokens=jnp.zeros((batch, n + 1), jnp.int32),
             count=jnp.zeros((batch,), jnp.int32),
+            placeholder=jnp.zeros((batch,), bool),
         )
 
     def init(self, dec, params, batch: int):
@@ -403,7 +410,7 @@ class EagleHead(Drafter):
     def prefill(self, dec, params, state, prompts_BP, committed_B, features=None):
         """Entries ``t < m - 1`` of the prompt (feature t, token t + 1) into the cache, entry
         ``m - 1`` (the root's) pending; with no committed token (a one-token prompt) the pending
-        entry has zero features."""
+        entry is a placeholder of zero features, overwritten after the first step."""
         c, k = self.config, dec.spec.tree.num_chains
         batch, width = prompts_BP.shape
         state = self._empty(dec, params, batch)
@@ -426,17 +433,29 @@ class EagleHead(Drafter):
             features=state.features.at[:, 0].set(feature_BF.astype(state.features.dtype)),
             tokens=state.tokens.at[:, 0].set(root_B.astype(jnp.int32)),
             count=jnp.ones((batch,), jnp.int32),
+            placeholder=committed_B == 0,
         )
 
     def refill(self, dec, params, state, take_B, prompts_BP, committed_B, features=None):
         fresh = self.prefill(dec, params, state, prompts_BP, committed_B, features)
+        take_R = jnp.repeat(take_B, dec.spec.tree.num_chains)  # a row's K cache replicas
 
-        def pick(new, old):  # a cache's K replicas per row follow the row
-            rows = new.shape[0] // take_B.shape[0]
-            keep = jnp.repeat(take_B, rows).reshape((-1,) + (1,) * (new.ndim - 1))
-            return jnp.where(keep, new, old)
+        def pick(keep, axis):
+            def where(new, old):
+                shape = [1] * new.ndim
+                shape[axis] = keep.shape[0]
+                return jnp.where(keep.reshape(shape), new, old)
 
-        return jax.tree.map(pick, fresh, state)
+            return where
+
+        new, old = fresh.cache, state.cache
+        cache = kv_cache.KVCache(
+            k=pick(take_R, 1)(new.k, old.k),  # [1, R, KVH, S, H]
+            v=pick(take_R, 1)(new.v, old.v),
+            lengths=jnp.where(take_R, new.lengths, old.lengths),
+        )
+        rows = [pick(take_B, 0)(getattr(fresh, f), getattr(state, f)) for f in _ROW_FIELDS]
+        return HeadState(cache, *rows)
 
     def propose(self, dec, params, sampling, state) -> Proposal:
         c, k = self.config, dec.spec.tree.num_chains
@@ -451,7 +470,7 @@ class EagleHead(Drafter):
             params, jnp.take_along_axis(logits_RTD, last_R, axis=1), c.vocab_size
         )
         first_hidden_RE = jnp.take_along_axis(hidden_RTE, last_R, axis=1)[:, 0]
-        base_R = cache.lengths
+        base_R = cache.lengths - rep(own.placeholder).astype(jnp.int32)
         ones_R = jnp.ones((rows,), jnp.int32)
 
         def feed(carry, token_R, depth):
@@ -470,6 +489,14 @@ class EagleHead(Drafter):
         (cache, _), drawn = rollout_proposal(
             dec, sampling, state, feed, (cache, first_hidden_RE), store_last=False
         )
+        # A law with no mass and no NaN (a constraint that allows only tokens outside the draft
+        # vocabulary) ends the chain before it: a stopping time of the head's own laws, so
+        # exact; the row goes on (the target's law draws the next token).
+        lp = drawn["logprobs_BKDV"]
+        empty = ~jnp.any(lp > -jnp.inf, axis=-1) & ~jnp.any(jnp.isnan(lp), axis=-1)
+        first_empty = jnp.where(jnp.any(empty, -1), jnp.argmax(empty, -1), empty.shape[-1])
+        drawn["usable_BK"] = jnp.minimum(drawn["usable_BK"], first_empty.astype(jnp.int32))
+        drawn["ok_BKD"] = drawn["ok_BKD"] | empty
         after = dataclasses.replace(own, cache=dataclasses.replace(cache, lengths=base_R))
         return Proposal(**drawn, state=after)
 
@@ -484,6 +511,7 @@ class EagleHead(Drafter):
             features=features_BTF.astype(state.features.dtype),
             tokens=jnp.maximum(tokens_BT, 0).astype(jnp.int32),
             count=num_B.astype(jnp.int32),
+            placeholder=jnp.zeros_like(state.placeholder),
         )
 
 
@@ -492,14 +520,14 @@ class EagleHead(Drafter):
 _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _read(path: Path) -> dict[str, np.ndarray]:
+def _read(path: Path, where: str) -> dict[str, np.ndarray]:
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        raise ValueError(f"{where}: {path} is not a readable safetensors file ({e})") from None
 
 
 def check_matches(c: HeadConfig, target, where: str) -> None:
@@ -539,9 +567,13 @@ def load_head(path, target, *, dtype=None) -> Head:
         raw = json.loads((folder / CONFIG_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: {CONFIG_FILE} is not a JSON object")
     c = HeadConfig.from_hf(raw, target.config, where=f"{where}: {CONFIG_FILE}")
     check_matches(c, target, where)
-    tensors = {name.removeprefix("model."): a for name, a in _read(folder / WEIGHTS_FILE).items()}
+    tensors = {
+        name.removeprefix("model."): a for name, a in _read(folder / WEIGHTS_FILE, where).items()
+    }
     want_dtype = np.dtype(dtype or jnp.dtype(jax.tree.leaves(target.params)[0].dtype))
     params = {}
     for name, shape in param_shapes(c).items():
@@ -559,8 +591,13 @@ def load_head(path, target, *, dtype=None) -> Head:
         if c.draft_vocab_size != c.vocab_size:
             raise ValueError(f"{where}: {WEIGHTS_FILE} lacks 'd2t' (the draft-to-target map)")
         d2t = np.zeros(c.vocab_size, np.int64)
-    ids = np.arange(c.draft_vocab_size) + np.asarray(d2t).astype(np.int64).reshape(-1)
-    if d2t.shape != (c.draft_vocab_size,) or ids.min() < 0 or ids.max() >= c.vocab_size:
+    if d2t.shape != (c.draft_vocab_size,) or d2t.dtype.kind not in "iu":
+        raise ValueError(
+            f"{where}: 'd2t' must be {c.draft_vocab_size} integer offsets (one per draft id), "
+            f"got {d2t.dtype} of shape {list(d2t.shape)}"
+        )
+    ids = np.arange(c.draft_vocab_size) + d2t.astype(np.int64)
+    if ids.min() < 0 or ids.max() >= c.vocab_size:
         raise ValueError(
             f"{where}: 'd2t' must map each of the {c.draft_vocab_size} draft ids to a target id "
             f"in [0, {c.vocab_size})"
