@@ -27,7 +27,7 @@ import tabular as tab
 import torch
 import transformers
 from controls_reference import warped_probs
-from hf_checkpoints import write_tiny_llama
+from hf_checkpoints import write_tiny_family, write_tiny_llama
 from multidraft_laws import node_law
 from multidraft_reference import continuation_error, tree_law
 from test_self_draft import PROMPT, VOCAB, N, _cli, _laws, _outcome
@@ -117,6 +117,54 @@ def test_features_of_a_forward_are_transformers_hidden_states(tiny):
         want = _want_features(hf, text)
         np.testing.assert_allclose(np.asarray(features[0]), want, rtol=1e-5, atol=1e-4)
         np.testing.assert_allclose(np.asarray(logits[0]), want_logits, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "family", ["gpt2", "opt", "gpt_neo", "qwen2", "qwen3", "gemma2", "mistral"]
+)
+def test_every_family_returns_transformers_hidden_states(tmp_path, family):
+    """Every family's forward (the stacked scans of GPT-2, OPT and GPT-Neo; the per-layer
+    ``decoder.py`` families) returns transformers' ``hidden_states[i]`` as its features (i < L:
+    transformers' last entry is after the final norm), and the logits are unchanged."""
+    hf = write_tiny_family(tmp_path, family, seed=1)
+    model = asps_jax.load_model(str(tmp_path))
+    layers = (1, 0, 1)
+    forward = forward_for(model.config, layers)
+    text = [3, 1, 4, 1, 5, 9]
+    T = len(text)
+    mask = jnp.tril(jnp.ones((1, T, T), bool))
+    logits, _, features = jax.jit(
+        lambda p, t: forward(p, t, jnp.arange(T)[None], mask, None), compiler_options=FAST
+    )(run_params(model), jnp.asarray([text], jnp.int32))
+    with torch.no_grad():
+        out = hf(torch.tensor([text]), output_hidden_states=True)
+    want = np.concatenate([out.hidden_states[i][0].numpy() for i in layers], axis=-1)
+    np.testing.assert_allclose(np.asarray(features[0]), want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits[0]), out.logits[0].numpy(), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_head_drafts_for_a_gpt2_target(tmp_path):
+    """A head made for a GPT-2 target (no RoPE, no RMS norm of its own: the head brings its
+    own), saved and loaded in the EAGLE-3 layout, drafts greedily the tokens of transformers'
+    greedy generate."""
+    hf = write_tiny_family(tmp_path / "gpt2", "gpt2", seed=0)
+    target = asps_jax.load_model(str(tmp_path / "gpt2"))
+    config = head.HeadConfig.for_target(target.config)
+    params = head.init_params(
+        config, jax.random.key(0), target.params["embed"], np.arange(config.vocab_size)
+    )
+    head.save_head(tmp_path / "head", config, params)
+    prompt = [3, 1, 4, 1, 5]
+    out = asps_jax.sample(
+        target, f"eagle3:{tmp_path / 'head'}", [prompt], seed=0, max_new_tokens=6,
+        method="asps", num_draft_tokens=3, temperature=0.0, eos_token_id=-1,
+    )  # fmt: skip
+    with torch.no_grad():
+        want = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :]
+    assert np.asarray(out.tokens)[0].tolist() == want.tolist()
 
 
 def test_features_of_a_cached_tree_scoring(tiny):

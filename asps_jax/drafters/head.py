@@ -88,21 +88,24 @@ class HeadConfig:
 
     @classmethod
     def for_target(cls, target_config, draft_vocab_size: int | None = None, layers=None):
-        """A head for ``target_config`` (a Llama-style config): the target's sizes, the default
-        feature layers (:func:`default_feature_layers`) and ``V_d`` (default: V)."""
+        """A head for ``target_config`` (any family: the head is a Llama layer of the target's
+        width, heads and MLP size; RoPE and RMS norm settings the target's where it has them),
+        the default feature layers (:func:`default_feature_layers`) and ``V_d`` (default: V)."""
         c = target_config
+        heads = c.num_attention_heads
+        ffn = getattr(c, "intermediate_size", None) or getattr(c, "ffn_dim", None)
         return cls(
             hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
+            intermediate_size=ffn or 4 * c.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", heads),
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
             vocab_size=c.vocab_size,
             draft_vocab_size=draft_vocab_size or c.vocab_size,
             target_hidden_size=c.hidden_size,
             feature_layers=tuple(layers or default_feature_layers(c.num_hidden_layers)),
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=c.rope_theta,
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            rope_theta=getattr(c, "rope_theta", 10000.0),
             rope_scaling=getattr(c, "rope_scaling", None),
             max_position_embeddings=c.max_position_embeddings,
         )

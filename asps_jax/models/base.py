@@ -159,15 +159,16 @@ def forward_for(config, features: tuple[int, ...] = ()):
     Cached, so equal configs give the *same* function object: passing it as a static argument of
     ``jax.jit`` then hits the compilation cache instead of recompiling per call. ``features``
     (layer ids): the forward also returns the residual stream entering those layers, as a third
-    value (Llama, Qwen, Mistral and Gemma; a one-line error for the other families).
+    value (every family; a user's own forward without a ``features`` argument is a one-line
+    error).
     """
     family = family_for_config(config)
     if not features:
         return functools.partial(family.forward, config)
     if "features" not in inspect.signature(family.forward).parameters:
         raise ValueError(
-            f"a learned head reads the target's hidden states, which the {type(config).__name__} "
-            "port does not return yet (Llama, Qwen2/3, Mistral and Gemma 2/3 do)"
+            f"a learned head reads the target's hidden states, which the forward of "
+            f"{type(config).__name__} does not return (it takes no features= argument)"
         )
     return functools.partial(family.forward, config, features=tuple(features))
 

@@ -39,7 +39,9 @@ from asps_jax.models.layers import (
     lookup,
     output_logits,
     project_qkv,
+    scan_layers,
     window_mask,
+    with_features,
 )
 
 MODEL_TYPE = "gpt_neo"
@@ -222,8 +224,10 @@ def forward(
     positions: jax.Array,  # int32[B, T]
     mask: jax.Array,  # bool[B, T, S+T] or bool[B, T, T]
     cache: KVCache | None,
-) -> tuple[jax.Array, KVBlock]:
-    """``(logits float32[B, T, V], new_kv)``; ``new_kv.k/v [L, B, T, NH, H]``."""
+    features: tuple[int, ...] = (),
+):
+    """``(logits float32[B, T, V], new_kv)``; ``new_kv.k/v [L, B, T, NH, H]``; ``features``:
+    also the residual stream entering those layers (``llama.forward``)."""
     check_inputs(config, tokens, positions, mask, cache)
     c = config
     act = activation(c.activation_function)
@@ -243,6 +247,9 @@ def forward(
     x = params["embed"][tokens]
     x = x + lookup(params["positions"], positions).astype(x.dtype)
     caches = (None, None) if cache is None else cache.stacked()
-    x, (new_k, new_v) = jax.lax.scan(layer, x, (params["layers"], local_L, *caches))
+    xs = (params["layers"], local_L, *caches)
+    x, (new_k, new_v), streams = scan_layers(layer, x, xs, features)
+    streams.append(x)
     x = layer_norm(x, params["final_norm"], params["final_norm_b"], eps)
-    return output_logits(x, params, c.tie_word_embeddings), KVBlock(k=new_k, v=new_v)
+    logits = output_logits(x, params, c.tie_word_embeddings)
+    return with_features(logits, KVBlock(k=new_k, v=new_v), streams, features)

@@ -233,6 +233,22 @@ def output_logits(x_BTE: jax.Array, params: dict, tied: bool) -> jax.Array:
     return lm_logits(x_BTE, params["embed"] if tied else params["lm_head"], tied)
 
 
+def scan_layers(layer, x, xs, features: tuple[int, ...]):
+    """``lax.scan`` of ``layer(x, xs_i) -> (x, ys_i)`` over the stacked layers: ``(x, ys,
+    streams)``, ``streams`` the residual stream entering each layer when ``features`` asks for
+    any (else empty), for :func:`with_features`."""
+    if not features:
+        x, ys = jax.lax.scan(layer, x, xs)
+        return x, ys, []
+
+    def body(x, xs):
+        out, ys = layer(x, xs)
+        return out, (ys, x)
+
+    x, (ys, inputs) = jax.lax.scan(body, x, xs)
+    return x, ys, list(inputs)
+
+
 def with_features(logits, new_kv, streams: list, features: tuple[int, ...]):
     """A forward's result: ``(logits, new_kv)``, plus the residual streams ``streams[i]`` of the
     layers ``features`` concatenated on the last axis when any are asked for."""

@@ -36,6 +36,7 @@ from asps_jax.models.layers import (
     init_from_shapes,
     output_logits,
     rms_norm,
+    scan_layers,
     with_features,
 )
 from asps_jax.models.quant import einsum, merge
@@ -331,13 +332,10 @@ def forward(
 
         def body(x_BTE, xs):
             p, cache_k, cache_v = xs
-            out, kv = _layer(c, p, x_BTE, cache_k, cache_v, run=False, **kw)
-            return out, (kv, x_BTE if features else None)
+            return _layer(c, p, x_BTE, cache_k, cache_v, run=False, **kw)
 
         xs = (layers, None, None) if cache is None else (layers, *cache.stacked())
-        x, ((new_k, new_v), inputs) = jax.lax.scan(body, x, xs)
-        if features:
-            streams = list(inputs)
+        x, (new_k, new_v), streams = scan_layers(body, x, xs, features)
     streams.append(x)
     logits = output_logits(
         rms_norm(x, params["final_norm"], c.rms_norm_eps), params, c.tie_word_embeddings
