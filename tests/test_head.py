@@ -516,6 +516,29 @@ def test_an_eagle3_checkpoint_written_here_loads(tiny, tmp_path):
     assert head.load_head(tmp_path / "default", tiny.target).config.feature_layers == (1, 1, 2)
 
 
+@pytest.mark.parametrize("kind", ["bf16 safetensors", "pytorch_model.bin"])
+def test_bf16_and_bin_checkpoints_load(tiny, tmp_path, kind):
+    """EAGLE-3 heads as they are published: bfloat16 safetensors written by torch (SpecForge) and
+    the EAGLE repository's ``pytorch_model.bin``, with int64 ``d2t`` and bool ``t2d``."""
+    tensors, config, ids = _eagle3_checkpoint(np.random.default_rng(1))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    as_torch = {name: torch.from_numpy(np.asarray(a)) for name, a in tensors.items()}
+    if kind == "bf16 safetensors":
+        from safetensors.torch import save_file
+
+        as_torch = {n: t.bfloat16() if t.is_floating_point() else t for n, t in as_torch.items()}
+        save_file(as_torch, str(folder / "model.safetensors"))
+    else:
+        torch.save(as_torch, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = head.load_head(folder, tiny.target, dtype=np.float32)
+    np.testing.assert_array_equal(np.asarray(loaded.params["d2t"]), ids)
+    for ours, name in head_reference.NAMES.items():
+        want = as_torch[name].float().numpy()
+        np.testing.assert_array_equal(np.asarray(loaded.params[ours]), want, ours)
+
+
 def test_default_feature_layers():
     """EAGLE-3's (vLLM / SpecForge) defaults: (2, L // 2, L - 3) from 8 layers up."""
     assert head.default_feature_layers(32) == (2, 16, 29)
@@ -552,7 +575,11 @@ def _offsets(ids):
 FOR_ANOTHER = "it was trained for another target"
 D2T_RANGE = r"'d2t' must map each of the 4 draft ids to a target id in \[0, 5\)"
 BAD_HEADS = [
-    ("no_folder", {}, "head folder with config.json and model.safetensors, found no such folder"),
+    (
+        "no_folder",
+        {},
+        r"model.safetensors \(or pytorch_model.bin\), found no such folder",
+    ),
     ("no_weights", {}, r"expected an EAGLE-3 head folder .*found \['config.json'\]"),
     ("not_json", dict(raw={"config.json": b"{'hidden_size': 16"}), "config.json is not valid JSON"),
     pytest.param(
@@ -571,7 +598,7 @@ BAD_HEADS = [
     (
         "missing_tensor",
         dict(drop=("midlayer.self_attn.k_proj.weight",)),
-        "model.safetensors lacks tensor 'midlayer.self_attn.k_proj.weight'",
+        "the weights lack tensor 'midlayer.self_attn.k_proj.weight'",
     ),
     (
         "shape",
@@ -581,9 +608,9 @@ BAD_HEADS = [
     (
         "corrupt",
         dict(raw={"model.safetensors": np.random.default_rng(0).bytes(300)}),
-        "model.safetensors is not a readable safetensors file",
+        "model.safetensors is (truncated|corrupt)",
     ),
-    ("no_d2t", dict(drop=("d2t",)), r"lacks 'd2t' \(the draft-to-target map\)"),
+    ("no_d2t", dict(drop=("d2t",)), r"lack 'd2t' \(the draft-to-target map\)"),
     ("d2t_outside", dict(tensors={"d2t": _offsets([0, 1, 2, 5])}), D2T_RANGE),
     ("d2t_negative", dict(tensors={"d2t": _offsets([-1, 1, 2, 4])}), D2T_RANGE),
     ("d2t_twice", dict(tensors={"d2t": _offsets([0, 1, 1, 4])}), "maps two draft ids to one"),

@@ -52,6 +52,7 @@ import numpy as np
 from asps_jax import footprint, kv_cache, scoring
 from asps_jax.drafters.base import Drafter, Proposal
 from asps_jax.drafters.model import rollout_proposal
+from asps_jax.models import loader
 from asps_jax.models.base import Model
 from asps_jax.models.layers import attention, rms_norm
 from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
@@ -523,14 +524,13 @@ class EagleHead(Drafter):
 _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _read(path: Path, where: str) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
+def _tensors(folder: Path, where: str) -> dict[str, np.ndarray]:
+    """Every tensor of the head's weight files (safetensors, sharded or not, or a PyTorch
+    ``.bin``: ``models.loader``'s readers, any dtype), names without a ``model.`` prefix."""
     try:
-        return load_file(path)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{where}: {path} is not a readable safetensors file ({e})") from None
+        return {name.removeprefix("model."): a for name, a in loader.iter_tensors(folder)}
+    except loader.CheckpointError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def check_matches(c: HeadConfig, target, where: str) -> None:
@@ -560,11 +560,11 @@ def load_head(path, target, *, dtype=None) -> Head:
     or corrupt file, a missing tensor, a wrong shape, or a head made for another target)."""
     folder = Path(path)
     where = f"draft={PREFIX}{path}"
-    if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
+    if not (folder / CONFIG_FILE).is_file() or not loader.weight_files(folder):
         found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "no such folder"
         raise ValueError(
-            f"{where}: expected an EAGLE-3 head folder with {CONFIG_FILE} and {WEIGHTS_FILE}, "
-            f"found {found}"
+            f"{where}: expected an EAGLE-3 head folder with {CONFIG_FILE} and {WEIGHTS_FILE} (or "
+            f"{loader.BIN_FILE}), found {found}"
         )
     try:
         raw = json.loads((folder / CONFIG_FILE).read_text())
@@ -574,15 +574,13 @@ def load_head(path, target, *, dtype=None) -> Head:
         raise ValueError(f"{where}: {CONFIG_FILE} is not a JSON object")
     c = HeadConfig.from_hf(raw, target.config, where=f"{where}: {CONFIG_FILE}")
     check_matches(c, target, where)
-    tensors = {
-        name.removeprefix("model."): a for name, a in _read(folder / WEIGHTS_FILE, where).items()
-    }
+    tensors = _tensors(folder, where)
     want_dtype = np.dtype(dtype or jnp.dtype(jax.tree.leaves(target.params)[0].dtype))
     params = {}
     for name, shape in param_shapes(c).items():
         a = tensors.get(TENSORS[name])
         if a is None:
-            raise ValueError(f"{where}: {WEIGHTS_FILE} lacks tensor {TENSORS[name]!r}")
+            raise ValueError(f"{where}: the weights lack tensor {TENSORS[name]!r}")
         if tuple(a.shape) != shape:
             raise ValueError(
                 f"{where}: tensor {TENSORS[name]!r} has shape {list(a.shape)}, the config "
@@ -592,7 +590,7 @@ def load_head(path, target, *, dtype=None) -> Head:
     d2t = tensors.get("d2t")
     if d2t is None:
         if c.draft_vocab_size != c.vocab_size:
-            raise ValueError(f"{where}: {WEIGHTS_FILE} lacks 'd2t' (the draft-to-target map)")
+            raise ValueError(f"{where}: the weights lack 'd2t' (the draft-to-target map)")
         d2t = np.zeros(c.vocab_size, np.int64)
     if d2t.shape != (c.draft_vocab_size,) or d2t.dtype.kind not in "iu":
         raise ValueError(
@@ -630,8 +628,6 @@ def load_head(path, target, *, dtype=None) -> Head:
 def save_head(path, config: HeadConfig, params: dict, *, embed: bool = False) -> Path:
     """Write the head in the EAGLE-3 layout (``config.json`` + ``model.safetensors``, with
     ``d2t`` offsets and the ``t2d`` mask; ``embed``: also its embedding)."""
-    from safetensors.numpy import save_file
-
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     host = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
@@ -644,7 +640,7 @@ def save_head(path, config: HeadConfig, params: dict, *, embed: bool = False) ->
     if embed:
         tensors["embed_tokens.weight"] = host["embed"].astype(np.float32)
     tmp = folder / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    loader.write_safetensors(tmp, list(tensors.items()))
     tmp.replace(folder / WEIGHTS_FILE)
     (folder / CONFIG_FILE).write_text(json.dumps(config.to_hf(), indent=2) + "\n")
     return folder

@@ -277,7 +277,7 @@ def load_params(path: Path, config, family, dtype=None) -> dict:
 # --- Writing ----------------------------------------------------------------------------------
 
 
-def _write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> None:
+def write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> None:
     """Write tensors one by one (the header needs only their shapes and dtypes)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, a in tensors:
@@ -331,7 +331,7 @@ def save_checkpoint(path, config, params, tokenizer=None, family=None) -> Path:
     dtype_name = str(jnp.dtype(next(iter(dtypes)))) if len(dtypes) == 1 else "float32"
     hf_config = dict(config.to_hf(), torch_dtype=dtype_name, dtype=dtype_name)
     (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-    _write_safetensors(path / SAFETENSORS_FILE, tensors)
+    write_safetensors(path / SAFETENSORS_FILE, tensors)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
     return path
