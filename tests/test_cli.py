@@ -203,6 +203,22 @@ def test_num_draft_tokens_auto_prints_and_reports_the_choice(capsys):
 
 
 @pytest.mark.slow
+def test_help_lists_every_flag_under_its_section():
+    """--help's sections (models, method and tree, drafting, ... devices and processes) come in
+    order and together hold every flag; the untitled "options" block has --help alone."""
+    from asps_jax.cli.args import GROUPS
+
+    parser = build_parser()
+    sections = {g.title: g._group_actions for g in parser._action_groups}
+    flags = {a.option_strings[0] for a in parser._actions if a.dest != "help"}
+    filed = {a.option_strings[0] for title in GROUPS for a in sections[title]}
+    assert filed == flags
+    assert [a.dest for a in sections["options"]] == ["help"]
+    text = parser.format_help()
+    at = [text.index(f"\n{title}:\n") for title in GROUPS]
+    assert at == sorted(at)
+
+
 def test_lookup_says_how_often_it_found_a_match_and_ar_shows_no_draft_statistics(
     capsys, monkeypatch
 ):
@@ -222,6 +238,7 @@ def test_lookup_says_how_often_it_found_a_match_and_ar_shows_no_draft_statistics
     captured = capsys.readouterr()
     out = captured.out.split("--- statistics ---")[1]
     assert "draft acceptance" not in out and "steps with a draft" not in out
+    assert "draft tokens n / drafts K" not in out
     assert "[compiling ar for tinyshakespeare-target / -, or loading it from the cache" in (
         captured.err
     )

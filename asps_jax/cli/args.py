@@ -27,14 +27,49 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+# --help's sections, in order, and the flags each lists (every flag is in one: tests/test_cli.py).
+GROUPS = {
+    "models": ("--target", "--draft", "--dtype", "--quantize", "--draft-quantize"),
+    "method and tree": ("--method", "--num-draft-tokens", "--num-drafts", "--tree"),
+    "drafting": ("--draft-temperature", "--lookup-ngram", "--lookup-max", "--draft-stop"),
+    "prompts": ("--prompt", "--max-new-tokens", "--batch-size", "--n", "--seed"),
+    "sampling controls": (
+        "--temperature", "--top-k", "--top-p", "--min-p", "--repetition-penalty",
+        "--presence-penalty", "--frequency-penalty", "--no-repeat-ngram-size", "--logit-bias",
+        "--stop",
+    ),
+    "constraints": ("--regex", "--json-schema"),
+    "prompt sets": ("--prompts",),
+    "output": ("--json", "--top-logprobs"),
+    "performance": ("--no-compile-cache",),
+    "devices and processes": (
+        "--mesh", "--distributed", "--coordinator", "--num-processes", "--process-id",
+    ),
+}  # fmt: skip
+
+
+class _Sections:
+    """``add_argument`` that files each flag under its :data:`GROUPS` section."""
+
+    def __init__(self, parser: argparse.ArgumentParser):
+        groups = {title: parser.add_argument_group(title) for title in GROUPS}
+        self._group = {flag: groups[title] for title, flags in GROUPS.items() for flag in flags}
+
+    def add_argument(self, flag, *args, **kwargs):
+        if flag not in self._group:
+            raise KeyError(f"{flag}: add it to a section of asps_jax.cli.args.GROUPS")
+        return self._group[flag].add_argument(flag, *args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="sample.py",
         description="Exact speculative sampling with a draft and a target model. With no "
         "arguments it runs the bundled tiny Shakespeare pair on a default prompt.",
     )
+    sections = _Sections(p)
     for add in (_models, _method, _sampling, _penalties, _run, _devices, _output):
-        add(p)
+        add(sections)
     return p
 
 

@@ -72,7 +72,6 @@ def print_summary(s: dict, stream) -> None:
     """The ``--- statistics ---`` block that follows the streamed text."""
     rows = [
         ("method", s["method"]),
-        ("draft tokens n / drafts K", f"{s['num_draft_tokens']} / {s['num_drafts']}"),
         ("new tokens (batch)", f"{s['new_tokens']} ({s['batch_size']} rows)"),
         ("target calls", s["target_calls"]),
         ("tokens per step", f"{s['tokens_per_step']:.3f} ± {s['tokens_per_step_stderr']:.3f}"),
@@ -83,6 +82,9 @@ def print_summary(s: dict, stream) -> None:
         ),
     ]
     if s["method"] != "ar":  # no draft statistics without a draft
+        rows.insert(
+            1, ("draft tokens n / drafts K", f"{s['num_draft_tokens']} / {s['num_drafts']}")
+        )
         draft_rows = [("draft acceptance", f"{s['acceptance']:.3f}")]
         if "drafted_steps" in s:
             drafted = f"{s['drafted_steps']} of {s['target_calls']}"
