@@ -243,3 +243,49 @@ def test_acceptance_proxy_matches_numpy():
     overlap = np.minimum(p, q).sum(-1)
     want = (overlap * weights).sum() / weights.sum()
     assert abs(got - want) < 1e-5
+
+
+# --- The bundled learned head ------------------------------------------------------------------
+
+
+def test_bundled_head_files_match_its_training_log():
+    """models/tinyshakespeare-eagle3/: an EAGLE-3-layout head for the bundled target (its
+    config.json read here, not through asps_jax), with the training log the script wrote."""
+    folder = MODELS / "tinyshakespeare-eagle3"
+    config = json.loads((folder / "config.json").read_text())
+    target = json.loads((MODELS / "tinyshakespeare-target/config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["num_hidden_layers"] == 1
+    assert config["target_hidden_size"] == target["hidden_size"]
+    assert config["vocab_size"] == target["vocab_size"]
+    assert (
+        max(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        < target["num_hidden_layers"]
+    )
+    log = json.loads((folder / "training.json").read_text())
+    assert log["target"] == "tinyshakespeare-target" and log["step"] == log["config"]["steps"]
+    assert log["data"]["sha256"] == _data_sha256()
+    assert log["evals"][-1]["loss"] < 0.5 * log["evals"][0]["loss"]  # it learned
+
+
+def _data_sha256() -> str:
+    import hashlib
+
+    return hashlib.sha256((REPO / "data/tinyshakespeare.txt").read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_bundled_head_runs_out_of_the_box():
+    """``draft="eagle3:tinyshakespeare-eagle3"`` (found under models/ by name) drafts for the
+    bundled target, and better than the bundled draft model on the same prompts and keys."""
+    import asps_jax
+
+    target = asps_jax.load_model("tinyshakespeare-target")
+    draft = asps_jax.load_model("tinyshakespeare-draft")
+    prompts = [target.tokenizer.encode(line) for line in LINES]
+    common = dict(seed=0, max_new_tokens=48, method="asps", num_draft_tokens=4, eos_token_id=-1)
+    head = asps_jax.sample(target, "eagle3:tinyshakespeare-eagle3", prompts, **common)
+    model = asps_jax.sample(target, draft, prompts, **common)
+    assert np.all(np.asarray(head.lengths) == 48)
+    per_step = lambda out: float(np.mean(np.asarray(out.stats["tokens_per_step"])))  # noqa: E731
+    assert per_step(head) > per_step(model) > 1.5
