@@ -507,6 +507,14 @@ def _emit(
     )
 
 
+def _first_stop(sampling, state) -> jax.Array | None:
+    """int32[B]: the first token of this step's block that may complete a stop string (the
+    row's ``min_tokens``-th generated token and after); None without ``min_tokens``."""
+    if not sampling.limited:
+        return None
+    return jnp.maximum(sampling.min_tokens - state.num_generated - 1, 0).astype(jnp.int32)
+
+
 def _first_false(ok_X, absent: int) -> jax.Array:
     """The first index along the last axis where ``ok`` is False, ``absent`` where none is."""
     return jnp.where(jnp.all(ok_X, axis=-1), absent, jnp.argmax(~ok_X, axis=-1))
@@ -539,7 +547,9 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
         num_B, hit = _first_eos_length(next_B[:, None], num_B, sampling.eos_ids)
         num_B, ended_B = constraints.dead_slots(sampling, state.history, next_B[:, None], num_B)
         # One token: a stop string it completes is kept with it (num stays).
-        num_B, hit_stop, stop = stopping.advance(state.stop, next_B[:, None], num_B)
+        num_B, hit_stop, stop = stopping.advance(
+            state.stop, next_B[:, None], num_B, _first_stop(sampling, state)
+        )
         hit = hit | ended_B | hit_stop
     with jax.named_scope("metrics"):
         stats = statistics.update(
@@ -732,7 +742,9 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         # A slot drawn at a node whose constraint state allows nothing is dropped: the row's
         # constrained text ended before it.
         num_B, ended_B = constraints.dead_slots(sampling, state.history, verdict.tokens, num_B)
-        num_B, hit_stop, stop = stopping.advance(state.stop, verdict.tokens, num_B)
+        num_B, hit_stop, stop = stopping.advance(
+            state.stop, verdict.tokens, num_B, _first_stop(sampling, state)
+        )
         hit_eos = hit_eos | hit_stop
         failed_B = failed_B & ~hit_eos & ~ended_B
     with jax.named_scope("commit"):

@@ -210,6 +210,51 @@ def apply_controls(sampling, history: History, logits_BXV, path_BXD, depth_X) ->
     return jax.lax.cond(any_ngram, ngrams, lambda x: x, logits_BXV)
 
 
+def apply_limits(sampling, history: History, logits_BXV, path_BXD, depth_X) -> jax.Array:
+    """The logits ``[B, X, V]`` with ``min_tokens``' EOS ban (a node at depth d of a row that
+    generated g tokens draws token g + d + 1) and the ``bad_words`` bans, each from the node's
+    own text (the row's text followed by its path); nothing when the call gives neither."""
+    batch, nodes, vocab = logits_BXV.shape
+    depth_BX = jnp.broadcast_to(jnp.asarray(depth_X, jnp.int32), (batch, nodes))
+    if sampling.limited:
+        generated_B = jnp.sum(history.counts, axis=1)
+        early_BX = generated_B[:, None] + depth_BX < sampling.min_tokens[:, None]
+        eos_V = jnp.any(jnp.arange(vocab)[:, None] == sampling.eos_ids[None, :], axis=1)
+        logits_BXV = jnp.where(early_BX[..., None] & eos_V[None, None, :], NEG_INF, logits_BXV)
+    if sampling.bad_words.shape[1] == 0:
+        return logits_BXV
+    banned_BXV = jax.vmap(
+        lambda tokens, length, path, depth, words: _bad_words_banned(
+            tokens, length, path, depth, words, vocab
+        )
+    )(history.tokens, history.length, jnp.asarray(path_BXD, jnp.int32), depth_BX,
+      sampling.bad_words)  # fmt: skip
+    return jnp.where(banned_BXV, NEG_INF, logits_BXV)
+
+
+def _bad_words_banned(tokens_H, length, path_XD, depth_X, words_WL, vocab: int):
+    """bool[X, V]: each word's last token where the node's text (``tokens_H[:length]`` then
+    ``path_XD[x, :depth_X[x]]``) ends with the word's other tokens; ``words_WL`` -1 padded on
+    the left (a word of one token is banned everywhere)."""
+    if path_XD.shape[1] == 0:  # no draft tokens (the AR step): one unused column
+        path_XD = jnp.zeros((path_XD.shape[0], 1), jnp.int32)
+    D, L = path_XD.shape[1], words_WL.shape[1]
+
+    def node(path, depth):
+        # The node's last L - 1 tokens, oldest first (-2 before the text's start).
+        back = jnp.arange(L - 1, 0, -1)  # how far back from the end: L - 1 .. 1
+        at = length + depth - back  # positions in the node's text
+        from_path = jnp.take(path, jnp.clip(at - length, 0, D - 1))
+        from_hist = jnp.take(tokens_H, jnp.clip(at, 0, tokens_H.shape[0] - 1))
+        last = jnp.where(at >= length, from_path, jnp.where(at >= 0, from_hist, -2))
+        prefix_W = words_WL[:, :-1]
+        match_W = jnp.all((prefix_W == last[None, :]) | (prefix_W < 0), axis=1)
+        target_W = jnp.where(match_W & (words_WL[:, -1] >= 0), words_WL[:, -1], vocab)
+        return jnp.zeros((vocab,), bool).at[target_W].set(True, mode="drop")
+
+    return jax.vmap(node)(path_XD, depth_X)
+
+
 def process(sampling, history: History, logits_BXV, path_BXD, depth_X, *, draft=False):
     """Processed log-probabilities ``[B, X, V]`` of X nodes per row (the constraint's mask, the
     controls, then ``sampling.process``: temperature, top-k, top-p, min-p), and whether each law
@@ -224,6 +269,7 @@ def process(sampling, history: History, logits_BXV, path_BXD, depth_X, *, draft=
         sampling, history, logits_BXV, jnp.asarray(path_BXD, jnp.int32), depth_BX
     )
     logits = apply_controls(sampling, history, logits, path_BXD, depth_X)
+    logits = apply_limits(sampling, history, logits, path_BXD, depth_X)
     logprobs = sampling.process(logits, draft=draft)
     mass = jnp.any(logprobs > NEG_INF, axis=-1)
     if dead_BX is None:

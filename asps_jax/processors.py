@@ -178,6 +178,15 @@ class SamplingParams:
         a draft chain stops growing at the first draft law whose top probability is below τ;
         read only by a draft model's rollout built with the stop,
         ``drafters.ModelDraft(confidence_stop=True)``; 0 never stops).
+      min_tokens: int32[B], the EOS ids are banned while a row has generated fewer tokens
+        (transformers' ``MinNewTokensLengthLogitsProcessor``, vLLM's ``min_tokens``), and stop
+        strings are not matched before; 0 disables.
+      bad_words: int32[B, W, L], token sequences (-1 padded on the left, so each ends in the
+        last column) a row never generates: a one-token one is banned everywhere, a longer one's
+        last token wherever the text ends with its other tokens (transformers'
+        ``NoBadWordsLogitsProcessor``); int32[B, 0, 1] when no row has one.
+      limited: static bool, the call gives ``min_tokens`` (else none of its code is compiled;
+        ``bad_words`` is compiled when W > 0, its shape).
     See :mod:`asps_jax.constraints`.
     The controls (bias, penalties, n-grams) depend on each node's path: they are applied by
     :mod:`asps_jax.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
@@ -202,10 +211,13 @@ class SamplingParams:
     dfa_final: jax.Array = _laid_out("replicated")
     dfa_start: jax.Array = _laid_out("rows")
     draft_stop: jax.Array = _laid_out("rows")
+    min_tokens: jax.Array = _laid_out("rows")
+    bad_words: jax.Array = _laid_out("rows")
     ngram_window: int = dataclasses.field(default=0, metadata=dict(static=True))
     constrained: bool = dataclasses.field(default=False, metadata=dict(static=True))
     filters: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
     penalized: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    limited: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
     def make(
@@ -225,6 +237,8 @@ class SamplingParams:
         logit_bias=None,
         constraint=None,
         draft_stop=None,
+        min_tokens=None,
+        bad_words=None,
     ):
         """``constraint``: None, or ``(classes int32[V], next int32[S, C], final bool[S],
         start int32[B])`` from
@@ -247,6 +261,10 @@ class SamplingParams:
         if logit_bias is not None:
             bias = jnp.asarray(logit_bias, jnp.float32)
             bias = jnp.broadcast_to(bias, (batch, bias.shape[-1]))
+        words = jnp.zeros((batch, 0, 1), jnp.int32)
+        if bad_words is not None and np.asarray(bad_words).size:
+            words = jnp.asarray(bad_words, jnp.int32)
+            words = jnp.broadcast_to(words, (batch,) + words.shape[-2:])
         return cls(
             temperature=t,
             draft_temperature=t
@@ -266,10 +284,13 @@ class SamplingParams:
             dfa_final=jnp.zeros((1,), bool) if constraint is None else constraint[2],
             dfa_start=rows(None if constraint is None else constraint[3], jnp.int32, 0),
             draft_stop=rows(draft_stop, jnp.float32, 0.0),
+            min_tokens=rows(min_tokens, jnp.int32, 0),
+            bad_words=words,
             ngram_window=ngram_window(np.asarray(ngram).reshape(-1).tolist()),
             constrained=constraint is not None,
             filters=filters,
             penalized=penalized,
+            limited=min_tokens is not None,
         )
 
     @classmethod

@@ -33,7 +33,7 @@ from asps_jax.checks import check_int
 from asps_jax.models.base import run_params
 from asps_jax.plan import MAX_TREE_NODES, METHODS, check_memory  # noqa: F401  (the API's names)
 from asps_jax.processors import SamplingParams
-from asps_jax.sampling import HostConstraint, Sampling
+from asps_jax.sampling import HostConstraint, Sampling, bad_words_per_prompt
 from asps_jax.verify import registry
 
 # Prompt width, cache length and batch padding (footprint.py's size estimate pads the same way).
@@ -230,6 +230,8 @@ def _repeated(n: int, num_prompts: int, name: str, value):
     per_prompt = isinstance(value, (list, tuple)) or (
         isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 1
     )
+    if name == "bad_words":  # a list of words is for every row; a list of such lists per prompt
+        per_prompt = bad_words_per_prompt(value)
     if not per_prompt or name == "eos_token_id":  # eos_token_id: a list of ids, for every row
         return value
     if len(value) != num_prompts:

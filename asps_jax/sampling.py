@@ -42,6 +42,14 @@ class Sampling:
       eos_token_id: the id(s) that end a row (None: the target config's; negative: never).
       regex, json_schema: the constraint the generated text must match (``json_schema`` a dict
         or its JSON text).
+      min_tokens: the EOS id(s) are banned until a row has generated this many tokens, and stop
+        strings are not matched before (vLLM's ``min_tokens``; transformers' ``min_new_tokens``).
+      bad_words: words a row never generates: strings (vLLM's ``bad_words``: each tokenized
+        alone and after a space, when that gives as many tokens starting with another) or
+        token-id lists (transformers' ``bad_words_ids``); each token sequence is banned as
+        transformers' ``NoBadWordsLogitsProcessor`` bans it: its last token wherever the text
+        (prompt included) ends with its other tokens. One list for every prompt, or one list
+        per prompt.
     """
 
     temperature: Any = 1.0
@@ -57,6 +65,8 @@ class Sampling:
     eos_token_id: Any = None
     regex: Any = None
     json_schema: Any = None
+    min_tokens: Any = None
+    bad_words: Any = None
 
     def __post_init__(self):
         for name, ok, expected in _NUMERIC_CHECKS:
@@ -111,6 +121,8 @@ class Sampling:
             logit_bias=_logit_bias_rows(self.logit_bias, batch, padded, vocab),
             constraint=constraint,
             draft_stop=draft_stop,
+            min_tokens=_per_row("min_tokens", self.min_tokens, batch, padded),
+            bad_words=_bad_words_rows(target, self.bad_words, batch, padded, vocab),
             **rows,
         )
         return params, None if constraint is None else HostConstraint(*constraint, eos_ids)
@@ -226,7 +238,96 @@ _NUMERIC_CHECKS = (
      "a finite number that float32 holds (0 disables it; |value| at most 3.4e38)"),
     ("no_repeat_ngram_size", lambda v: _integral(v) and v >= 0,
      "an integer >= 0 (0 disables it)"),
+    ("min_tokens", lambda v: _integral(v) and 0 <= v < 2**31,
+     "an integer >= 0 (0 disables it)"),
 )  # fmt: skip
+
+
+def bad_word_ids(tokenizer, word: str) -> list[list[int]]:
+    """The token sequences of one bad word, as vLLM makes them: the word (its leading spaces
+    stripped) alone, and after a space when that gives as many tokens starting with another
+    token (a word-initial token of its own, e.g. GPT-2's ``Ġword``)."""
+    plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+    spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+    seqs = [list(plain)]
+    if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
+        seqs.append(list(spaced))
+    return seqs
+
+
+def _is_word(w) -> bool:
+    """A bad word: a string or a non-empty list of token ids."""
+    return isinstance(w, str) or (
+        isinstance(w, Sequence)
+        and bool(w)
+        and all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in w)
+    )
+
+
+def bad_words_per_prompt(bad_words) -> bool:
+    """``bad_words`` is one list per prompt (a list of lists of words), not one list of words."""
+    return (
+        isinstance(bad_words, Sequence)
+        and not isinstance(bad_words, str)
+        and bool(bad_words)
+        and not any(_is_word(w) for w in bad_words)
+    )
+
+
+def _bad_words_rows(target, bad_words, batch: int, padded: int, vocab: int):
+    """int32[padded, W, L] token sequences of each row's bad words, -1 padded on the left (the
+    padding rows take row 0's); None when no row has one. A word is a string (tokenized by
+    :func:`bad_word_ids`) or a list of token ids (as it is: transformers' ``bad_words_ids``)."""
+    if bad_words is None:
+        return None
+    if isinstance(bad_words, str) or not isinstance(bad_words, Sequence):
+        raise ValueError(
+            f"bad_words must be a list of strings or token-id lists (or one list per prompt), "
+            f"got {bad_words!r}"
+        )
+    per_prompt = bad_words_per_prompt(bad_words)
+    rows = list(bad_words) if per_prompt else [bad_words] * batch
+    if per_prompt and len(rows) != batch:
+        raise ValueError(
+            f"bad_words: give one list for all prompts or one per prompt ({batch}), got "
+            f"{len(rows)} lists"
+        )
+    seqs_per_row = []
+    for words in rows:
+        if isinstance(words, str) or not isinstance(words, Sequence):
+            raise ValueError(f"bad_words: each prompt's must be a list, got {words!r}")
+        seqs = []
+        for word in words:
+            if not _is_word(word) or (isinstance(word, str) and not word.strip()):
+                raise ValueError(
+                    f"bad_words: each must be a non-empty string or a non-empty list of token "
+                    f"ids, got {word!r}"
+                )
+            if not isinstance(word, str):
+                if not all(0 <= t < vocab for t in word):
+                    raise ValueError(
+                        f"bad_words: {list(word)!r} has a token id outside the vocabulary "
+                        f"[0, {vocab})"
+                    )
+                seqs.append([int(t) for t in word])
+                continue
+            tokenizer = getattr(target, "tokenizer", None)
+            if tokenizer is None:
+                raise ValueError(
+                    f"bad_words: the target model {target.name!r} has no tokenizer to tokenize "
+                    f"{word!r} with; give token-id lists"
+                )
+            seqs += [s for s in bad_word_ids(tokenizer, word) if s]
+        seqs_per_row.append(seqs)
+    if not any(seqs_per_row):
+        return None
+    width = max(len(s) for seqs in seqs_per_row for s in seqs)
+    count = max(len(seqs) for seqs in seqs_per_row)
+    out = np.full((padded, count, width), -1, np.int32)
+    for b, seqs in enumerate(seqs_per_row + [seqs_per_row[0]] * (padded - batch)):
+        for w, seq in enumerate(seqs):
+            out[b, w, width - len(seq) :] = seq
+    return out
 
 
 def _logit_bias_rows(logit_bias, batch: int, padded: int, vocab: int):

@@ -185,12 +185,14 @@ def _row_text(stop: StopStrings, tail_W, block_T, num):
     return jnp.concatenate([tail_W, jnp.where(p_F < ends_T[-1], byte_F, _ABSENT)]), ends_T
 
 
-def advance(stop: StopStrings | None, block_BT, num_B):
+def advance(stop: StopStrings | None, block_BT, num_B, first_B=None):
     """Emit ``block[b, :num[b]]`` of each row through the stop strings.
 
     Returns ``(num, hit, stop)``: ``num`` cut after the first token whose bytes complete a stop
     string (the stop string kept), ``hit`` bool[B] where one did, and the state with each row's
     tail moved past its kept tokens. Without stop strings (``stop`` None): ``(num, False, None)``.
+    ``first_B``: int32[B], the first block token that may complete one (``min_tokens``: none
+    before the row's ``min_tokens``-th generated token, as vLLM); None: any.
     """
     if stop is None:
         return num_B, jnp.zeros(num_B.shape, bool), None
@@ -214,6 +216,11 @@ def advance(stop: StopStrings | None, block_BT, num_B):
     p_F = jnp.arange(span)
     total_B = ends_BT[:, -1]
     match_BF = jnp.any(match_BFS, axis=-1) & (p_F[None, :] < total_B[:, None])
+    if first_B is not None:  # a match ending in a token before first_B does not count
+        width = ends_BT.shape[1]
+        before = jnp.take_along_axis(ends_BT, jnp.clip(first_B - 1, 0, width - 1)[:, None], 1)
+        from_B = jnp.where(first_B <= 0, 0, jnp.where(first_B > width, span, before[:, 0]))
+        match_BF = match_BF & (p_F[None, :] >= from_B[:, None])
     first_B = jnp.min(jnp.where(match_BF, p_F[None, :], span), axis=1)
     hit_B = first_B < span
     # The token that completes it: #{t : ends[t] <= first}; the row keeps the tokens up to it.

@@ -2,9 +2,10 @@
 independent of ``asps_jax``: one law from one row of logits and the text before it.
 
 ``text`` is the prompt followed by the generated tokens, ``generated`` how many of its last tokens
-were generated (presence / frequency count those only). Order as transformers' ``generate``:
-logit bias, repetition penalty, presence / frequency, no-repeat n-grams, temperature, top-k,
-top-p, min-p.
+were generated (presence / frequency count those only; ``min_tokens`` bans the EOS ids while
+fewer were). Order as transformers' ``generate``: logit bias, repetition penalty, presence /
+frequency, no-repeat n-grams, the min-tokens and bad-words bans, temperature, top-k, top-p, min-p
+(the bans are -inf: their place among the logit controls changes nothing).
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ def controlled_logits(
     presence_penalty=0.0,
     frequency_penalty=0.0,
     no_repeat_ngram_size=0,
+    min_tokens=0,
+    eos_ids=(),
+    bad_words=(),
 ):
-    """The logits after bias, penalties and n-gram bans (before temperature)."""
+    """The logits after bias, penalties, n-gram, min-tokens and bad-words bans (before
+    temperature). ``bad_words``: token-id sequences."""
     out = np.array(logits, np.float64)
     text = [int(t) for t in text]
     for token, bias in (logit_bias or {}).items():
@@ -40,6 +45,13 @@ def controlled_logits(
         for start in range(len(text) - n + 1):
             if tuple(text[start : start + n - 1]) == key:
                 out[text[start + n - 1]] = -np.inf
+    if generated < min_tokens:
+        for token in eos_ids:
+            out[token] = -np.inf
+    for word in bad_words:
+        word = [int(t) for t in word]
+        if len(word) == 1 or text[len(text) - len(word) + 1 :] == word[:-1]:
+            out[word[-1]] = -np.inf
     return out
 
 

@@ -43,7 +43,9 @@ WARP = dict(temperature=0.9, top_k=0, top_p=1.0, min_p=0.08)
 def _hf_processed(logits, text, generated, controls, warp):
     """One law through transformers' processors (presence / frequency by OpenAI's formula)."""
     from transformers import (
+        MinNewTokensLengthLogitsProcessor,
         MinPLogitsWarper,
+        NoBadWordsLogitsProcessor,
         NoRepeatNGramLogitsProcessor,
         RepetitionPenaltyLogitsProcessor,
         SequenceBiasLogitsProcessor,
@@ -65,6 +67,14 @@ def _hf_processed(logits, text, generated, controls, warp):
         scores[0, token] -= controls.get("frequency_penalty", 0.0) * new.count(token)
     if controls.get("no_repeat_ngram_size", 0):
         scores = NoRepeatNGramLogitsProcessor(controls["no_repeat_ngram_size"])(ids, scores)
+    if controls.get("min_tokens", 0) and controls.get("eos_ids"):
+        limit = MinNewTokensLengthLogitsProcessor(
+            len(text) - generated, controls["min_tokens"], list(controls["eos_ids"])
+        )
+        scores = limit(ids, scores)
+    if controls.get("bad_words"):
+        words = [list(map(int, w)) for w in controls["bad_words"]]
+        scores = NoBadWordsLogitsProcessor(words)(ids, scores)
     if warp.get("temperature", 1.0) == 0:
         return warped_probs(scores[0].double().numpy(), temperature=0)
     scores = TemperatureLogitsWarper(warp.get("temperature", 1.0))(ids, scores)
@@ -86,6 +96,12 @@ def _random_case(rng, vocab):
         presence_penalty=float(rng.choice([0.0, 0.5, -0.3])),
         frequency_penalty=float(rng.choice([0.0, 0.25, 1.0])),
         no_repeat_ngram_size=int(rng.integers(0, 4)),
+        min_tokens=max(len(generated) + int(rng.integers(-1, 3)), 0),  # around the boundary
+        eos_ids=[1, 6],  # one list for every row, as the library has it
+        # one-token words and longer ones, some of which end the text (their last token banned)
+        bad_words=[[int(rng.integers(vocab))]]
+        + [list(generated[-k:]) + [int(rng.integers(vocab))] for k in (1, 2) if len(generated) >= k]
+        + [rng.integers(0, vocab, 3).tolist()],
     )
     warp = dict(
         temperature=float(rng.choice([0.7, 1.0, 1.5])),
@@ -98,7 +114,8 @@ def _random_case(rng, vocab):
 
 @pytest.mark.slow
 def test_reference_and_library_match_transformers_processors():
-    """On random logits and texts: the NumPy reference against transformers' processors, and
+    """On random logits and texts (min_tokens and bad words included): the NumPy reference
+    against transformers' processors, and
     asps_jax (penalties.apply_controls + SamplingParams.process, rows of different settings, each
     law at a node below the committed text) against both."""
     rng = np.random.default_rng(0)
@@ -107,6 +124,7 @@ def test_reference_and_library_match_transformers_processors():
     for _ in range(cases):
         prompt, generated, controls, warp = _random_case(rng, vocab)
         logits = rng.normal(size=vocab).astype(np.float32) * 2.0
+        logits[controls["eos_ids"]] += 3.0  # likely: min_tokens' ban of them shows in the law
         text = prompt + generated
         expected = _hf_processed(logits, text, len(generated), controls, warp)
         ours = law(logits, text, len(generated), controls, warp)
@@ -146,12 +164,26 @@ def test_reference_and_library_match_transformers_processors():
         frequency_penalty=[r[2]["frequency_penalty"] for r in rows],
         no_repeat_ngram_size=[r[2]["no_repeat_ngram_size"] for r in rows],
         logit_bias=bias,
+        eos_ids=[1, 6],
+        min_tokens=[r[2]["min_tokens"] for r in rows],
+        bad_words=_left_padded([r[2]["bad_words"] for r in rows]),
     )
     logits = jnp.asarray(np.stack([r[4] for r in rows]))[:, None]
     lp, has_mass = penalties.process(sampling, history, logits, jnp.asarray(path), depth)
     assert bool(jnp.all(has_mass))
     for b, r in enumerate(rows):
         np.testing.assert_allclose(np.exp(np.asarray(lp[b, 0], np.float64)), r[5], atol=2e-6)
+
+
+def _left_padded(words_per_row):
+    """int32[B, W, L] of each row's token-id words, -1 padded on the left and below."""
+    width = max(len(w) for words in words_per_row for w in words)
+    count = max(len(words) for words in words_per_row)
+    out = np.full((len(words_per_row), count, width), -1, np.int32)
+    for b, words in enumerate(words_per_row):
+        for i, w in enumerate(words):
+            out[b, i, width - len(w) :] = w
+    return out
 
 
 @pytest.mark.slow
@@ -286,13 +318,26 @@ def _exact_two_token_law(hf_target, controls, warp):
 # One compiled run per method serves three tests: STAT_ROWS rows of each law setting, then the
 # greedy rows (per-row temperature 0), with top_logprobs on.
 STAT_ROWS = 6_000
+NEW = 6
+EOS = 7
+# min_tokens = NEW bans the EOS id (made likely by a bias) at every token the tests read; bad
+# words ban token 1 everywhere and 9 after 4.
+LIMITS = dict(min_tokens=NEW, eos_ids=[EOS], bad_words=[[1], [4, 9]])
 SETTINGS = [
-    (CONTROLS, WARP),
-    (dict(repetition_penalty=0.5, presence_penalty=0.3, frequency_penalty=-0.8), {}),
+    (dict(CONTROLS, logit_bias={3: -np.inf, 5: 1.5, EOS: 1.0}, **LIMITS), WARP),
+    (dict(repetition_penalty=0.5, presence_penalty=0.3, frequency_penalty=-0.8, **LIMITS), {}),
 ]
 GREEDY_PROMPTS = [PROMPT, [4, 7, 9, 1, 0, 11, 6], [2]]
-GREEDY = dict(repetition_penalty=1.7, no_repeat_ngram_size=2, logit_bias={4: -2.0})
-NEW = 6
+GREEDY = dict(
+    repetition_penalty=1.7,
+    no_repeat_ngram_size=2,
+    logit_bias={4: -2.0},
+    bad_words=[[0], [3, 2]],
+    min_tokens=NEW,
+    eos_ids=[EOS],
+)
+# A greedy row whose EOS is the argmax: min_tokens holds it off for exactly 3 tokens.
+GREEDY_EOS = dict(GREEDY, logit_bias={EOS: 50.0}, min_tokens=3)
 TOP = 4
 RUNS = {
     "ar": {},
@@ -312,6 +357,7 @@ def run(models):
             return done[method]
         settings = [s for s in SETTINGS for _ in range(STAT_ROWS)]
         settings += [(GREEDY, dict(temperature=0.0))] * len(GREEDY_PROMPTS)
+        settings += [(GREEDY_EOS, dict(temperature=0.0))]
         per_row = {
             name: [c.get(name, d) for c, _ in settings]
             for name, d in (
@@ -319,6 +365,8 @@ def run(models):
                 ("presence_penalty", 0.0),
                 ("frequency_penalty", 0.0),
                 ("no_repeat_ngram_size", 0),
+                ("min_tokens", 0),
+                ("bad_words", []),
             )
         }
         per_row.update(
@@ -329,8 +377,8 @@ def run(models):
         )
         done[method] = asps_jax.sample(
             target, draft if method != "ar" else None,
-            [PROMPT] * (len(settings) - len(GREEDY_PROMPTS)) + GREEDY_PROMPTS,
-            key=jax.random.key(11), max_new_tokens=NEW, method=method, eos_token_id=-1,
+            [PROMPT] * (len(settings) - len(GREEDY_PROMPTS) - 1) + GREEDY_PROMPTS + [PROMPT],
+            key=jax.random.key(11), max_new_tokens=NEW, method=method, eos_token_id=EOS,
             logit_bias=[c.get("logit_bias", {}) for c, _ in settings], return_logprobs=True,
             top_logprobs=TOP, **per_row, **RUNS[method],
         )  # fmt: skip
@@ -360,7 +408,7 @@ def _hf_generate(hf_model, prompt, max_new, **kwargs):
         ids = torch.tensor([prompt])
         out = hf_model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-            eos_token_id=None, pad_token_id=0, **kwargs,
+            pad_token_id=0, **{"eos_token_id": None, **kwargs},
         )  # fmt: skip
     return out[0, len(prompt) :].tolist()
 
@@ -368,19 +416,27 @@ def _hf_generate(hf_model, prompt, max_new, **kwargs):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", RUNS)
 def test_greedy_matches_transformers_generate(models, run, method):
-    """temperature 0 with repetition_penalty, no_repeat_ngram_size and a logit bias is
-    transformers' ``generate(repetition_penalty=..., no_repeat_ngram_size=..., sequence_bias=...)``
-    greedy decoding, token for token, over several steps (the history carries across steps)."""
+    """temperature 0 with repetition_penalty, no_repeat_ngram_size, a logit bias, bad words and
+    min_tokens is transformers' ``generate(repetition_penalty=..., no_repeat_ngram_size=...,
+    sequence_bias=..., bad_words_ids=..., min_new_tokens=..., eos_token_id=...)`` greedy
+    decoding, token for token, over several steps (the history carries across steps); a row
+    whose EOS is the argmax ends right after its min_tokens."""
     hf_target = models[0]
     out = run(method)
     first = len(SETTINGS) * STAT_ROWS
-    for b, prompt in enumerate(GREEDY_PROMPTS):
+    for b, (prompt, controls) in enumerate(
+        [(p, GREEDY) for p in GREEDY_PROMPTS] + [(PROMPT, GREEDY_EOS)]
+    ):
         expected = _hf_generate(
-            hf_target, prompt, NEW, repetition_penalty=GREEDY["repetition_penalty"],
-            no_repeat_ngram_size=GREEDY["no_repeat_ngram_size"],
-            sequence_bias={(t,): v for t, v in GREEDY["logit_bias"].items()},
+            hf_target, prompt, NEW, repetition_penalty=controls["repetition_penalty"],
+            no_repeat_ngram_size=controls["no_repeat_ngram_size"],
+            sequence_bias={(t,): v for t, v in controls["logit_bias"].items()},
+            bad_words_ids=controls["bad_words"], min_new_tokens=controls["min_tokens"],
+            eos_token_id=EOS,
         )  # fmt: skip
-        assert np.asarray(out.tokens[first + b]).tolist() == expected, (method, b)
+        length = int(out.lengths[first + b])
+        assert np.asarray(out.tokens[first + b, :length]).tolist() == expected, (method, b)
+    assert int(out.lengths[first + len(GREEDY_PROMPTS)]) == GREEDY_EOS["min_tokens"] + 1
 
 
 @pytest.mark.slow
@@ -430,6 +486,14 @@ def test_top_logprobs_are_the_processed_law_of_each_emitted_token(models, run, m
         (dict(top_logprobs=-1, return_logprobs=True), "top_logprobs must be an integer >= 0"),
         (dict(top_logprobs=VOCAB + 1, return_logprobs=True), "at most the vocabulary size 12"),
         (dict(repetition_penalty=[1.0, 2.0]), "one value per prompt"),
+        (dict(min_tokens=-1), "min_tokens must be an integer >= 0"),
+        (dict(min_tokens=1.5), "min_tokens must be an integer >= 0"),
+        (dict(bad_words="x"), "bad_words must be a list"),
+        (dict(bad_words=["x"]), "has no tokenizer to tokenize 'x' with; give token-id lists"),
+        (dict(bad_words=[" "]), "each must be a non-empty string or a non-empty list"),
+        (dict(bad_words=[[1, "a"]]), "each must be a non-empty string or a non-empty list"),
+        (dict(bad_words=[[2, VOCAB]]), r"bad_words: \[2, 12\] has a token id outside"),
+        (dict(bad_words=[[[1]], [[2]]]), "one list for all prompts or one per prompt"),
     ],
 )
 def test_bad_control_values_are_one_line_errors(models, kwargs, match):
@@ -447,18 +511,25 @@ def test_controls_change_no_compiled_shape():
     vocab = 10
     a = SamplingParams.make(
         3, repetition_penalty=1.2, no_repeat_ngram_size=2, logit_bias=np.ones(vocab), min_p=0.0,
-        presence_penalty=0.0, frequency_penalty=0.5,
+        presence_penalty=0.0, frequency_penalty=0.5, min_tokens=0,
+        bad_words=_left_padded([[[1, 2], [3]]] * 3),
     )  # fmt: skip
     b = SamplingParams.make(
         3, repetition_penalty=[1.0, 2.0, 3.0], no_repeat_ngram_size=[4, 0, 1], min_p=0.3,
         presence_penalty=-1.0, frequency_penalty=2.0, logit_bias=np.zeros((3, vocab)),
+        min_tokens=[5, 0, 9], bad_words=_left_padded([[[4], [5, 6]], [[7, 8]], [[9]]]),
     )  # fmt: skip
     shapes = [jax.tree.map(lambda x: (x.shape, x.dtype), s) for s in (a, b)]
     assert jax.tree.structure(a) == jax.tree.structure(b) and shapes[0] == shapes[1]
     assert a.ngram_window == b.ngram_window == 4
     plain = jax.tree.structure(SamplingParams.make(3))
-    for given in (dict(min_p=0.3), dict(top_k=2), dict(top_p=0.9), dict(presence_penalty=1.0)):
+    for given in (
+        dict(min_p=0.3), dict(top_k=2), dict(top_p=0.9), dict(presence_penalty=1.0),
+        dict(min_tokens=2),
+    ):  # fmt: skip
         assert jax.tree.structure(SamplingParams.make(3, **given)) != plain, given
+    # bad words enter with their shape: [B, 0, 1] compiles none of their code
+    assert SamplingParams.make(3).bad_words.shape == (3, 0, 1) != a.bad_words.shape
     assert SamplingParams.make(3).ngram_window == 0
     assert SamplingParams.make(3, no_repeat_ngram_size=5).ngram_window == 8
     for name in SamplingParams.array_fields():
@@ -480,9 +551,13 @@ ENUM_CONTROLS = {
     "presence_frequency": dict(presence_penalty=0.9, frequency_penalty=0.6),
     "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
     "min_p": dict(min_p=0.3),
+    # text ... 2 0 (2 generated): EOS banned at depths 0 and 1, allowed at depth 2
+    "min_tokens": dict(min_tokens=4, eos_ids=[1]),
+    "bad_words": dict(bad_words=[[0, 1], [2, 0, 2], [1, 1]]),
     "all": dict(
         logit_bias={2: -0.8}, repetition_penalty=0.6, presence_penalty=-0.5,
-        frequency_penalty=0.7, no_repeat_ngram_size=3, min_p=0.1,
+        frequency_penalty=0.7, no_repeat_ngram_size=3, min_p=0.1, min_tokens=3, eos_ids=[2],
+        bad_words=[[0, 0]],
     ),
 }  # fmt: skip
 ENUM_METHODS = ("sps", "asps", "specinfer", "spectr", "is", "optimal", "tv", "tv_wr", "is_bv")
@@ -498,6 +573,8 @@ def _processed_tables(raw, controls, temperature, draft):
     for t, v in controls.get("logit_bias", {}).items():
         bias[t] = v
     others = {k: v for k, v in controls.items() if k != "logit_bias"}
+    if "bad_words" in others:
+        others["bad_words"] = _left_padded([others["bad_words"]])
     others_ref = {k: v for k, v in controls.items() if k != "min_p"}
     sampling = SamplingParams.make(1, temperature=temperature, logit_bias=bias, **others)
     history = penalties.History.init(

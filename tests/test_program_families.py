@@ -37,6 +37,8 @@ FAMILIES = {
     "frequency_penalty": (0.5, 0.25),
     "logit_bias": ({2: 1.0}, {3: -np.inf}),
     "no_repeat_ngram_size": (2, 3),
+    "min_tokens": (2, 5),
+    "bad_words": ([[1, 2], [3]], [[4, 4], [0]]),  # the same shape: [1, 2 words, 2 tokens]
 }
 
 

@@ -225,6 +225,18 @@ def test_matcher_reads_only_the_emitted_tokens_and_carries_the_tail():
     assert tail[2].tolist() == [-1] + list(b"xstopx")  # up to the kept token's end
 
 
+def test_matches_ending_before_the_first_counted_token_are_skipped():
+    """``first_B`` (min_tokens): a stop string ending in an earlier token does not count (a
+    later occurrence does), one ending in that token or after does."""
+    stop = _state(["stop"], batch=5)
+    block = jnp.asarray([[A, ST, OP, B]] * 3 + [[ST, OP, ST, OP]] * 2, jnp.int32)
+    num, hit, _ = jax.jit(stopping.advance)(
+        stop, block, jnp.full((5,), 4, jnp.int32), jnp.asarray([2, 3, 9, 2, 0], jnp.int32)
+    )
+    np.testing.assert_array_equal(num, [3, 4, 4, 4, 2])
+    np.testing.assert_array_equal(hit, [True, False, False, True, True])
+
+
 def test_random_token_streams_against_a_bytes_search():
     """Random texts, stop strings and step splits in one jitted call per split pattern."""
     rng = np.random.default_rng(1)
@@ -419,6 +431,39 @@ def test_stop_and_eos_whichever_comes_first(models_with_tokenizer):
         want = min(cut, row.index(eos) + 1 if eos in row else MAX_NEW)
         assert int(out.lengths[b]) == want, (b, row, strings, eos)
         assert np.asarray(out.tokens[b]).tolist() == row[:want] + [-1] * (MAX_NEW - want)
+
+
+def _decoded_cut_from(tok, tokens, strings, first) -> int:
+    """vLLM's min_tokens: the first prefix of at least ``first`` tokens whose decoded text holds
+    a stop string ending after the text of the first ``first - 1`` tokens."""
+    before = len(tok.decode(tokens[: first - 1], skip_special_tokens=True)) if first > 1 else 0
+    for k in range(max(first, 1), len(tokens) + 1):
+        text = tok.decode(tokens[:k], skip_special_tokens=True)
+        if any(text.find(s, max(before - len(s) + 1, 0)) >= 0 for s in strings):
+            return k
+    return len(tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ar", "asps"])
+def test_min_tokens_holds_off_stop_strings(models_with_tokenizer, method):
+    """Pathwise as above: with ``min_tokens`` (and no EOS, so the laws are unchanged) the run is
+    the one without stop strings, cut at the first stop string that ends in the row's
+    min_tokens-th token or later; rows whose earlier stop string is skipped run on past it."""
+    target, draft, tok = models_with_tokenizer
+    base = _sample(target, draft, method, 1.0)
+    rows = [np.asarray(base.tokens[b]).tolist() for b in range(len(PROMPTS))]
+    strings = _pick_stops(tok, rows)
+    plain = [_decoded_cut(tok, row, strings) for row in rows]
+    firsts = [min(c + 1, MAX_NEW) if b % 2 else 0 for b, c in enumerate(plain)]
+    out = _sample(target, draft, method, 1.0, stop=strings, min_tokens=firsts)
+    later = 0
+    for b, (row, first) in enumerate(zip(rows, firsts)):
+        cut = _decoded_cut_from(tok, row, strings, first)
+        later += cut > plain[b]
+        assert int(out.lengths[b]) == cut, (b, row, strings, first)
+        assert np.asarray(out.tokens[b]).tolist() == row[:cut] + [-1] * (MAX_NEW - cut)
+    assert later >= 2
 
 
 @pytest.mark.slow
