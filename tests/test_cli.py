@@ -54,7 +54,8 @@ def test_every_flag_in_one_json_run(capsys):
             "--min-p", "0.05", "--repetition-penalty", "1.3",
             "--presence-penalty", "0.4", "--frequency-penalty", "0.2",
             "--no-repeat-ngram-size", "3", "--logit-bias", "3=-inf", "--logit-bias", "14=1.5",
-            "--top-logprobs", "2",
+            "--top-logprobs", "2", "--bad-words", " the", "--bad-words", "And",
+            "--min-tokens", "2",
         ]
     )  # fmt: skip
     assert code == 0
@@ -79,15 +80,25 @@ def test_every_flag_in_one_json_run(capsys):
             )
     assert all(3 not in t for t in result["tokens"])
     assert all(math.isfinite(x) and x <= 0.0 for lp in result["logprobs"] for x in lp)
-    # --stop: a row ends at the first token whose text completes "e" or a newline.
+    # --stop with --min-tokens 2: a row ends at the first token after the first whose text
+    # completes "e" or a newline.
     from transformers import AutoTokenizer
+
+    from asps_jax.sampling import bad_word_ids
 
     tok = AutoTokenizer.from_pretrained(str(ROOT / "models" / "tinyshakespeare-target"))
     stopped = 0
     for tokens, text in zip(result["tokens"], result["texts"]):
-        before = tok.decode(tokens[:-1], skip_special_tokens=True)
+        assert len(tokens) >= 2
+        first = tok.decode(tokens[:1], skip_special_tokens=True)
+        before = tok.decode(tokens[:-1], skip_special_tokens=True)[len(first) :]
         assert text == tok.decode(tokens, skip_special_tokens=True)
         assert "e" not in before and "\n" not in before
+        # --bad-words: none of their token sequences occurs in the generated tokens
+        for word in (" the", "And"):
+            for seq in bad_word_ids(tok, word):
+                runs = [tokens[i : i + len(seq)] for i in range(len(tokens) - len(seq) + 1)]
+                assert seq not in runs, (word, seq)
         hit = "e" in text or "\n" in text
         assert hit or len(tokens) == 10
         stopped += hit

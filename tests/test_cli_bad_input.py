@@ -52,6 +52,7 @@ def _one_line_error(capsys, argv, code=2):
         (["--presence-penalty", "nan"], "a finite number"),
         (["--frequency-penalty", "inf"], "a finite number"),
         (["--no-repeat-ngram-size", "-1"], "an integer >= 0"),
+        (["--min-tokens", "-1"], "an integer >= 0"),
         (["--min-p", "1.5"], "in [0, 1]"),
         (["--logit-bias", "5"], "ID=BIAS"),
         (["--logit-bias", "5=inf"], "ID=BIAS"),
@@ -79,6 +80,7 @@ def test_bad_flags_exit_with_one_line(capsys, argv, needle):
         (["--method", "asps", "--num-drafts", "2"], "single draft chain"),
         (["--prompt", "x " * 3000], "context"),
         (["--logit-bias", "99999=1"], "logit_bias: token id 99999 lies outside"),
+        (["--bad-words", " "], "bad_words: each must be a non-empty string"),
         (["--json", "--top-logprobs", "99999"], "top_logprobs must be at most"),
         (
             ["--quantize", "int4"],

@@ -36,7 +36,7 @@ GROUPS = {
     "sampling controls": (
         "--temperature", "--top-k", "--top-p", "--min-p", "--repetition-penalty",
         "--presence-penalty", "--frequency-penalty", "--no-repeat-ngram-size", "--logit-bias",
-        "--stop",
+        "--bad-words", "--min-tokens", "--stop",
     ),
     "constraints": ("--regex", "--json-schema"),
     "prompt sets": ("--prompts",),
@@ -215,7 +215,8 @@ def _sampling(p: argparse.ArgumentParser) -> None:
 
 
 def _penalties(p: argparse.ArgumentParser) -> None:
-    """Path-dependent controls: the penalties, no-repeat n-grams, the logit bias."""
+    """Path-dependent controls: the penalties, no-repeat n-grams, the logit bias, bad words and
+    min_tokens."""
     p.add_argument(
         "--repetition-penalty",
         type=flags.positive_float,
@@ -254,6 +255,22 @@ def _penalties(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ID=BIAS",
         help="add BIAS to token ID's logit before anything else; -inf bans it; repeatable",
+    )
+    p.add_argument(
+        "--bad-words",
+        action="append",
+        default=None,
+        metavar="WORD",
+        help="never generate WORD (vLLM's bad_words: tokenized alone and after a space, the "
+        "last token of each banned wherever the text ends with the others); repeatable",
+    )
+    p.add_argument(
+        "--min-tokens",
+        type=flags.non_negative_int,
+        default=None,
+        metavar="m",
+        help="no EOS and no stop string before the m-th generated token (vLLM's min_tokens; "
+        "default: off, 0)",
     )
 
 
