@@ -68,7 +68,13 @@ METHODS = {
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, batch 2, 8 new tokens")
+    p.add_argument(
+        "--quick",
+        "--smoke",
+        dest="smoke",
+        action="store_true",
+        help="Run tiny shapes at batch 2 for 8 new tokens (a self-test; --smoke is the same).",
+    )
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (1,8,32)")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per row (64)")

@@ -282,11 +282,15 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)"
     )
-    parser.add_argument("--smoke", action="store_true", help="tiny model (a quick self-test)")
-    parser.add_argument("--quick", action="store_true", help="The same as --smoke.")
+    parser.add_argument(
+        "--quick",
+        "--smoke",
+        dest="smoke",
+        action="store_true",
+        help="Run a tiny model (a self-test; --smoke is the same).",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    args.smoke = args.smoke or args.quick
     if args.prefix < 9 or args.batch_size < 1 or args.repeats < 1:
         parser.error("--prefix must be >= 9, --batch-size and --repeats >= 1")
     shapes = {"smoke": SMOKE_SHAPE} if args.smoke else {}

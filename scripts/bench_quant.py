@@ -162,7 +162,13 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=128, help="int4 group size (default 128)")
     p.add_argument("--error-tokens", type=int, default=128)
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--smoke", action="store_true", help="a tiny shape, a few tokens, one repeat")
+    p.add_argument(
+        "--quick",
+        "--smoke",
+        dest="smoke",
+        action="store_true",
+        help="Run a tiny shape for a few tokens, once (a self-test; --smoke is the same).",
+    )
     args = p.parse_args(argv)
     shapes = {name: SHAPES[name] for name in args.shapes}
     # Its checkpoint is stored in bfloat16: float32 is its exact upcast, so bfloat16's error is

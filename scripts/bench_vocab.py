@@ -81,7 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--features", default=",".join(FEATURES), help="comma-separated features")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per row (32)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median)")
-    p.add_argument("--smoke", action="store_true", help="tiny models (the tests run this)")
+    p.add_argument(
+        "--quick",
+        "--smoke",
+        dest="smoke",
+        action="store_true",
+        help="Run tiny models (a self-test, which the tests run; --smoke is the same).",
+    )
     p.add_argument("--json", default=None, help="also write the rows to this file")
     return p
 
