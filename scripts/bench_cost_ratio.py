@@ -311,25 +311,75 @@ def run_method(target, draft, prompt, method, n, args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(sampler.METHODS)
+        "--methods",
+        nargs="+",
+        default=list(DEFAULT_METHODS),
+        choices=list(sampler.METHODS),
+        help="Methods to run: K = 1 for ar and the one-chain methods, else K = 2 "
+        f"(default: {' '.join(DEFAULT_METHODS)}).",
     )
-    p.add_argument("--n", nargs="+", type=int, default=[2, 4, 8], help="draft lengths")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="medians of this many runs")
-    p.add_argument("--head-std", type=float, default=0.2, help="std of the shared head")
-    p.add_argument("--layer-scale", type=float, default=0.07, help="scale of wo and w_down")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes (a quick self-test)")
-    p.add_argument("--quick", action="store_true", help=f"a short subset: {QUICK}")
+    p.add_argument(
+        "--n",
+        nargs="+",
+        type=int,
+        default=[2, 4, 8],
+        help="Draft lengths n to run (default: 2 4 8).",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="Tokens generated per run, EOS off (default: 64).",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=16,
+        help="Length of the random prompt in tokens (default: 16).",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="Timed runs per figure, reported as their median (default: 3).",
+    )
+    p.add_argument(
+        "--head-std",
+        type=float,
+        default=0.2,
+        help="Standard deviation of the head the pair shares (default: 0.2).",
+    )
+    p.add_argument(
+        "--layer-scale",
+        type=float,
+        default=0.07,
+        help="Scale of the layers' wo and w_down, which sets the acceptance (default: 0.07).",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed of the random weights, the prompt and the sampling (default: 0).",
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="Use tiny shapes (a quick self-test of the script)."
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"Run a short subset, which fills only the flags left at their defaults: {QUICK}.",
+    )
     p.add_argument(
         "--checkpoints",
         default=str(CHECKPOINTS / "bench_cost_ratio"),
-        help="folder of the pair's HF checkpoints (written once, then reused)",
+        help="Folder of the pair's HF checkpoints, written once, then reused "
+        "(default: ~/.cache/asps_jax/bench_cost_ratio, under $XDG_CACHE_HOME when it is set).",
     )
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers runs")
-    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--no-hf", action="store_true", help="Skip the transformers runs.")
+    p.add_argument(
+        "--torch-threads", type=int, default=1, help="Torch intra-op threads (default: 1)."
+    )
+    p.add_argument("--json", metavar="PATH", help="Also write the results as JSON to PATH.")
     args = p.parse_args(argv)
     if args.quick:
         for name, value in QUICK.items():

@@ -75,13 +75,38 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Run tiny shapes at batch 2 for 8 new tokens (a self-test; --smoke is the same).",
     )
-    p.add_argument("--batches", default=None, help="comma-separated batch sizes (1,8,32)")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per row (64)")
-    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (32)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument(
+        "--batches",
+        default=None,
+        help="Comma-separated batch sizes (default: 1,8,32; 2 with --quick).",
+    )
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"Comma-separated methods, from {', '.join(METHODS)} (default: all of them).",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="Tokens generated per row, EOS off (default: 64; 8 with --quick).",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=32,
+        help="Length of the random prompts in tokens (default: 32).",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="Timed runs per setting, reported as their median (default: 3).",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="Seed of the prompts and the sampling (default: 0)."
+    )
+    p.add_argument("--json", default=None, help="Also write the rows as JSON to this file.")
     return p
 
 

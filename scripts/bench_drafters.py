@@ -230,17 +230,75 @@ def bench_stop(args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("task", choices=("copy", "stop", "head"))
-    p.add_argument("--n", nargs="+", type=int, default=None)
-    p.add_argument("--temperatures", nargs="+", type=float, default=None)
-    p.add_argument("--taus", nargs="+", type=float, default=[0.3, 0.5, 0.7])
-    p.add_argument("--ngram", type=int, default=3)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--chars", type=int, default=400)
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=2)
     p.add_argument(
-        "--quick", action="store_true", help="A small run (one n, temperature 0, 2 rows)."
+        "task",
+        choices=("copy", "stop", "head"),
+        help="Benchmark to run: copy = AR, the draft model and prompt lookup on a copy-heavy "
+        "task (the bundled tiny Shakespeare pair); stop = AR, asps at fixed n and "
+        "confidence-stopped asps chains at the realistic cost ratio (the random ~0.5B / "
+        "llama-68m pair of scripts/bench_cost_ratio.py); head = the bundled EAGLE-3 head beside "
+        "the draft model, self:2 and prompt lookup on the bundled target, then each drafter's "
+        "cost per draft token.",
+    )
+    p.add_argument(
+        "--n",
+        nargs="+",
+        type=int,
+        default=None,
+        help="Draft lengths n (default: 4 for copy, 4 8 for stop and head); the "
+        "confidence-stopped chains of stop draft up to the largest.",
+    )
+    p.add_argument(
+        "--temperatures",
+        nargs="+",
+        type=float,
+        default=None,
+        help="Sampling temperatures of copy and head (default: 0 1 for copy, 1 0.7 for head; "
+        "stop samples at 1).",
+    )
+    p.add_argument(
+        "--taus",
+        nargs="+",
+        type=float,
+        default=[0.3, 0.5, 0.7],
+        help='Thresholds τ of stop\'s draft_stop="confidence:τ" chains (default: 0.3 0.5 0.7).',
+    )
+    p.add_argument(
+        "--ngram",
+        type=int,
+        default=3,
+        help="N-gram length m of copy's prompt lookup, lookup_ngram (default: 3).",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=4,
+        help="Prompts decoded together in copy and head (default: 4; stop runs one row).",
+    )
+    p.add_argument(
+        "--chars",
+        type=int,
+        default=400,
+        help="Characters of corpus text each prompt of copy and head is cut from (default: 400).",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="Tokens generated per row, EOS off (default: 64 for copy and head, 32 for stop).",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="Timed runs per row after compilation; tokens/s is their median (default: 2).",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="A small run, overriding --n, --temperatures, --taus, --batch, --chars and "
+        "--repeats: n = 4, temperature 0 (1 for head), τ = 0.5, 2 rows of 200-character "
+        "passages, one timed run.",
     )
     args = p.parse_args(argv)
     if args.quick:

@@ -103,17 +103,57 @@ def run_workload(target, draft, prompts, budgets, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="tinyshakespeare-target")
-    p.add_argument("--draft", default="tinyshakespeare-draft")
-    p.add_argument("--method", default="asps")
-    p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--prompts", type=int, default=64, help="number of prompts (default 64)")
-    p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per figure (median)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workloads", nargs="+", default=["longtail", "uniform"])
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument(
+        "--target",
+        default="tinyshakespeare-target",
+        help="Target model: a registered alias or a checkpoint path "
+        "(default: tinyshakespeare-target).",
+    )
+    p.add_argument(
+        "--draft",
+        default="tinyshakespeare-draft",
+        help="Draft model: a registered alias or a checkpoint path "
+        "(default: tinyshakespeare-draft).",
+    )
+    p.add_argument("--method", default="asps", help="Method of every sample call (default: asps).")
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=4, help="Draft tokens n per step (default: 4)."
+    )
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="Sampling temperature (default: 1.0)."
+    )
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=64,
+        help="Number of prompts, the first non-empty tinyshakespeare lines (default: 64).",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=16,
+        help="Tokens kept of each prompt line, its last ones (default: 16).",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="Timed runs of each workload per figure, reported as their median (default: 1).",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed of the long budgets' positions and of the sampling (default: 0).",
+    )
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["longtail", "uniform"],
+        help="Workloads to run: longtail = one prompt in 8 with a 192-token budget, the others "
+        "16; uniform = every budget 64 (default: longtail uniform).",
+    )
+    p.add_argument("--json", metavar="PATH", help="Also write the figures as JSON to PATH.")
     p.add_argument(
         "--quick", action="store_true", help="A small run: 16 prompts, the long-tail mix only."
     )

@@ -265,22 +265,46 @@ def _fmt(x, spec: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="68m,0.5b", help="comma-separated: 68m, 0.5b")
-    parser.add_argument("--prefix", type=int, default=128, help="prefill / cached prefix length")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5, help="medians of this many calls")
+    parser.add_argument(
+        "--shapes",
+        default="68m,0.5b",
+        help=f"Comma-separated shapes, from {', '.join(SHAPES)} (default: 68m,0.5b; --quick runs "
+        "a tiny shape instead).",
+    )
+    parser.add_argument(
+        "--prefix",
+        type=int,
+        default=128,
+        help="Prefill length and cached prefix length in tokens, at least 9 (default: 128).",
+    )
+    parser.add_argument("--batch-size", type=int, default=1, help="Rows per call (default: 1).")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="Calls per figure, reported as their median (default: 5).",
+    )
     parser.add_argument(
         "--ar-tokens",
         type=int,
         default=None,
-        help="AR tokens (default 128; 16 at 0.5b; 0 with --smoke; 0: skip)",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--torch-attn", default="sdpa", choices=["sdpa", "eager"], help="transformers attention"
+        help="AR tokens sampled per run, 0 to skip the ar_token workload (default: 128; 16 at "
+        "0.5b; 0 with --quick).",
     )
     parser.add_argument(
-        "--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)"
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed of the random weights and of the prompt tokens (default: 0).",
+    )
+    parser.add_argument(
+        "--torch-attn",
+        default="sdpa",
+        choices=["sdpa", "eager"],
+        help="Attention implementation of transformers (default: sdpa).",
+    )
+    parser.add_argument(
+        "--torch-threads", type=int, default=1, help="Torch intra-op threads (default: 1)."
     )
     parser.add_argument(
         "--quick",
@@ -289,7 +313,7 @@ def main(argv=None) -> int:
         action="store_true",
         help="Run a tiny model (a self-test; --smoke is the same).",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--json", metavar="PATH", help="Also write the results as JSON to PATH.")
     args = parser.parse_args(argv)
     if args.prefix < 9 or args.batch_size < 1 or args.repeats < 1:
         parser.error("--prefix must be >= 9, --batch-size and --repeats >= 1")

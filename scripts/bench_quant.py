@@ -156,12 +156,43 @@ def error(target, tokens: np.ndarray, group: int) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", default=["68m", "0.5b"], choices=sorted(SHAPES))
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--group", type=int, default=128, help="int4 group size (default 128)")
-    p.add_argument("--error-tokens", type=int, default=128)
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["68m", "0.5b"],
+        choices=sorted(SHAPES),
+        help="Random-weight shapes of the speed runs, those of scripts/bench_model.py "
+        "(default: 68m 0.5b; --quick runs a tiny shape instead).",
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=int,
+        default=32,
+        help="AR tokens decoded per speed run, after a 4-token prompt (default: 32).",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="Timed runs per format, reported as their median (default: 3).",
+    )
+    p.add_argument(
+        "--group",
+        type=int,
+        default=128,
+        help="Group size of the int4 format in the speed runs (default: 128); the error runs "
+        "use int4:16, as the bundled target's head size of 48 takes groups of 16.",
+    )
+    p.add_argument(
+        "--error-tokens",
+        type=int,
+        default=128,
+        help="Corpus tokens the bundled target scores in one forward for the error runs "
+        "(default: 128).",
+    )
+    p.add_argument(
+        "--json", metavar="PATH", help="Also write the speed and error rows as JSON to PATH."
+    )
     p.add_argument(
         "--quick",
         "--smoke",

@@ -101,20 +101,59 @@ def run(target, draft, prompts, method, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pair", choices=("bundled", "random-0.5b"), default="bundled")
-    p.add_argument("--layers", type=int, nargs="+", default=None, help="L of self:L")
-    p.add_argument("--methods", nargs="+", default=["sps", "asps"])
-    p.add_argument("--n", type=int, default=4, help="draft tokens per step")
-    p.add_argument("--drafts", type=int, default=1, help="draft chains K per step")
     p.add_argument(
-        "--quant", nargs="*", default=[], help="schemes S of quant:S drafts (e.g. int8 int4:16)"
+        "--pair",
+        choices=("bundled", "random-0.5b"),
+        default="bundled",
+        help="Target and draft model: bundled = the bundled tinyshakespeare pair, random-0.5b = "
+        "the random ~0.5B / llama-68m pair of scripts/bench_cost_ratio.py (default: bundled).",
     )
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs (0: tokens per step only)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Layers L of the self:L drafts (default: every L from 1 to the target's layer "
+        "count minus 1).",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["sps", "asps"],
+        help="Methods run with each draft (default: sps asps).",
+    )
+    p.add_argument("--n", type=int, default=4, help="Draft tokens per step (default: 4).")
+    p.add_argument("--drafts", type=int, default=1, help="Draft chains K per step (default: 1).")
+    p.add_argument(
+        "--quant",
+        nargs="*",
+        default=[],
+        help="Schemes S of the quant:S drafts, e.g. int8 int4:16 (default: none).",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=4, help="Prompts decoded together (default: 4)."
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="Tokens generated per row, EOS off (default: 128).",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=32,
+        help="Prompt length in tokens, consecutive corpus text per row (default: 32).",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="Timed runs per configuration, reported as their median (default: 3); 0 gives "
+        "tokens per step only, from one untimed run, and leaves out the AR row.",
+    )
+    p.add_argument("--seed", type=int, default=0, help="Seed of the sampling (default: 0).")
+    p.add_argument("--json", metavar="PATH", help="Also write the rows as JSON to PATH.")
     p.add_argument(
         "--quick", action="store_true", help="A small run: self:2 with asps, 32 tokens, timed once."
     )

@@ -28,7 +28,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=5, help="Timed rounds (default 5).")
     parser.add_argument("--layers", type=int, default=2, help="L of the self:L draft (default 2).")
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 4 rows.")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="Run 2 rounds of 4 rows, overriding --repeats and --batch.",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.repeats = 4, 2

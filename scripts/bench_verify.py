@@ -339,36 +339,65 @@ def main_real(args, parser) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        # The docstring without its closing usage lines, which argparse's own usage replaces.
+        description=__doc__.partition("\n\n    python ")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     known = tuple(dict.fromkeys(CHAIN_METHODS + DRAFTS_METHODS))
-    parser.add_argument("--quick", action="store_true", help="a few small cases (smoke test)")
     parser.add_argument(
-        "--drafts", action="store_true", help="the multi-draft suite (verify_drafts, K >= 2)"
+        "--quick",
+        action="store_true",
+        help="Run a few small cases (a smoke test); with --real, time the rule at the pair's V "
+        "only.",
     )
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls per case")
-    parser.add_argument("--methods", nargs="*", default=None, help=f"subset of {known}")
+    parser.add_argument(
+        "--drafts",
+        action="store_true",
+        help="Run the multi-draft suite (verify_drafts, K >= 2) instead of the single-chain one; "
+        "a multi-draft method in --methods implies it.",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="Timed calls per case (default: 10; 3 with --quick, 2 with --drafts --quick).",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="*",
+        default=None,
+        help=f"Methods to run, a subset of {', '.join(known)} (default: all of the suite's; "
+        f"with --real, a subset of {', '.join(REAL_METHODS)}, default all).",
+    )
     parser.add_argument(
         "--vocab",
         type=int,
         default=None,
-        help="override V (default 32000 and 50272 for one chain, 50272 for --drafts; "
-        "4096 for --drafts --quick)",
+        help="Vocabulary size V of every case (default: 32000 and 50272 for one chain, 50272 "
+        "for --drafts; 32000 with --quick, 4096 with --drafts --quick).",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument("--json", metavar="PATH", help="Also write the rows as JSON to PATH.")
     parser.add_argument(
         "--real",
         action="store_true",
-        help="node acceptance on the bundled pair's real laws instead of timings",
+        help="Measure node acceptance on the bundled pair's real laws instead of timings.",
     )
-    parser.add_argument("--positions", type=int, default=200, help="--real: corpus positions")
-    parser.add_argument("--ks", type=int, nargs="*", default=[2, 3, 4, 8], help="--real: K values")
+    parser.add_argument(
+        "--positions", type=int, default=200, help="Corpus positions of --real (default: 200)."
+    )
+    parser.add_argument(
+        "--ks",
+        type=int,
+        nargs="*",
+        default=[2, 3, 4, 8],
+        help="Numbers of drafts K of --real, each >= 2 (default: 2 3 4 8).",
+    )
     parser.add_argument(
         "--draft-temperatures",
         type=float,
         nargs="*",
         default=[1.0, 1.4],
-        help="--real: draft temperatures",
+        help="Draft temperatures of --real, each > 0 (default: 1.0 1.4).",
     )
     args = parser.parse_args(argv)
     if args.real:

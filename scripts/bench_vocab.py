@@ -75,12 +75,34 @@ FEATURES = {
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--vocabs", default="2048,32000,100261,262144", help="vocabulary sizes")
-    p.add_argument("--methods", default="asps,tv", help="comma-separated: asps, tv")
-    p.add_argument("--batches", default="4,32", help="comma-separated batch sizes")
-    p.add_argument("--features", default=",".join(FEATURES), help="comma-separated features")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per row (32)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median)")
+    p.add_argument(
+        "--vocabs",
+        default="2048,32000,100261,262144",
+        help="Comma-separated vocabulary sizes V (default: 2048,32000,100261,262144).",
+    )
+    p.add_argument(
+        "--methods",
+        default="asps,tv",
+        help=f"Comma-separated methods, from {', '.join(METHODS)} (default: asps,tv).",
+    )
+    p.add_argument("--batches", default="4,32", help="Comma-separated batch sizes (default: 4,32).")
+    p.add_argument(
+        "--features",
+        default=",".join(FEATURES),
+        help=f"Comma-separated features, from {', '.join(FEATURES)} (default: all of them).",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=32,
+        help="Tokens generated per row at most, EOS off (default: 32).",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="Timed runs per setting, reported as their median (default: 3).",
+    )
     p.add_argument(
         "--quick",
         "--smoke",
@@ -88,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Run tiny models (a self-test, which the tests run; --smoke is the same).",
     )
-    p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--json", default=None, help="Also write the rows as JSON to this file.")
     return p
 
 

@@ -68,90 +68,140 @@ FALLBACK_TEXT = (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="tinyshakespeare-target", help="target alias or path")
-    p.add_argument("--draft", default="tinyshakespeare-draft", help="draft alias or path")
+    p.add_argument(
+        "--target",
+        default="tinyshakespeare-target",
+        help="Target model: a registered alias or a checkpoint path "
+        "(default: tinyshakespeare-target).",
+    )
+    p.add_argument(
+        "--draft",
+        default="tinyshakespeare-draft",
+        help="Draft model: a registered alias or a checkpoint path "
+        "(default: tinyshakespeare-draft).",
+    )
     p.add_argument(
         "--methods",
         nargs="+",
         choices=sampler.METHODS,
         default=list(sampler.METHODS),
-        help="methods to run (AR always runs: it is the speedup baseline)",
+        help="Methods to run (default: all of them); AR always runs, as the speedup baseline.",
     )
-    p.add_argument("--n", nargs="+", type=int, default=list(FULL_N), help="draft lengths n")
+    p.add_argument(
+        "--n",
+        nargs="+",
+        type=int,
+        default=list(FULL_N),
+        help=f"Draft lengths n to run (default: {' '.join(map(str, FULL_N))}).",
+    )
     p.add_argument(
         "--k",
         nargs="+",
         type=int,
         default=list(FULL_K),
-        help="numbers of drafts K for the multi-draft methods (K >= 2 used; sps/asps run at K=1)",
+        help="Numbers of drafts K for the multi-draft methods "
+        f"(default: {' '.join(map(str, FULL_K))}); only the values K >= 2 are used (sps / asps "
+        "run at K = 1).",
     )
     p.add_argument(
         "--trees",
         nargs="+",
         default=[],
         metavar="W1,W2,...",
-        help="also run the tree methods of --methods (tv, tv_wr, is_bv) on these branching draft "
-        "trees, W_d children per node at depth d (e.g. 4,2,1,1; K = the leaves, n = the depth)",
+        help="Also run the tree methods of --methods (tv, tv_wr, is_bv) on these branching draft "
+        "trees, W_d children per node at depth d, e.g. 4,2,1,1 (K = the leaves, n = the depth). "
+        "Default: no trees.",
     )
-    p.add_argument("--quick", action="store_true", help=f"a ~1 minute subset: {QUICK}")
-    p.add_argument("--batch-size", type=int, default=4, help="prompts decoded together")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per row")
-    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"Run a ~1 minute subset, which fills only the flags left at their defaults: {QUICK}.",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=4, help="Prompts decoded together (default: 4)."
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="Tokens generated per row; EOS never stops a row (default: 128).",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=32,
+        help="Prompt length in tokens: each row keeps the last this many tokens of its prompt "
+        "(default: 32).",
+    )
     source = p.add_mutually_exclusive_group()
     source.add_argument(
         "--prompts",
         metavar="FILE",
-        help="prompts from a file: one per line, or JSON lines with a 'prompt' field",
+        help="Read the prompts from FILE: one per line, or JSON lines with a 'prompt' field "
+        "(default: consecutive tinyshakespeare lines).",
     )
     source.add_argument(
         "--task",
         choices=sorted(TASKS),
-        help="the papers' prompts (needs the datasets package and the network): WMT16 en->ro, "
-        "CNN/DailyMail summarisation, Dolly instructions",
+        help="Use the papers' prompts (needs the datasets package and the network): wmt16 = "
+        "WMT16 en->ro translation, cnndm = CNN/DailyMail summarisation, dolly = Dolly "
+        "instructions.",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar or per-run lines")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 greedy)")
+    p.add_argument("--quiet", action="store_true", help="Show no progress bar or per-run lines.")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="Sampling temperature, 0 for greedy (default: 1.0).",
+    )
     p.add_argument(
         "--draft-temperature",
         type=float,
         default=None,
-        help="the drafts sample at this temperature (default: --temperature); verification uses "
-        "the law actually drawn, so the output law is still the target's (transformers runs ignore "
-        "it)",
+        help="Temperature the drafts sample at (default: --temperature); verification uses the "
+        "law actually drawn, so the output law is still the target's (the transformers runs "
+        "ignore it).",
     )
-    p.add_argument("--top-k", type=int, default=None, help="top-k filter (default off)")
-    p.add_argument("--top-p", type=float, default=None, help="top-p filter (default off)")
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed (ours and torch)")
+    p.add_argument("--top-k", type=int, default=None, help="Top-k filter (default: off).")
+    p.add_argument("--top-p", type=float, default=None, help="Top-p filter (default: off).")
+    p.add_argument(
+        "--seed", type=int, default=0, help="PRNG seed, of ours and of torch (default: 0)."
+    )
     p.add_argument(
         "--repeats",
         type=int,
         default=3,
-        help="timed runs per config after a warm-up (median); 0: a single run and no warm-up, "
-        "for the tokens/step figures (its wall time includes first-call allocations)",
+        help="Timed runs per config after a warm-up, reported as their median (default: 3); "
+        "0 means a single run and no warm-up, for the tokens/step figures (its wall time "
+        "includes first-call allocations).",
     )
     p.add_argument(
         "--torch-threads",
         type=int,
         default=1,
-        help="torch intra-op threads: tiny models gain nothing from more, and on a busy machine "
-        "spinning thread pools slow torch down by orders of magnitude",
+        help="Torch intra-op threads (default: 1): tiny models gain nothing from more, and on a "
+        "busy machine spinning thread pools slow torch down by orders of magnitude.",
     )
-    p.add_argument("--dtype", default="float32", help="dtype of our models (torch: float32)")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers runs")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="Dtype of our models (default: float32; torch always runs in float32).",
+    )
+    p.add_argument("--no-hf", action="store_true", help="Skip the transformers runs.")
     p.add_argument(
         "--controls",
         action="store_true",
-        help="also run every config of ours with every sampling control on (CONTROLS: "
+        help="Also run every config of ours with every sampling control on (CONTROLS: "
         "repetition / presence / frequency penalties, no-repeat n-grams, min-p, logit bias) "
-        "and report the time per step with / without",
+        "and report the time per step with / without.",
     )
     p.add_argument(
         "--json-schema",
         action="store_true",
-        help="also run every config of ours constrained by a JSON schema (BENCH_SCHEMA) and "
-        "report tokens/step and tokens/s with / without",
+        help="Also run every config of ours constrained by a JSON schema (BENCH_SCHEMA) and "
+        "report tokens/step and tokens/s with / without.",
     )
-    p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    p.add_argument("--json", metavar="PATH", help="Also write every figure as JSON to PATH.")
     return p
 
 

@@ -3,6 +3,7 @@ transformers, checking the table and JSON structure and that the figures are san
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -209,6 +210,70 @@ def test_help_documents_every_flag():
     text = parser.format_help()
     for flag in ("--n", "--k", "--methods", "--quick", "--json", "--batch-size", "--seed"):
         assert flag in text
+
+
+BENCH_SCRIPTS = (
+    "benchmark", "bench_cost_ratio", "bench_device", "bench_drafters", "bench_longtail",
+    "bench_model", "bench_quant", "bench_self_draft", "bench_tunix", "bench_verify", "bench_vocab",
+)  # fmt: skip
+
+
+class _Parsed(Exception):
+    """Raised in place of ``ArgumentParser.parse_args``, carrying the parser it was called on."""
+
+    def __init__(self, parser):
+        super().__init__()
+        self.parser = parser
+
+
+def _script_parser(name: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser of ``scripts/<name>.py``'s ``main``, caught at its ``parse_args``: importing the
+    script defines things only, and ``main`` stops before it runs anything."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # undone after the test, the scripts' too
+    spec = importlib.util.spec_from_file_location(f"help_{name}", SCRIPT.with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+
+    def parse_args(self, *args, **kwargs):
+        raise _Parsed(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+        with pytest.raises(_Parsed) as caught:
+            module.main([])
+    return caught.value.parser
+
+
+def test_every_benchmark_script_has_quick_and_sentence_helps(monkeypatch):
+    """Every benchmark script takes --quick, and its --help is made of sentences: a description
+    that ends with a period, and for every option (positionals too) a help that starts with a
+    capital letter and ends with a period. No benchmark runs: each script's ``main`` is stopped
+    at ``parse_args``."""
+    siblings = set(BENCH_SCRIPTS) - set(sys.modules)  # imported by name by the scripts
+    problems = []
+    try:
+        for name in BENCH_SCRIPTS:
+            parser = _script_parser(name, monkeypatch)
+            parser.format_help()  # a stray % in a help would raise here
+            flags = {s for action in parser._actions for s in action.option_strings}
+            if "--quick" not in flags:
+                problems.append(f"{name}: no --quick")
+            if not (parser.description or "").strip().endswith("."):
+                problems.append(f"{name}: the description does not end with a period")
+            for action in parser._actions:
+                if isinstance(action, argparse._HelpAction):
+                    continue
+                flag = "/".join(action.option_strings) or action.dest
+                text = (action.help or "").strip()
+                if not text:
+                    problems.append(f"{name} {flag}: no help")
+                elif not (text[0].isupper() and text.endswith(".")):
+                    problems.append(f"{name} {flag}: not a sentence: {text!r}")
+    finally:
+        for sibling in siblings:
+            sys.modules.pop(sibling, None)
+    assert not problems, "\n".join(problems)
 
 
 def test_quick_fills_only_flags_left_at_their_defaults(monkeypatch):
