@@ -34,6 +34,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +43,13 @@ import numpy as np
 
 from asps_jax import decode, sampler
 from asps_jax.kv_cache import commit, init_cache
-from asps_jax.models import load_model
-from asps_jax.models.base import run_params
+from asps_jax.models import LlamaConfig, llama, load_model
+from asps_jax.models.base import Model, run_params
 from asps_jax.scoring import score_chain, score_tree
 from asps_jax.trees import build_chain_tree
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmark  # noqa: E402  (its check for torch / transformers)
 
 SHAPES = {
     "68m": dict(
@@ -204,7 +209,14 @@ def _torch_ar(hf, prompt: np.ndarray, new_tokens: int, repeats: int) -> tuple[fl
     return cpu / new_tokens, wall / new_tokens
 
 
-def bench_shape(name: str, shape: dict, args) -> list[dict]:
+def _random_pair(name: str, shape: dict, args):
+    """``(transformers model or None, our model)`` of ``shape`` with the same random weights: the
+    transformers model written and loaded through our loader; without torch (``args.no_hf``) our
+    model alone, initialised on the device."""
+    if args.no_hf:
+        config = LlamaConfig.from_hf(shape)
+        params = llama.init_params(config, jax.random.key(args.seed), jnp.float32)
+        return None, Model(name=f"random-{name}", path="", config=config, params=params)
     import torch
     import transformers
 
@@ -212,26 +224,33 @@ def bench_shape(name: str, shape: dict, args) -> list[dict]:
     hf_config = transformers.LlamaConfig(**shape)
     hf_config._attn_implementation = args.torch_attn
     hf = transformers.LlamaForCausalLM(hf_config).eval()
-    rng = np.random.default_rng(args.seed)
-    tokens = rng.integers(0, shape["vocab_size"], (args.batch_size, args.prefix)).astype(np.int32)
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        model = load_model(tmp)
+        return hf, load_model(tmp)
+
+
+def bench_shape(name: str, shape: dict, args) -> list[dict]:
+    hf, model = _random_pair(name, shape, args)
+    rng = np.random.default_rng(args.seed)
+    tokens = rng.integers(0, shape["vocab_size"], (args.batch_size, args.prefix)).astype(np.int32)
     nbytes = weight_bytes(model)
     bandwidth = read_bandwidth(args.repeats, nbytes)
     ours = _ours(model, tokens, args.repeats)
-    theirs = _torch(hf, tokens, args.repeats)
+    none = (None, None)
+    theirs = _torch(hf, tokens, args.repeats) if hf is not None else defaultdict(lambda: none)
     n_tokens = {"prefill": args.prefix, "decode": 1, "chain9": 9}
     if args.ar_tokens > 0:
         prompt = tokens[:, :AR_PROMPT]
         ours["ar_token"] = _ours_ar(model, prompt, args.ar_tokens, args.repeats)
-        theirs["ar_token"] = _torch_ar(hf, prompt, args.ar_tokens, args.repeats)
+        if hf is not None:
+            theirs["ar_token"] = _torch_ar(hf, prompt, args.ar_tokens, args.repeats)
         n_tokens["ar_token"] = 1
     roof_cpu, roof_wall = nbytes / bandwidth[0], nbytes / bandwidth[1]
     rows = []
     for workload, n in n_tokens.items():
         (o_cpu, o_wall), (t_cpu, t_wall) = ours[workload], theirs[workload]
         one_step = workload in ("decode", "ar_token")
+        torch_ran = t_cpu is not None
         rows.append(
             dict(
                 shape=name,
@@ -239,17 +258,17 @@ def bench_shape(name: str, shape: dict, args) -> list[dict]:
                 tokens=n,
                 ours_ms=1e3 * o_cpu,
                 ours_wall_ms=1e3 * o_wall,
-                torch_ms=1e3 * t_cpu,
-                torch_wall_ms=1e3 * t_wall,
+                torch_ms=1e3 * t_cpu if torch_ran else None,
+                torch_wall_ms=1e3 * t_wall if torch_ran else None,
                 ours_tok_s=args.batch_size * n / o_cpu,
-                torch_tok_s=args.batch_size * n / t_cpu,
-                speedup=t_cpu / o_cpu,
-                speedup_wall=t_wall / o_wall,
+                torch_tok_s=args.batch_size * n / t_cpu if torch_ran else None,
+                speedup=t_cpu / o_cpu if torch_ran else None,
+                speedup_wall=t_wall / o_wall if torch_ran else None,
                 roofline_ms=1e3 * roof_cpu if one_step else None,
                 roofline_wall_ms=1e3 * roof_wall if one_step else None,
                 ours_of_roofline=roof_cpu / o_cpu if one_step else None,
                 ours_of_roofline_wall=roof_wall / o_wall if one_step else None,
-                torch_of_roofline=roof_cpu / t_cpu if one_step else None,
+                torch_of_roofline=roof_cpu / t_cpu if one_step and torch_ran else None,
                 weight_mb=nbytes / 1e6,
                 bandwidth_cpu_gb_s=bandwidth[0] / 1e9,
                 bandwidth_wall_gb_s=bandwidth[1] / 1e9,
@@ -325,9 +344,24 @@ def main(argv=None) -> int:
             shapes[name] = SHAPES[name]
     ar_default = args.ar_tokens
 
-    import torch
+    missing = benchmark.missing_hf()
+    if missing:  # the base install: our columns only, said before anything runs
+        print(
+            f"bench_model: {missing} is not installed, so the transformers columns are skipped "
+            '(pip install -e ".[test]" brings it)',
+            file=sys.stderr,
+        )
+    args.no_hf = missing is not None
+    if not args.no_hf:
+        import torch
 
-    torch.set_num_threads(args.torch_threads)
+        torch.set_num_threads(args.torch_threads)
+    torch_about = (
+        "no torch"
+        if args.no_hf
+        else f"torch {torch.__version__} ({torch.get_num_threads()} threads, "
+        f"{args.torch_attn} attention)"
+    )
     rows = []
     for name, shape in shapes.items():
         args.ar_tokens = (
@@ -337,8 +371,7 @@ def main(argv=None) -> int:
     args.ar_tokens = ar_default
     print(
         f"float32, batch {args.batch_size}, prefix {args.prefix}, medians of {args.repeats}; "
-        f"jax {jax.__version__} on {jax.default_backend()}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads, {args.torch_attn} attention), "
+        f"jax {jax.__version__} on {jax.default_backend()}, {torch_about}, "
         f"{platform.processor() or platform.machine()}; read bandwidth (XLA GEMV over the "
         "model's weight bytes): "
         + "; ".join(
@@ -354,16 +387,20 @@ def main(argv=None) -> int:
         "| roofline/torch CPU |"
     )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    x = "" if args.no_hf else "x"  # no ratio without torch
     for r in rows:
         print(
             f"| {r['workload']} | {r['tokens']} | {r['shape']} | {r['ours_ms']:.2f} | "
-            f"{r['ours_wall_ms']:.2f} | {r['torch_ms']:.2f} | {r['torch_wall_ms']:.2f} | "
-            f"{r['speedup']:.2f}x | {r['speedup_wall']:.2f}x | {_fmt(r['roofline_ms'], '.2f')} | "
+            f"{r['ours_wall_ms']:.2f} | {_fmt(r['torch_ms'], '.2f')} | "
+            f"{_fmt(r['torch_wall_ms'], '.2f')} | {_fmt(r['speedup'], '.2f')}{x} | "
+            f"{_fmt(r['speedup_wall'], '.2f')}{x} | {_fmt(r['roofline_ms'], '.2f')} | "
             f"{_fmt(r['ours_of_roofline'], '.2f')} ({_fmt(r['ours_of_roofline_wall'], '.2f')}) | "
             f"{_fmt(r['torch_of_roofline'], '.2f')} |"
         )
     if args.json:
-        meta = dict(vars(args), jax=jax.__version__, torch=torch.__version__)
+        meta = dict(
+            vars(args), jax=jax.__version__, torch=None if args.no_hf else torch.__version__
+        )
         with open(args.json, "w") as f:
             json.dump({"config": meta, "rows": rows}, f, indent=2)
     return 0

@@ -412,6 +412,15 @@ def test_bench_model_smoke(tmp_path, capsys):
     assert [r["workload"] for r in rows] == ["prefill", "decode", "chain9", "ar_token"]
     assert all(r["ours_tok_s"] > 0 and r["torch_tok_s"] > 0 for r in rows)
     assert "| chain9 | 9 |" in capsys.readouterr().out
+    # The base install has no torch: our columns alone, the note said up front.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+        assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["ours_tok_s"] > 0 and r["torch_tok_s"] is None for r in rows)
+    captured = capsys.readouterr()
+    assert "torch is not installed, so the transformers columns are skipped" in captured.err
+    assert "| chain9 | 9 | smoke |" in captured.out and "| – | – |" in captured.out
 
 
 @pytest.mark.slow
@@ -433,11 +442,13 @@ def test_without_torch_the_transformers_columns_are_skipped_up_front(
     )
 
 
-def _run_script(name: str, *argv: str) -> subprocess.CompletedProcess:
+def _run_script(name: str, *argv: str, path: Path | None = None) -> subprocess.CompletedProcess:
     """``scripts/<name> *argv --repeats 1`` in a subprocess on the CPU at -O0 (the figures are
-    not the point, the script's path through prepare / compile / run is); it must succeed."""
+    not the point, the script's path through prepare / compile / run is); it must succeed.
+    ``path``: a folder put first on the import path (modules that shadow installed ones)."""
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), PYTHONPATH=str(root))
+    search = os.pathsep.join(str(p) for p in (path, root) if p is not None)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), PYTHONPATH=search)
     run = subprocess.run(
         [sys.executable, str(root / "scripts" / name), *argv, "--repeats", "1"],
         capture_output=True, text=True, env=env, timeout=300,
@@ -481,6 +492,15 @@ def test_bench_vocab_smoke(tmp_path):
     assert [(r["V"], r["feature"]) for r in rows] == [(300, "plain"), (300, "regex")]
     assert all(r["ms_per_step"] > 0 and r["first_call_s"] > 0 for r in rows)
     assert "| 300 | asps | 2 | plain |" in run.stdout and "| 1.00 |" in run.stdout
+    # The base install has no tiktoken: the features that read text are skipped, said up front.
+    blocked = tmp_path / "no_tiktoken"
+    blocked.mkdir()
+    (blocked / "tiktoken.py").write_text("raise ImportError('no tiktoken', name='tiktoken')\n")
+    run = _run_script(
+        "bench_vocab.py", *argv, "--features", "plain,regex", "--json", str(out), path=blocked
+    )
+    assert [r["feature"] for r in json.loads(out.read_text())] == ["plain"]
+    assert "tiktoken is not installed, so stop, regex, schema are skipped" in run.stderr
 
 
 @pytest.mark.slow
