@@ -70,31 +70,31 @@ def process_logits(
     scaled = jnp.minimum(scaled, jnp.finfo(jnp.float32).max)
 
     # --- Step 2: top-k; keep every logit >= the k-th largest (ties kept, as transformers) ---
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    # Both filters find their threshold by bisection over the logits' order-preserving 32-bit
+    # keys (32 passes of a compare and a sum over V) instead of sorting V logits: the same
+    # threshold, far cheaper at real vocabularies.
+    keys = _order_keys(scaled)
     if top_k is not None:
         k = jnp.asarray(top_k, jnp.int32)
         k_eff = jnp.where((k <= 0) | (k >= vocab), vocab, k)
-        kth = jnp.take_along_axis(
-            sorted_desc, jnp.broadcast_to(k_eff - 1, sorted_desc.shape[:-1])[..., None], axis=-1
-        )
-        scaled = jnp.where(scaled < kth, NEG_INF, scaled)
-        # Sorted, so this keeps exactly the survivors, ties at the k-th value included.
-        sorted_desc = jnp.where(sorted_desc < kth, NEG_INF, sorted_desc)
+        # The k-th largest: the largest key with at least k logits at or above it.
+        kth = _from_key(_bisect(keys, lambda t: jnp.sum(keys >= t[..., None], -1) >= k_eff, True))
+        scaled = jnp.where(scaled < kth[..., None], NEG_INF, scaled)
 
     # --- Step 3: top-p over the (top-k filtered) law; transformers removes a token when the
     # ascending cumulative mass up to and including it is <= 1 - top_p, always keeping the top one.
     if top_p is not None:
         p = jnp.asarray(top_p, jnp.float32)
-        sorted_asc = jnp.flip(sorted_desc, axis=-1)
-        probs_asc = jnp.exp(log_normalize(sorted_asc))
-        cum_asc = jnp.cumsum(probs_asc, axis=-1)
-        removed = cum_asc <= 1.0 - p
-        removed = removed.at[..., -1].set(False)
-        # Threshold: the smallest kept logit; everything strictly below it goes. Ties with the
-        # threshold are kept (transformers scatters by index, identical ties straddling the cut
-        # are a measure-zero event for real logits).
-        kept_vals = jnp.where(removed, jnp.inf, sorted_asc)
-        threshold = jnp.min(kept_vals, axis=-1, keepdims=True)
+        probs = jnp.exp(log_normalize(scaled))
+        # Threshold: the smallest logit with less than top_p of mass strictly above it (the
+        # same cut as transformers' ascending mass <= 1 - top_p, without rounding 1 - top_p: a
+        # tiny top_p keeps the top logit alone); everything strictly below it goes. Ties with it
+        # are kept (transformers scatters by index; identical ties straddling the cut are a
+        # measure-zero event for real logits). Key 0 (nothing above 0) keeps every logit.
+        cut = _bisect(
+            keys, lambda t: jnp.sum(jnp.where(keys > t[..., None], probs, 0.0), -1) < p, False
+        )
+        threshold = jnp.where(cut == 0, NEG_INF, _from_key(cut))[..., None]
         scaled = jnp.where((scaled < threshold) & (p < 1.0), NEG_INF, scaled)
 
     logprobs = log_normalize(scaled)
@@ -112,6 +112,46 @@ def process_logits(
     has_finite = jnp.any(jnp.isfinite(logits), axis=-1, keepdims=True)
     point = jnp.where(jax.nn.one_hot(argmax, vocab, dtype=bool) & has_finite, 0.0, NEG_INF)
     return jnp.where(greedy, point, logprobs)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys of float32 ``x`` in the same order (-inf lowest; -0.0 just below +0.0)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    flipped = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    return jax.lax.bitcast_convert_type(flipped, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _from_key(key: jax.Array) -> jax.Array:
+    """The float32 of an :func:`_order_keys` key."""
+    bits = jax.lax.bitcast_convert_type(key ^ jnp.uint32(0x80000000), jnp.int32)
+    return jax.lax.bitcast_convert_type(
+        jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits), jnp.float32
+    )
+
+
+def _bisect(keys: jax.Array, holds, largest: bool) -> jax.Array:
+    """uint32[...]: the largest key t with ``holds(t)`` (``largest``; holds is monotone
+    non-increasing and true at 0), or the smallest (holds non-decreasing; 2**32 - 1 when it
+    never holds), over all 2**32 keys: 32 halvings of ``[lo, hi]``."""
+    lo = jnp.zeros(keys.shape[:-1], jnp.uint32)
+    hi = jnp.full(keys.shape[:-1], 0xFFFFFFFF, jnp.uint32)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        gap = hi - lo
+        if largest:  # the upper middle, so lo moves up
+            mid = lo + (gap >> 1) + (gap & 1)
+            ok = holds(mid)
+            new = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+        else:
+            mid = lo + (gap >> 1)
+            ok = holds(mid)
+            new = jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+        done = gap == 0  # converged: stays (no step past the ends of the key range)
+        return jnp.where(done, lo, new[0]), jnp.where(done, hi, new[1])
+
+    lo, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return lo
 
 
 def logits_ok(logits_V: jax.Array) -> jax.Array:

@@ -140,6 +140,33 @@ def test_combined_against_reference_with_batch_axes():
                 assert_matches(got[i, j], reference(logits[i, j], *args))
 
 
+def test_thresholds_on_ties_signed_zeros_and_extremes():
+    """The filters find their thresholds by bisection over the logits' bit patterns, not a sort:
+    per-row top-k / top-p on rows full of ties, -inf, +-0.0, +-1e30 and small or huge spreads
+    (every k from 0 to V + 1, top_p from 1e-9 to 1) keep exactly the reference's support, and
+    the same law. One jitted call for all rows."""
+    rng = np.random.default_rng(7)
+    rows, vocab = 512, 40
+    kinds = [
+        lambda: rng.integers(-3, 3, vocab).astype(np.float64),  # heavy ties
+        lambda: rng.choice([0.0, -0.0, 1e30, -1e30, 1.0, -np.inf], vocab),
+        lambda: rng.normal(size=vocab) * rng.choice([1e-3, 1.0, 1e30]),
+        lambda: np.where(rng.random(vocab) < 0.6, -np.inf, rng.normal(size=vocab)),
+    ]
+    logits = np.stack([kinds[r % 4]() for r in range(rows)]).astype(np.float32)
+    logits[::97] = -np.inf  # rows with no finite logit stay all -inf
+    temperature = rng.choice([0.5, 1.0, 3.0], rows).astype(np.float32)
+    top_k = rng.integers(0, vocab + 2, rows).astype(np.int32)
+    top_p = rng.choice([1e-9, 0.1, 0.5, 0.9, 0.999, 1.0], rows).astype(np.float32)
+    got = np.asarray(jax.jit(jax.vmap(process_logits))(logits, temperature, top_k, top_p))
+    for b in range(rows):
+        want = reference(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b]))
+        with np.errstate(invalid="ignore", over="ignore"):
+            np.testing.assert_array_equal(np.isneginf(got[b]), np.isneginf(want), err_msg=str(b))
+            # the law (log-probs past float32's range, -6e38 in float64, are 0 either way)
+            np.testing.assert_allclose(np.exp(got[b]), np.exp(want), atol=1e-6, err_msg=str(b))
+
+
 def _transformers(logits, temperature, top_k, top_p):
     scores = torch.from_numpy(np.asarray(logits, np.float32))
     for warper in (
