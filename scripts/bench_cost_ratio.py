@@ -399,8 +399,14 @@ def main(argv=None) -> int:
         )
         args.no_hf = True
     shapes = (SMOKE_TARGET, SMOKE_DRAFT) if args.smoke else (TARGET, DRAFT)
-    paths = checkpoint_pair(shapes, args.head_std, args.layer_scale, args.seed, args.checkpoints)
-    target, draft = (asps_jax.load_model(str(path), dtype="float32") for path in paths)
+    if args.no_hf:  # no checkpoints to write: the same pair, made on the device
+        paths = []
+        target, draft = build_pair(*shapes, args.head_std, args.layer_scale, args.seed)
+    else:  # transformers loads the same weights from the checkpoints (written once)
+        paths = checkpoint_pair(
+            shapes, args.head_std, args.layer_scale, args.seed, args.checkpoints
+        )
+        target, draft = (asps_jax.load_model(str(path), dtype="float32") for path in paths)
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, target.vocab_size, (1, args.prompt_tokens)).astype(np.int32)
     cache_len = args.prompt_tokens + args.max_new_tokens + max(args.n) + 2
