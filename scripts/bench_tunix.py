@@ -47,7 +47,9 @@ def main(argv=None) -> None:
         from tunix.models.llama3 import model as llama3
     except ImportError as err:
         raise SystemExit(
-            f"bench_tunix: google-tunix is not installed ({err}); see .ci/run"
+            f"bench_tunix: google-tunix is not installed ({err}); install it as .ci/run does: "
+            "pip install --no-deps google-tunix==0.1.7 google-metrax clu tensorboardX jaxtyping "
+            "wadler-lindig sentencepiece perfetto pandas"
         ) from err
 
     import asps_jax
