@@ -79,7 +79,7 @@ from asps_jax.verify.registry import REGISTRY
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import SHAPES  # noqa: E402
-from benchmark import missing_hf  # noqa: E402
+from benchmark import fill_quick, skip_hf  # noqa: E402
 
 # The shapes of scripts/bench_model.py: a ~0.5B-shaped target, the llama-68m-shaped draft.
 TARGET, DRAFT = SHAPES["0.5b"], SHAPES["68m"]
@@ -383,21 +383,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="Also write the results as JSON to PATH.")
     args = p.parse_args(argv)
     if args.quick:
-        for name, value in QUICK.items():
-            if getattr(args, name) == p.get_default(name):
-                setattr(args, name, value)
+        fill_quick(p, args, QUICK)
     if args.repeats < 1 or args.max_new_tokens < 1 or min(args.n) < 1 or args.prompt_tokens < 1:
         p.error("--repeats, --max-new-tokens, --prompt-tokens and every --n must be >= 1")
     if args.torch_threads < 1:
         p.error("--torch-threads must be >= 1")
-    missing = None if args.no_hf else missing_hf()
-    if missing:  # the base install: our rows only, said before anything runs
-        print(
-            f"bench_cost_ratio: {missing} is not installed, so the transformers rows are skipped "
-            '(pip install -e ".[test]" brings it; --no-hf skips them without this note)',
-            file=sys.stderr,
-        )
-        args.no_hf = True
+    args.no_hf = skip_hf("bench_cost_ratio", args.no_hf, what="rows")
     shapes = (SMOKE_TARGET, SMOKE_DRAFT) if args.smoke else (TARGET, DRAFT)
     if args.no_hf:  # no checkpoints to write: the same pair, made on the device
         paths = []

@@ -344,14 +344,7 @@ def main(argv=None) -> int:
             shapes[name] = SHAPES[name]
     ar_default = args.ar_tokens
 
-    missing = benchmark.missing_hf()
-    if missing:  # the base install: our columns only, said before anything runs
-        print(
-            f"bench_model: {missing} is not installed, so the transformers columns are skipped "
-            '(pip install -e ".[test]" brings it)',
-            file=sys.stderr,
-        )
-    args.no_hf = missing is not None
+    args.no_hf = benchmark.skip_hf("bench_model", False, flag=False)
     if not args.no_hf:
         import torch
 

@@ -34,7 +34,7 @@ from asps_jax import sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_device import random_model  # noqa: E402
-from benchmark import timed_runs  # noqa: E402
+from benchmark import fill_quick, timed_runs  # noqa: E402
 
 TARGET = dict(
     hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
@@ -180,9 +180,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.smoke:  # the quick run: one vocabulary, method and batch, fewer tokens
-        for name, value in QUICK.items():
-            if getattr(args, name) == parser.get_default(name):
-                setattr(args, name, value)
+        fill_quick(parser, args, QUICK)
     methods, features = args.methods.split(","), args.features.split(",")
     for name, given, known in (("method", methods, METHODS), ("feature", features, FEATURES)):
         unknown = sorted(set(given) - set(known))

@@ -661,25 +661,38 @@ def missing_hf() -> str | None:
     return None
 
 
+def fill_quick(parser: argparse.ArgumentParser, args, quick: dict) -> None:
+    """``--quick``: each of ``quick``'s values for the flags left at their defaults."""
+    for name, value in quick.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
+
+
+def skip_hf(script: str, no_hf: bool, what: str = "columns", flag: bool = True) -> bool:
+    """Whether ``script`` skips its transformers runs: asked (``no_hf``), or torch / transformers
+    is not installed (the base install), which one line on stderr says before anything runs;
+    ``flag``: the script has ``--no-hf``."""
+    missing = None if no_hf else missing_hf()
+    if missing:
+        hint = "; --no-hf skips them without this note" if flag else ""
+        print(
+            f"{script}: {missing} is not installed, so the transformers {what} are skipped "
+            f'(pip install -e ".[test]" brings it{hint})',
+            file=sys.stderr,
+        )
+    return no_hf or missing is not None
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
-        for name, value in QUICK.items():
-            if getattr(args, name) == parser.get_default(name):
-                setattr(args, name, value)
+        fill_quick(parser, args, QUICK)
     try:
         check_args(args)
     except ValueError as err:
         parser.error(str(err))
-    missing = None if args.no_hf else missing_hf()
-    if missing:  # the base install: our columns only, said before anything runs
-        print(
-            f"benchmark: {missing} is not installed, so the transformers columns are skipped "
-            '(pip install -e ".[test]" brings it; --no-hf skips them without this note)',
-            file=sys.stderr,
-        )
-        args.no_hf = True
+    args.no_hf = skip_hf("benchmark", args.no_hf)
 
     try:  # prompt sources fail before any model is loaded
         if args.prompts:
