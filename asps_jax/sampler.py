@@ -387,20 +387,31 @@ class Prepared:
         return self.width
 
 
-def _placed(decoder, inputs: DecodeInputs, mesh, target, draft) -> DecodeInputs:
+def _placed(decoder, inputs: DecodeInputs, rows: int, mesh, target, draft) -> DecodeInputs:
     """The inputs on the mesh (jit propagates their shardings through the whole loop), the
-    parameters in each model's fast run layout (made once per model). Several processes must
-    make the same call (:func:`_check_same_everywhere`)."""
+    parameters in each model's fast run layout for the rows it multiplies per forward
+    (:func:`wide_layouts` of ``rows``, the rows each step runs; made once per model and layout).
+    Several processes must make the same call (:func:`_check_same_everywhere`)."""
     _check_same_everywhere(mesh, decoder, inputs)
     if mesh is not None:
         inputs = sharding.shard_inputs(
             inputs, mesh, {"target_params": target, "draft_params": draft}
         )
+    wide = wide_layouts(decoder.spec, rows)
     changes = {}
     for name, model in (("target_params", target), ("draft_params", draft)):
         if getattr(inputs, name) is not None:
-            changes[name] = run_params(model, getattr(inputs, name))
+            changes[name] = run_params(model, getattr(inputs, name), wide=wide[name])
     return dataclasses.replace(inputs, **changes)
+
+
+def wide_layouts(spec: decode.SpecConfig, rows: int) -> dict[str, bool]:
+    """Which model runs on its wide layout (:func:`asps_jax.models.base.run_params`): the one for
+    forwards of two or more rows. Per step the target scores ``rows`` times the tree's nodes (one
+    token each under ``ar``), the draft rolls out ``rows`` times its replicas."""
+    if not spec.uses_draft:
+        return {"target_params": rows >= 2, "draft_params": False}
+    return {"target_params": True, "draft_params": rows * spec.tree.num_chains >= 2}
 
 
 def prepare(
@@ -476,7 +487,8 @@ def prepare(
 
     return Prepared(
         decoder=decoder,
-        inputs=_placed(decoder, inputs, mesh, target, draft),  # the same in every process
+        # the same in every process; ``rows``: those each step runs (the slots, else the batch)
+        inputs=_placed(decoder, inputs, slot_count or prompts_bp.shape[0], mesh, target, draft),
         batch=batch,
         slots=slot_count,
         width=max(budgets),

@@ -272,6 +272,29 @@ def test_temperature_zero_is_the_target_greedy_decoding(pair, law_run, method):
 
 
 @pytest.mark.slow
+def test_one_row_layout_keeps_the_law_and_the_greedy_output(pair, monkeypatch):
+    """The law and greedy runs above put both models on the wide run layout (``[in, out]``: each
+    forward multiplies many rows). Here both run on the one-row layout (``[out, in]``), which the
+    sampler gives a target only under ``ar`` at batch 1: ASpS keeps transformers' two-token law
+    and its greedy output, and the draft law's diagnostics still reach the optimum."""
+    hf_target, target, draft = pair
+    chosen = []
+
+    def one_row(spec, rows):
+        chosen.append(rows)
+        return {"target_params": False, "draft_params": False}
+
+    monkeypatch.setattr(asps_jax.sampler, "wide_layouts", one_row)
+    out, tokens = _sample_law(target, draft, "asps", seed=101, max_new_tokens=2, greedy=True)
+    assert len(chosen) == 1 and chosen[0] >= LAW_ROWS  # the call's (padded) batch
+    _assert_two_token_law(hf_target, out, "asps, one-row layout")
+    for b, prompt in enumerate(GREEDY_PROMPTS):
+        want = _hf_greedy(hf_target, prompt, MAX_NEW)
+        for d in range(len(GREEDY_DRAFT_TEMPERATURES)):
+            assert tokens[d, b].tolist() == want, prompt
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["asps", "specinfer", "tv_wr", "is_bv"])
 def test_row_output_does_not_depend_on_the_batch(pair, method):
     _, target, draft = pair

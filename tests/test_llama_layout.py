@@ -1,4 +1,5 @@
-"""The run layout of Llama parameters (``llama.prepare_params``): same logits as transformers."""
+"""The run layouts of Llama parameters (``llama.prepare_params``): same logits as transformers,
+and the one each model of a call gets."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import pytest
 import torch
 from hf_checkpoints import tiny_llama
 
+from asps_jax import sampler
 from asps_jax.kv_cache import commit, init_cache
 from asps_jax.models import load_model
 from asps_jax.models.base import run_params
@@ -69,20 +71,64 @@ def test_prepared_layout(pair):
         assert p.get(name) is m.params.get(name)
     assert prepare_params(m.config, p) is p  # idempotent
     assert run_params(m) is run_params(m)  # made once per model
+    # The wide layout: each layer the stored [in, out] slice, head axes split (wq [E, NH, H]).
+    wide = prepare_params(m.config, m.params, wide=True)
+    assert len(wide["layers"]) == m.config.num_hidden_layers
+    for name, want in stored.items():
+        assert wide["layers"][1][name].shape == want.shape
+        np.testing.assert_array_equal(np.asarray(wide["layers"][1][name]), want)
+    assert wide["layers"][1]["wq"].shape == (E, NH, H)
+    assert prepare_params(m.config, wide) is wide
+    assert prepare_params(m.config, p, wide=True) is p  # a run layout is kept as it is
+    assert run_params(m, wide=True) is run_params(m, wide=True)
+    assert run_params(m, wide=True) is not run_params(m)  # one copy per layout
+
+
+@pytest.mark.parametrize(
+    ("method", "rows", "drafts", "target_wide", "draft_wide"),
+    [
+        ("ar", 1, 1, False, None),  # one token of one row per forward: [out, in]
+        ("ar", 3, 1, True, None),
+        ("asps", 1, 1, True, False),  # the target scores n + 1 tokens, the draft rolls one row
+        ("asps", 2, 1, True, True),
+        ("specinfer", 1, 2, True, True),  # two replicas of the draft: two rows per forward
+    ],
+)
+def test_each_model_gets_the_layout_of_the_rows_it_multiplies(
+    pair, method, rows, drafts, target_wide, draft_wide
+):
+    """``sampler.prepare`` hands the decoding loop each model's run layout by the rows one of
+    its forwards multiplies (``wq`` ``[E, NH, H]`` wide, ``[NH * H, E]`` for one row)."""
+    _, m = pair
+    prepared = sampler.prepare(
+        m, None if method == "ar" else m, [[1, 2, 3]] * rows, max_new_tokens=4, method=method,
+        num_drafts=drafts, num_draft_tokens=2, key=jax.random.key(0),
+    )  # fmt: skip
+    inputs = prepared.inputs
+    assert (inputs.target_params["layers"][0]["wq"].ndim == 3) == target_wide
+    if draft_wide is None:
+        assert inputs.draft_params is None
+    else:
+        assert (inputs.draft_params["layers"][0]["wq"].ndim == 3) == draft_wide
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("per_layer", [False, True], ids=["stacked_cache", "per_layer_cache"])
-@pytest.mark.parametrize("layout", ["run", "stored"])
+@pytest.mark.parametrize("layout", ["run", "wide", "stored"])
 def test_prefill_then_decode_matches_transformers(pair, layout, per_layer):
-    """Prefill 5 tokens, then 3 one-token steps == HF full-sequence logits, for either parameter
-    layout and either cache layout (the decode loop pairs the run layout with a per-layer cache)."""
+    """Prefill 5 tokens, then 3 one-token steps == HF full-sequence logits, for each parameter
+    layout (the run layout's two orientations, the stored one) and either cache layout (the
+    decode loop pairs the run layout with a per-layer cache)."""
     hf, m = pair
     B, T, P = 2, 8, 5
     tokens = np.random.default_rng(4).integers(0, V, (B, T)).astype(np.int32)
     with torch.no_grad():
         expected = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
-    params = prepare_params(m.config, m.params) if layout == "run" else m.params
+    params = {
+        "run": lambda: prepare_params(m.config, m.params),
+        "wide": lambda: prepare_params(m.config, m.params, wide=True),
+        "stored": lambda: m.params,
+    }[layout]()
 
     @jax.jit
     def run(params, cache, chunk, start):

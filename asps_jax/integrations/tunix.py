@@ -620,7 +620,7 @@ class AspsSampler(base_sampler.BaseSampler):
         valid = np.concatenate([valid, np.zeros((total - rows, T), bool)])
         ban = np.zeros(V, bool)
         ban[list(banned)] = True
-        params, logits, logprobs = run_params(target), [], []
+        params, logits, logprobs = run_params(target, wide=True), [], []  # T-token rows
         for i in range(0, total, chunk):
             lg, lp = _score(
                 target.config,

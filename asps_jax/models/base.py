@@ -173,28 +173,33 @@ def forward_for(config, features: tuple[int, ...] = ()):
     return functools.partial(family.forward, config, features=tuple(features))
 
 
-def prepare_params(config, params):
-    """``params`` in the family's run layout (its ``prepare_params``; unchanged if it has none)."""
+def prepare_params(config, params, wide: bool = False):
+    """``params`` in the family's run layout (its ``prepare_params``; unchanged if it has none).
+    ``wide``: for calls that multiply two or more rows per forward (a family may lay its
+    matrices out differently for those; Llama does)."""
     prepare = getattr(family_for_config(config), "prepare_params", None)
-    return params if prepare is None else prepare(config, params)
+    return params if prepare is None else prepare(config, params, wide)
 
 
-# Run-layout copies, one per model (weak keys: dropping the Model frees its copy).
+# Run-layout copies, per model and orientation (weak keys: dropping the Model frees its copies).
 _RUN_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def run_params(model, params=None):
+def run_params(model, params=None, *, wide: bool = False):
     """:func:`prepare_params` of ``params`` (default ``model.params``; or e.g. its copy placed
-    on a mesh), made once and remembered per model for the last ``params`` seen.
+    on a mesh), made once and remembered per model and ``wide`` for the last ``params`` seen.
 
     The stored layout stays what checkpoints, sharding rules and ``param_shapes`` describe; this
     is the copy the decoding loop runs on (e.g. Llama's per-layer weights, ``llama.py``).
+    ``wide``: the copy for calls of two or more rows per forward (a target scoring a chain or a
+    tree, a batch); one model used both ways holds both copies.
     """
     params = model.params if params is None else params
-    cached = _RUN_PARAMS.get(model)
+    per_model = _RUN_PARAMS.setdefault(model, {})
+    cached = per_model.get(wide)
     if cached is None or cached[0] is not params:
-        cached = (params, prepare_params(model.config, params))
-        _RUN_PARAMS[model] = cached
+        cached = (params, prepare_params(model.config, params, wide))
+        per_model[wide] = cached
     return cached[1]
 
 

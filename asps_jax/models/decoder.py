@@ -331,10 +331,11 @@ HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 # --- Forward ----------------------------------------------------------------------------------
 
 
-def prepare_params(config: DecoderConfig, params: dict) -> dict:
+def prepare_params(config: DecoderConfig, params: dict, wide: bool = False) -> dict:
     """The run layout: ``"layers"`` a tuple of ``L`` per-layer dicts (slices of the stacked
     arrays, made once). Inside a compiled forward a layer sliced out of a stacked parameter is a
-    copy on every call; separate arrays are read in place. Idempotent."""
+    copy on every call; separate arrays are read in place. Idempotent. One orientation for every
+    call (``wide`` is accepted and changes nothing): the stored ``[in, out]``, Llama's wide one."""
     layers = params["layers"]
     if isinstance(layers, (tuple, list)):
         return params

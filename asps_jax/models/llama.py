@@ -10,8 +10,10 @@ Layout choices:
   HF's ``nn.Linear`` stores ``[out, in]`` and computes ``x @ W.T``, so every HF projection is
   transposed once at load (``HF_TENSORS``, kind ``"linear"``, hf_table.py). On this layout the
   forward is one ``lax.scan`` (one compiled layer);
-* run (:func:`prepare_params`, what the decoding loop uses): per-layer weights ``[out, in]``, the
-  layers unrolled; same logits, and the fast path on CPU;
+* run (:func:`prepare_params`, what the decoding loop uses): per-layer weights, the layers
+  unrolled, in one of two orientations chosen by how many rows a call multiplies: ``[out, in]``
+  for one row (a matrix-vector product: the draft, AR at batch 1), ``[in, out]`` for two or more
+  (the target scoring a chain or tree, a batch); same logits, the fast path on CPU;
 * RoPE in HF's split-half layout (``rope.py``), so q/k weights need no permutation.
 """
 
@@ -216,8 +218,10 @@ HF_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 # --- Forward ----------------------------------------------------------------------------------
 
 
-# The run layout of one layer (``prepare_params``): every projection stored ``[out, in]``, HF's
-# own orientation, as one matrix (head axes merged).
+# The run layout of one layer (``prepare_params``): the same keys in both orientations. One row
+# (``wide=False``): every projection ``[out, in]``, HF's own orientation, as one matrix (head axes
+# merged: ``wq [NH * H, E]``). Two or more rows (``wide=True``): the stored ``[in, out]`` slices,
+# head axes split (``wq [E, NH, H]``). ``wq``'s rank tells the forward which one it holds.
 RUN_LAYER_KEYS = frozenset(
     {"attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"}
 )
@@ -225,7 +229,7 @@ RUN_LAYER_KEYS = frozenset(
 
 @jax.jit
 def _run_layer(p: dict) -> dict:
-    """One layer of the stored layout (``[in, out]``, head axes split) in the run layout."""
+    """One layer of the stored layout (``[in, out]``, head axes split) in the one-row run layout."""
     E = p["wq"].shape[0]
     # quant.merge and .transpose() (not reshape and .T): a quantized matrix (qwix.QArray)
     # reshapes and transposes its scales with it.
@@ -236,34 +240,48 @@ def _run_layer(p: dict) -> dict:
     return dict(run, attn_norm=p["attn_norm"], mlp_norm=p["mlp_norm"])
 
 
-def prepare_params(config: LlamaConfig, params: dict) -> dict:
-    """The run layout of ``params``: ``"layers"`` a tuple of ``L`` per-layer dicts whose
-    projections are stored ``[out, in]`` (e.g. ``wq [NH * H, E]``). The embedding, final norm and
-    head are the stored arrays themselves (the head's ``[E, V]`` reads as fast as ``[V, E]``,
-    within 2%, at both benchmark shapes).
+@functools.partial(jax.jit, static_argnums=0)
+def _split_layers(L: int, layers: dict) -> tuple:
+    """The stored layers as ``L`` per-layer dicts, each array a copy of its slice."""
+    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(L))
+
+
+def prepare_params(config: LlamaConfig, params: dict, wide: bool = False) -> dict:
+    """The run layout of ``params``: ``"layers"`` a tuple of ``L`` per-layer dicts. ``wide``
+    False (a call multiplies one row: the draft's rollout, AR at batch 1): projections stored
+    ``[out, in]``, e.g. ``wq [NH * H, E]``; True (two or more rows: the target scoring a chain or a
+    tree, any batch > 1): the stored ``[in, out]`` slices, head axes split. The embedding, final
+    norm and head are the stored arrays themselves (the head's ``[E, V]`` reads as fast as
+    ``[V, E]``, within 2%, at both benchmark shapes).
 
     Made once where parameters are loaded or placed (``base.run_params``), never per forward:
     * per layer: inside a compiled forward, slicing layer ``i`` out of a stacked ``[L, ...]``
       parameter is a copy of its weights on every call (XLA cannot alias a slice of an input
       buffer), which doubled the bytes a one-token forward moves;
-    * ``[out, in]``: XLA:CPU's matrix-vector product reads a ``[out, in]`` matrix (one dot
-      product per output, contiguous rows) faster than an ``[in, out]`` one: 28 against 15.5 GB
-      per CPU second for llama-68m's ``w_down`` in a micro-benchmark on 2 cores.
+    * the orientation: XLA:CPU's matrix-vector product reads a ``[out, in]`` matrix (one dot
+      product per output, contiguous rows) faster than an ``[in, out]`` one (28 against 15.5 GB
+      per CPU second for llama-68m's ``w_down`` on 2 cores), while its product with 2 to 17 rows
+      runs 1.5-2x faster on ``[in, out]`` (the 0.5B shape's ``w_up``: 4.3 against 8.5 ms at 5 rows;
+      docs/benchmarks.md, the chain-forward layout).
 
-    The logits equal those of the stored layout to float tolerance. Idempotent. The layer arrays
-    are new buffers (a copy of the weights; the stored ``params`` stay valid).
+    The logits equal those of the stored layout to float tolerance. Idempotent: a run layout (of
+    either orientation) is returned as it is. The layer arrays are new buffers (a copy of the
+    weights; the stored ``params`` stay valid).
     """
     layers = params["layers"]
     if isinstance(layers, (tuple, list)):
         return params
     L = config.num_hidden_layers
+    if wide:
+        return {**params, "layers": _split_layers(L, layers)}
     per_layer = tuple(_run_layer({k: a[i] for k, a in layers.items()}) for i in range(L))
     return {**params, "layers": per_layer}
 
 
 def _layer(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, run, cos, sin, mask, scale):
-    """One decoder layer; ``p`` holds that layer's parameters, in the run layout (``[out, in]``
-    matrices) when ``run``, else in the stored one (``[in, out]``, head axes split)."""
+    """One decoder layer; ``p`` holds that layer's parameters, ``[out, in]`` matrices when
+    ``run`` (the one-row run layout), else ``[in, out]`` with the head axes split (the stored
+    layout's slice, also the wide run layout)."""
     B, T = x_BTE.shape[:2]
     NH, KVH, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
 
@@ -296,9 +314,10 @@ def forward(
 ):
     """``(logits float32[B, T, V], new_kv)``; ``new_kv.k/v [L, B, T, KVH, H]`` (k after RoPE).
 
-    ``params`` in the stored (stacked) layout runs the layers as one ``lax.scan``; in the run
-    layout of :func:`prepare_params` the layers are unrolled over the per-layer weights (the fast
-    path: no weight is copied per call). Both give the same logits to float tolerance.
+    ``params`` in the stored (stacked) layout runs the layers as one ``lax.scan``; in a run
+    layout of :func:`prepare_params` (either orientation) the layers are unrolled over the
+    per-layer weights (the fast path: no weight is copied per call). All give the same logits to
+    float tolerance.
 
     ``features`` (static layer ids): also return ``float[B, T, len(features) * E]``, the
     residual stream entering each listed layer (Hugging Face's ``hidden_states[i]``; ``L`` is the
@@ -324,7 +343,7 @@ def forward(
                 want = sorted(RUN_LAYER_KEYS)
                 raise ValueError(f"params layer {i} has keys {sorted(p)}; the run layout: {want}")
             kv = (None, None) if cache is None else cache.layer(i)
-            x, (k, v) = _layer(c, p, x, *kv, run=True, **kw)
+            x, (k, v) = _layer(c, p, x, *kv, run=p["wq"].ndim == 2, **kw)
             ks.append(k)
             vs.append(v)
         new_k, new_v = jnp.stack(ks), jnp.stack(vs)

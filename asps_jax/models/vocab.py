@@ -60,9 +60,9 @@ def _forward(config: SharedVocab, params, tokens, positions, mask, cache):
     return jnp.where(real, logits, -jnp.inf), new_kv
 
 
-def _prepare_params(config: SharedVocab, params):
+def _prepare_params(config: SharedVocab, params, wide: bool = False):
     prepare = getattr(_inner_family(config), "prepare_params", None)
-    return params if prepare is None else prepare(config.inner, params)
+    return params if prepare is None else prepare(config.inner, params, wide)
 
 
 FAMILY = types.SimpleNamespace(
