@@ -34,7 +34,8 @@ per step (ATN, mean +- standard error over all steps of all runs), the cost rati
 ``c = draft one-token forward / target one-token forward`` (measured here, same cache length), the
 speedup over our AR, and ``efficiency = speedup / (ATN / (1 + n c))``, the fraction of the ideal
 speedup a step reaches when the target scores the tree at the cost of one forward. Beside it, the
-measured cost ``k_n`` of the target's (n+1)-token chain forward in one-token forwards and the
+measured cost ``k_n`` of the target's (n+1)-token chain forward in one-token forwards (on the
+wide run layout the loop scores chains on; beside it, on the one-row layout) and the
 speedup bound ``ATN / (k_n + (n + 1) c)`` a step has on this machine (draft rollout: n + 1
 one-token draft forwards), with the fraction of it reached: what the ideal misses on hardware
 where scoring n + 1 tokens costs more than one (a CPU) and what the decoding machinery loses.
@@ -233,12 +234,15 @@ def _times(fn, repeats: int) -> tuple[list[float], list[float]]:
     return cpu, wall
 
 
-def forward_seconds(model, cache_len: int, repeats: int, tokens: int = 1) -> tuple[float, float]:
+def forward_seconds(
+    model, cache_len: int, repeats: int, tokens: int = 1, wide: bool = False
+) -> tuple[float, float]:
     """Median (CPU, wall) seconds of a forward of ``tokens`` chained tokens (the target call of an
-    SpS step scores n + 1) against ``cache_len - 8`` cached slots."""
+    SpS step scores n + 1) against ``cache_len - 8`` cached slots, on the run layout ``wide``
+    (``run_params``: the decoding loop's target scores its chains on the wide one)."""
     cache = init_cache(model.config, 1, cache_len, per_layer=True)  # as the decoding loop's
     cache = dataclasses.replace(cache, lengths=jnp.full_like(cache.lengths, cache_len - 8))
-    fwd, params = model.forward, run_params(model)
+    fwd, params = model.forward, run_params(model, wide=wide)
     step = jax.jit(lambda p, c, t: score_chain(fwd, p, c, t, jnp.ones(t.shape, bool))[0])
     tok = jnp.ones((1, tokens), jnp.int32)
     for _ in range(2):
@@ -407,10 +411,15 @@ def main(argv=None) -> int:
     # k_n: the target's (n+1)-token chain forward in units of its one-token forward (CPU). The
     # ideal ATN / (1 + n c) takes k_n = 1; a step costs k_n + (n + 1) c here (the rollout feeds
     # n + 1 draft tokens), which bounds the speedup by ATN / (k_n + (n + 1) c).
-    chain_cost = {
-        n: forward_seconds(target, cache_len, max(args.repeats, 5), n + 1)[0] / t_fwd[0]
-        for n in args.n
-    }
+    # Measured on both run layouts: the loop's (wide, [in, out]) and the one-row one ([out, in],
+    # what the target ran a chain on before the wide layout).
+    chain_cost, chain_cost_one_row = (
+        {
+            n: forward_seconds(target, cache_len, max(args.repeats, 5), n + 1, wide)[0] / t_fwd[0]
+            for n in args.n
+        }
+        for wide in (True, False)
+    )
     fits = {m: fit_seconds(target.vocab_size, m, max(args.repeats, 5)) for m in ("is", "optimal")}
     rows = []
     for method in args.methods:
@@ -447,7 +456,10 @@ def main(argv=None) -> int:
         f"{1e3 * t_fwd[0]:.1f} ms CPU ({1e3 * t_fwd[1]:.1f} wall), draft {1e3 * d_fwd[0]:.1f} ms "
         f"CPU ({1e3 * d_fwd[1]:.1f} wall): c = {c_cpu:.3f} CPU ({c_wall:.3f} wall); target "
         "(n+1)-token chain / one-token forward, CPU: "
-        + ", ".join(f"k_{n} = {k:.2f}" for n, k in chain_cost.items())
+        + ", ".join(
+            f"k_{n} = {k:.2f} (one-row layout: {chain_cost_one_row[n]:.2f})"
+            for n, k in chain_cost.items()
+        )
         + f"; jax {jax.__version__} on {jax.default_backend()}"
         + ("" if args.no_hf else f"; transformers: torch float32, {args.torch_threads} thread(s)")
     )
@@ -487,6 +499,7 @@ def main(argv=None) -> int:
     if args.json:
         meta = dict(vars(args), jax=jax.__version__, c_cpu=c_cpu, c_wall=c_wall)
         meta["chain_cost"] = {str(n): k for n, k in chain_cost.items()}
+        meta["chain_cost_one_row_layout"] = {str(n): k for n, k in chain_cost_one_row.items()}
         meta.update(target_forward_s=t_fwd, draft_forward_s=d_fwd, fit_s=fits)
         meta["checkpoints"] = [str(path) for path in paths]
         with open(args.json, "w") as f:

@@ -6,11 +6,18 @@ For each shape, a model with random weights is written by transformers, loaded b
 
 * prefill: ``--prefix`` tokens in one forward;
 * decode: the one-token forward against a cached prefix of ``--prefix`` tokens;
-* chain9: scoring a 9-node chain (root + 8 draft tokens) against that prefix, the target call of
-  one SpS step;
+* chain{w} for each w of ``--widths`` (default 2, 5, 9, 17): scoring a w-node chain (root + w - 1
+  draft tokens) against that prefix, the target call of one SpS step with n = w - 1;
 * ar_token: autoregressive sampling (temperature 1, no top-k/top-p, no EOS) of ``--ar-tokens``
   tokens after a 4-token prompt, per token: ours is the jitted ``decode.generate`` loop (method
   ``ar``), theirs ``generate(do_sample=True)``.
+
+Ours runs each forward workload on both run layouts of the weights (``llama.prepare_params``):
+``[out, in]``, the one-row layout (what the draft and AR at batch 1 run on), and ``[in, out]``,
+the wide one (what the target runs on when it scores a chain or a tree); ``k`` is a row's time
+over the one-token forward's on the one-row layout, the cost of a chain in one-token forwards
+(``k_n`` of ``bench_cost_ratio.py``). transformers has one layout: its figure is the same on both
+rows.
 
 Roofline: a one-token step must read every weight once (all parameters except the embedding
 table, of which it gathers one row; a tied head counts once). Its time is those bytes divided by
@@ -22,7 +29,8 @@ second here, 393 MB at 16). ``roofline/ours`` is the fraction of that bound a wo
 Shapes: ``68m`` (llama-68m: hidden 768, 2 layers, 12 heads, MLP 3072, vocab 32000) and ``0.5b``
 (hidden 2048, 8 layers, 16 heads, MLP 5632, vocab 32000: 0.54B parameters, 2.2 GB in float32).
 
-    python scripts/bench_model.py [--shapes 68m,0.5b] [--repeats R] [--ar-tokens M] [--json PATH]
+    python scripts/bench_model.py [--shapes 68m,0.5b] [--widths 2,5,9,17] [--repeats R]
+                                  [--ar-tokens M] [--json PATH]
 """
 
 from __future__ import annotations
@@ -116,12 +124,20 @@ def weight_bytes(model) -> int:
     return total - model.params["embed"].nbytes
 
 
-def _ours(model, tokens: np.ndarray, repeats: int) -> dict[str, tuple[float, float]]:
+def _call(f, *args):
+    """``f(*args)``, waited for, as a function of nothing."""
+    return lambda: jax.block_until_ready(f(*args))
+
+
+# Our two run layouts (``llama.prepare_params``): name -> ``wide``.
+LAYOUTS = {"[out, in]": False, "[in, out]": True}
+
+
+def _ours(model, tokens: np.ndarray, widths, repeats: int) -> dict:
+    """``{(workload, layout): (CPU s, wall s)}`` of each forward workload on each run layout."""
     B, P = tokens.shape
     fwd = model.forward
-    params = run_params(model)
-    tree = build_chain_tree(1, 8)
-    cache0 = init_cache(model.config, B, P + 16, jnp.float32, per_layer=True)  # as decode's
+    cache0 = init_cache(model.config, B, P + max(widths), jnp.float32, per_layer=True)  # decode's
 
     @jax.jit
     def prefill(params, cache, toks):
@@ -130,16 +146,23 @@ def _ours(model, tokens: np.ndarray, repeats: int) -> dict[str, tuple[float, flo
         return logits, commit(cache, kv, nodes, jnp.full((B,), toks.shape[1], jnp.int32))
 
     one_token = jax.jit(lambda p, c, t: score_chain(fwd, p, c, t, jnp.ones(t.shape, bool)))
-    chain = jax.jit(lambda p, c, t: score_tree(fwd, p, c, t, tree, jnp.ones(t.shape, bool)))
+
+    def chain(width):
+        tree = build_chain_tree(1, width - 1)
+        return jax.jit(lambda p, c, t: score_tree(fwd, p, c, t, tree, jnp.ones(t.shape, bool)))
+
     toks = jnp.asarray(tokens)
-    _, cache = prefill(params, cache0, toks)
-    one, nine = toks[:, :1], toks[:, :9]
-    run = {
-        "prefill": lambda: jax.block_until_ready(prefill(params, cache0, toks)),
-        "decode": lambda: jax.block_until_ready(one_token(params, cache, one)),
-        "chain9": lambda: jax.block_until_ready(chain(params, cache, nine)),
-    }
-    return {name: _median_times(fn, repeats) for name, fn in run.items()}
+    times = {}
+    for layout, wide in LAYOUTS.items():
+        params = run_params(model, wide=wide)
+        _, cache = prefill(params, cache0, toks)
+        run = {
+            "prefill": _call(prefill, params, cache0, toks),
+            "decode": _call(one_token, params, cache, toks[:, :1]),
+        }
+        run.update({f"chain{w}": _call(chain(w), params, cache, toks[:, :w]) for w in widths})
+        times.update({(name, layout): _median_times(fn, repeats) for name, fn in run.items()})
+    return times
 
 
 def _ours_ar(model, prompt: np.ndarray, new_tokens: int, repeats: int) -> tuple[float, float]:
@@ -163,7 +186,7 @@ def _ours_ar(model, prompt: np.ndarray, new_tokens: int, repeats: int) -> tuple[
     return cpu / new_tokens, wall / new_tokens
 
 
-def _torch(hf, tokens: np.ndarray, repeats: int) -> dict[str, tuple[float, float]]:
+def _torch(hf, tokens: np.ndarray, widths, repeats: int) -> dict[str, tuple[float, float]]:
     import torch
 
     P = tokens.shape[1]
@@ -177,11 +200,8 @@ def _torch(hf, tokens: np.ndarray, repeats: int) -> dict[str, tuple[float, float
             cache.crop(-t)  # back to the prefix, so every call sees the same cache
             assert cache.get_seq_length() == P
 
-        run = {
-            "prefill": lambda: hf(ids, use_cache=True),
-            "decode": lambda: step(1),
-            "chain9": lambda: step(9),
-        }
+        run = {"prefill": lambda: hf(ids, use_cache=True), "decode": lambda: step(1)}
+        run.update({f"chain{w}": lambda w=w: step(w) for w in widths})
         return {name: _median_times(fn, repeats) for name, fn in run.items()}
 
 
@@ -235,29 +255,37 @@ def bench_shape(name: str, shape: dict, args) -> list[dict]:
     tokens = rng.integers(0, shape["vocab_size"], (args.batch_size, args.prefix)).astype(np.int32)
     nbytes = weight_bytes(model)
     bandwidth = read_bandwidth(args.repeats, nbytes)
-    ours = _ours(model, tokens, args.repeats)
+    ours = _ours(model, tokens, args.widths, args.repeats)
     none = (None, None)
-    theirs = _torch(hf, tokens, args.repeats) if hf is not None else defaultdict(lambda: none)
-    n_tokens = {"prefill": args.prefix, "decode": 1, "chain9": 9}
+    theirs = defaultdict(lambda: none)
+    if hf is not None:
+        theirs = _torch(hf, tokens, args.widths, args.repeats)
+    n_tokens = {"prefill": args.prefix, "decode": 1} | {f"chain{w}": w for w in args.widths}
+    workloads = [(name, layout) for name in n_tokens for layout in LAYOUTS]
     if args.ar_tokens > 0:
         prompt = tokens[:, :AR_PROMPT]
-        ours["ar_token"] = _ours_ar(model, prompt, args.ar_tokens, args.repeats)
+        ours["ar_token", None] = _ours_ar(model, prompt, args.ar_tokens, args.repeats)
         if hf is not None:
             theirs["ar_token"] = _torch_ar(hf, prompt, args.ar_tokens, args.repeats)
         n_tokens["ar_token"] = 1
+        workloads.append(("ar_token", None))
     roof_cpu, roof_wall = nbytes / bandwidth[0], nbytes / bandwidth[1]
+    one_token = ours["decode", "[out, in]"][0]
     rows = []
-    for workload, n in n_tokens.items():
-        (o_cpu, o_wall), (t_cpu, t_wall) = ours[workload], theirs[workload]
+    for workload, layout in workloads:
+        n = n_tokens[workload]
+        (o_cpu, o_wall), (t_cpu, t_wall) = ours[workload, layout], theirs[workload]
         one_step = workload in ("decode", "ar_token")
         torch_ran = t_cpu is not None
         rows.append(
             dict(
                 shape=name,
                 workload=workload,
+                layout=layout or "auto",
                 tokens=n,
                 ours_ms=1e3 * o_cpu,
                 ours_wall_ms=1e3 * o_wall,
+                k=o_cpu / one_token,
                 torch_ms=1e3 * t_cpu if torch_ran else None,
                 torch_wall_ms=1e3 * t_wall if torch_ran else None,
                 ours_tok_s=args.batch_size * n / o_cpu,
@@ -294,9 +322,16 @@ def main(argv=None) -> int:
         "--prefix",
         type=int,
         default=128,
-        help="Prefill length and cached prefix length in tokens, at least 9 (default: 128).",
+        help="Prefill length and cached prefix length in tokens, at least the widest chain "
+        "(default: 128).",
     )
     parser.add_argument("--batch-size", type=int, default=1, help="Rows per call (default: 1).")
+    parser.add_argument(
+        "--widths",
+        default="2,5,9,17",
+        help="Comma-separated chain widths in tokens to score against the prefix, each at most "
+        "--prefix (default: 2,5,9,17).",
+    )
     parser.add_argument(
         "--repeats",
         type=int,
@@ -334,8 +369,14 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--json", metavar="PATH", help="Also write the results as JSON to PATH.")
     args = parser.parse_args(argv)
-    if args.prefix < 9 or args.batch_size < 1 or args.repeats < 1:
-        parser.error("--prefix must be >= 9, --batch-size and --repeats >= 1")
+    try:
+        args.widths = sorted({int(w) for w in args.widths.split(",")})
+    except ValueError:
+        parser.error(f"--widths: comma-separated integers, got {args.widths!r}")
+    if args.widths[0] < 2 or args.prefix < args.widths[-1]:
+        parser.error("--widths must be >= 2 and at most --prefix")
+    if args.batch_size < 1 or args.repeats < 1:
+        parser.error("--batch-size and --repeats must be >= 1")
     shapes = {"smoke": SMOKE_SHAPE} if args.smoke else {}
     if not args.smoke:
         for name in args.shapes.split(","):
@@ -371,20 +412,21 @@ def main(argv=None) -> int:
             f"{r['shape']} {r['weight_mb']:.0f} MB at {r['bandwidth_cpu_gb_s']:.1f} GB per CPU s, "
             f"{r['bandwidth_wall_gb_s']:.1f} GB/s wall"
             for r in rows
-            if r["workload"] == "decode"
+            if r["workload"] == "decode" and r["layout"] == "[out, in]"
         )
     )
     print(
-        "| workload | tokens | shape | ours CPU ms | ours wall ms | torch CPU ms | torch wall ms "
-        "| torch/ours CPU | torch/ours wall | roofline CPU ms | roofline/ours CPU (wall) "
-        "| roofline/torch CPU |"
+        "| workload | tokens | shape | layout | ours CPU ms | ours wall ms | k | torch CPU ms "
+        "| torch wall ms | torch/ours CPU | torch/ours wall | roofline CPU ms "
+        "| roofline/ours CPU (wall) | roofline/torch CPU |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     x = "" if args.no_hf else "x"  # no ratio without torch
     for r in rows:
         print(
-            f"| {r['workload']} | {r['tokens']} | {r['shape']} | {r['ours_ms']:.2f} | "
-            f"{r['ours_wall_ms']:.2f} | {_fmt(r['torch_ms'], '.2f')} | "
+            f"| {r['workload']} | {r['tokens']} | {r['shape']} | {r['layout']} | "
+            f"{r['ours_ms']:.2f} | {r['ours_wall_ms']:.2f} | {r['k']:.2f} | "
+            f"{_fmt(r['torch_ms'], '.2f')} | "
             f"{_fmt(r['torch_wall_ms'], '.2f')} | {_fmt(r['speedup'], '.2f')}{x} | "
             f"{_fmt(r['speedup_wall'], '.2f')}{x} | {_fmt(r['roofline_ms'], '.2f')} | "
             f"{_fmt(r['ours_of_roofline'], '.2f')} ({_fmt(r['ours_of_roofline_wall'], '.2f')}) | "

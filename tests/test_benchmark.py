@@ -406,12 +406,17 @@ def test_bench_model_smoke(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
-    argv = ["--smoke", "--prefix", "12", "--repeats", "1", "--ar-tokens", "4", "--json", str(out)]
+    argv = ["--smoke", "--prefix", "12", "--widths", "9,2", "--repeats", "1", "--ar-tokens", "4"]
+    argv += ["--json", str(out)]
     assert bench.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["workload"] for r in rows] == ["prefill", "decode", "chain9", "ar_token"]
+    both = ["[out, in]", "[in, out]"]  # each forward workload on both run layouts
+    assert [(r["workload"], r["layout"]) for r in rows] == [
+        (name, layout) for name in ("prefill", "decode", "chain2", "chain9") for layout in both
+    ] + [("ar_token", "auto")]
     assert all(r["ours_tok_s"] > 0 and r["torch_tok_s"] > 0 for r in rows)
-    assert "| chain9 | 9 |" in capsys.readouterr().out
+    assert rows[2]["k"] == 1.0  # the one-token forward on [out, in], the unit of k
+    assert "| chain9 | 9 | smoke | [in, out] |" in capsys.readouterr().out
     # The base install has no torch: our columns alone, the note said up front.
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
@@ -420,7 +425,7 @@ def test_bench_model_smoke(tmp_path, capsys):
     assert all(r["ours_tok_s"] > 0 and r["torch_tok_s"] is None for r in rows)
     captured = capsys.readouterr()
     assert "torch is not installed, so the transformers columns are skipped" in captured.err
-    assert "| chain9 | 9 | smoke |" in captured.out and "| – | – |" in captured.out
+    assert "| chain9 | 9 | smoke | [out, in] |" in captured.out and "| – | – |" in captured.out
 
 
 @pytest.mark.slow
