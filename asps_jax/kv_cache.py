@@ -116,9 +116,12 @@ def per_layer_params(params) -> bool:
 
 
 def row_loop_for(mesh) -> bool | None:
-    """:func:`commit`'s ``row_loop`` for a decoding loop: its own choice (None) on one device, the
-    batch scatter (False) on a mesh, where a loop over rows would gather the split batch axis."""
-    return None if mesh is None else False
+    """:func:`commit`'s ``row_loop`` for a decoding loop: its own choice (None) on one CPU device;
+    the batch scatter (False) on a mesh, where a loop over rows would gather the split batch axis,
+    and on an accelerator, which scatters in place and pays for each iteration of a loop (on an
+    H200 a 7B step grew by about 0.9 ms per row with the loop, 2 caches x 32 layers x B
+    iterations: docs/benchmarks.md, the accelerator benchmark)."""
+    return None if mesh is None and jax.default_backend() == "cpu" else False
 
 
 def commit(

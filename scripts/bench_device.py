@@ -4,8 +4,11 @@ milliseconds per step against the memory roofline, in one run.
 
 For each batch size and method (AR, ASpS n = 4, SpecInfer K = 2 n = 4, TV and IS+BV on the tree
 ``2,2,1,1``), ``asps_jax.sample``'s whole loop (``Decoder.generate``: prefill + one
-``lax.while_loop``) is compiled ahead of time (its compile time reported apart), then timed over
-``--repeats`` runs (median). Per run: ms per target step (the loop's wall time over its steps),
+``lax.while_loop``) is compiled ahead of time, the loops of one batch size side by side on
+``--compile-threads`` threads (each loop's compile time reported apart; on an H200 one loop took
+22-45 s alone, which made 15 loops compiled one after another a 9-minute run), then timed over
+``--repeats`` runs (median), each row printed and written to ``--json`` as soon as it is
+measured. Per run: ms per target step (the loop's wall time over its steps),
 the roofline (the target's weight bytes, every parameter but the embedding table, read once per
 step, at the read bandwidth measured in the same run by a jitted sum over a buffer of that many
 bytes), their ratio, tokens per step and tokens/s. The weights are random and the draft is not
@@ -16,28 +19,27 @@ The device is whatever JAX picks (``JAX_PLATFORMS`` chooses); ``--smoke`` runs t
 test suite runs it on the CPU).
 
     python scripts/bench_device.py [--smoke] [--batches 1,8,32] [--methods ar,asps,...]
-                                   [--max-new-tokens M] [--repeats R] [--json PATH]
+                                   [--max-new-tokens M] [--repeats R] [--compile-threads T]
+                                   [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import os
 import platform
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import sampler
+from asps_jax import decode, sampler
 from asps_jax.models import LlamaConfig, llama
 from asps_jax.models.base import Model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import timed_runs  # noqa: E402
 
 SHAPES = {
     "7b": dict(  # llama-7B
@@ -106,7 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=int, default=0, help="Seed of the prompts and the sampling (default: 0)."
     )
-    p.add_argument("--json", default=None, help="Also write the rows as JSON to this file.")
+    p.add_argument(
+        "--compile-threads",
+        type=int,
+        default=min(os.cpu_count() or 1, 8),
+        help="Loops of one batch size compiled at once (default: the CPU count, at most 8).",
+    )
+    p.add_argument(
+        "--json", default=None, help="Also write the rows as JSON to this file, after each row."
+    )
     return p
 
 
@@ -137,19 +147,46 @@ def read_bandwidth(nbytes: int, repeats: int) -> float:
     return buf.nbytes / float(np.median(times))
 
 
-def run(target, draft, prompts, method: str, args) -> dict:
-    prepared = sampler.prepare(
+def prepare(target, draft, prompts, method: str, args):
+    return sampler.prepare(
         target, None if method == "ar" else draft, prompts, key=jax.random.key(args.seed),
         max_new_tokens=args.max_new_tokens, method=method, eos_token_id=-1, **METHODS[method],
     )  # fmt: skip
-    state, compile_s, _, times = timed_runs(prepared, args.repeats)
+
+
+def compile_all(programs: dict, threads: int) -> dict:
+    """``{name: (compiled loop, compile seconds)}`` of ``{name: prepared}``: each whole loop
+    traced in turn (Python), then compiled by XLA on ``threads`` threads at once (XLA's compiler
+    runs outside the interpreter lock, so the programs compile side by side). A program's seconds
+    are from its compile's start to its end, so they overlap."""
+    lowered = {
+        name: decode.generate.lower(prepared.decoder, **prepared.inputs.kwargs())
+        for name, prepared in programs.items()
+    }
+
+    def compile_one(name):
+        start = time.perf_counter()
+        return name, (lowered[name].compile(), time.perf_counter() - start)
+
+    with concurrent.futures.ThreadPoolExecutor(max(threads, 1)) as pool:
+        return dict(pool.map(compile_one, lowered))
+
+
+def run(prepared, compiled, compile_s: float, method: str, args) -> dict:
+    dynamic = prepared.inputs.kwargs()
+    jax.block_until_ready(compiled(**dynamic))  # warm-up: first-call allocations
+    times = []
+    for _ in range(max(args.repeats, 1)):
+        start = time.perf_counter()
+        state = jax.block_until_ready(compiled(**dynamic))
+        times.append(time.perf_counter() - start)
     stats = jax.device_get(sampler.summarize_stats(state, prepared.batch))
     wall = float(np.median(times))
     steps = max(int(np.max(stats["target_calls"])), 1)
     tokens = int(np.asarray(state.num_generated)[: prepared.batch].sum())
     return dict(
-        method=method, batch=len(prompts), compile_s=compile_s, wall_s=wall, steps=steps,
-        ms_per_step=1e3 * wall / steps, tokens_per_step=tokens / len(prompts) / steps,
+        method=method, batch=prepared.batch, compile_s=compile_s, wall_s=wall, steps=steps,
+        ms_per_step=1e3 * wall / steps, tokens_per_step=tokens / prepared.batch / steps,
         tokens_per_s=tokens / wall,
     )  # fmt: skip
 
@@ -194,27 +231,31 @@ def main(argv=None) -> int:
         f"bandwidth {bandwidth / 1e9:.0f} GB/s; roofline {roofline_ms:.2f} ms per step",
         flush=True,
     )
+    meta = dict(
+        device=device.device_kind, platform=device.platform, host=platform.node(),
+        jax=jax.__version__, weight_bytes=nbytes, bandwidth=bandwidth, roofline_ms=roofline_ms,
+        shapes=names, max_new_tokens=args.max_new_tokens, compile_threads=args.compile_threads,
+    )  # fmt: skip
     rng = np.random.default_rng(args.seed)
     rows = []
     for batch in batches:
         prompts = rng.integers(0, target.vocab_size, (batch, args.prompt_tokens)).tolist()
-        for method in methods:
-            rows.append(run(target, draft, prompts, method, args))
-            print(
-                f"  batch {batch} {method}: {rows[-1]['ms_per_step']:.2f} ms/step "
-                f"(compile {rows[-1]['compile_s']:.1f} s)",
-                flush=True,
-            )
+        programs = {m: prepare(target, draft, prompts, m, args) for m in methods}
+        started = time.perf_counter()
+        compiled = compile_all(programs, args.compile_threads)
+        print(
+            f"batch {batch}: {len(programs)} loops compiled in "
+            f"{time.perf_counter() - started:.1f} s on {args.compile_threads} threads",
+            flush=True,
+        )
+        for method, prepared in programs.items():
+            rows.append(run(prepared, *compiled[method], method, args))
+            print(markdown(rows[-1:], roofline_ms).splitlines()[-1], flush=True)
+            if args.json:  # after every row: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(markdown(rows, roofline_ms))
     print(f"total {time.perf_counter() - start:.0f} s")
-    if args.json:
-        meta = dict(
-            device=device.device_kind, platform=device.platform, host=platform.node(),
-            jax=jax.__version__, weight_bytes=nbytes, bandwidth=bandwidth,
-            roofline_ms=roofline_ms, shapes=names, max_new_tokens=args.max_new_tokens,
-        )  # fmt: skip
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
     return 0
 
 

@@ -474,6 +474,9 @@ def test_bench_device_smoke(tmp_path):
     for row in report["rows"]:
         assert row["ms_per_step"] > 0 and row["compile_s"] > 0 and row["tokens_per_step"] >= 1
     assert "| 2 | tv |" in run.stdout and "roofline" in run.stdout
+    assert "batch 2: 2 loops compiled in" in run.stdout  # side by side, before the timed runs
+    # Each row is printed as soon as it is measured, before the closing table repeats it.
+    assert run.stdout.count("| 2 | tv |") == 2
 
 
 def test_bench_device_refuses_an_unknown_method(capsys):

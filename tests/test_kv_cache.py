@@ -61,7 +61,7 @@ def test_commit_matches_numpy_loop(row_loop, S, per_layer):
 def test_row_loop_none_loops_only_where_a_row_is_large(monkeypatch):
     """``row_loop=None``: the batch scatter for a cache of small rows, the row loop (a loop of
     dynamic updates, no scatter) once a row reaches ``ROW_LOOP_MIN_ROW_BYTES``; and
-    ``row_loop_for`` never loops on a mesh."""
+    ``row_loop_for`` never loops on a mesh or an accelerator."""
     cache = init_cache(CONFIG, 3, 8)  # a row: 3 layers * 2 heads * 8 slots * 2 dims * 4 bytes
     block = KVBlock(jnp.ones((3, 3, 2, 2, 2)), jnp.ones((3, 3, 2, 2, 2)))
     nodes, num = jnp.zeros((3, 2), jnp.int32), jnp.ones((3,), jnp.int32)
@@ -78,6 +78,9 @@ def test_row_loop_none_loops_only_where_a_row_is_large(monkeypatch):
     large = program()
     assert loops(large) and "scatter" not in large
     assert kv_cache.row_loop_for(None) is None and kv_cache.row_loop_for(object()) is False
+    # An accelerator scatters in place; a loop there costs a round trip per row and layer.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert kv_cache.row_loop_for(None) is False
 
 
 def test_init_cache_and_mask():

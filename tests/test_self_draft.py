@@ -85,13 +85,15 @@ def test_the_draft_is_the_cut_target_and_shares_its_weights(models):
         with torch.no_grad():
             want = cut[layers](torch.tensor(np.asarray(tokens))).logits.numpy()
         np.testing.assert_allclose(np.asarray(logits), want, atol=2e-5)
-        # Views: the embedding, head, final norm and first layers are the target's buffers.
+        # Views: the embedding, head and final norm are the target's buffers; the layers are the
+        # target's first ones in the one-row run layout, a copy of those layers alone.
         full = run_params(target)
         for name in ("embed", "lm_head", "final_norm"):
-            assert draft.params[name] is full[name]
+            assert draft.params[name] is target.params[name] is full[name]
+        assert len(draft.params["layers"]) == layers
         for i in range(layers):
             for name, a in draft.params["layers"][i].items():
-                assert a is full["layers"][i][name]
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(full["layers"][i][name]))
 
 
 @pytest.mark.parametrize(

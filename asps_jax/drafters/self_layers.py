@@ -41,7 +41,7 @@ from asps_jax import footprint, kv_cache
 from asps_jax.drafters.base import Proposal
 from asps_jax.drafters.model import ModelDraft, rollout_proposal
 from asps_jax.models import forward_for
-from asps_jax.models.base import FirstLayers, Model, run_params
+from asps_jax.models.base import FirstLayers, Model, prepare_params
 
 PREFIX = "self:"
 
@@ -109,7 +109,9 @@ def self_draft(target: Model, spec: str) -> SelfDraft:
             name=f"{target.name}[{PREFIX}{layers}]",
             path=target.path,
             config=config,
-            params=truncate_params(run_params(target), layers),
+            # Its own one-row run layout of its first layers only (the target's loop runs on
+            # the wide one, sampler.wide_layouts); the embedding, head and norm are the target's.
+            params=prepare_params(config, truncate_params(target.params, layers)),
             tokenizer=target.tokenizer,
             num_layers=layers,
         )
