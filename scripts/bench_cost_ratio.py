@@ -46,7 +46,8 @@ CPU time beside the target's one-token forward, measured in the same run.
 timed run, methods ar, asps, specinfer and is, and transformers.
 
     python scripts/bench_cost_ratio.py [--quick] [--n 2 4 8] [--methods ar sps ...] [--no-hf]
-                                       [--checkpoints DIR] [--json PATH]
+                                       [--drafters model quant:int8] [--checkpoints DIR]
+                                       [--json PATH]
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import asps_jax
-from asps_jax import decode, sampler
+from asps_jax import decode, drafters, sampler
 from asps_jax.kv_cache import init_cache
 from asps_jax.models import LlamaConfig, Model
 from asps_jax.models.base import run_params
@@ -251,13 +252,15 @@ def forward_seconds(
     return statistics.median(cpu), statistics.median(wall)
 
 
-def run_method(target, draft, prompt, method, n, args) -> dict:
+def run_method(target, draft, prompt, method, n, args, drafter: str = "model") -> dict:
+    """One row: ``method`` at draft length ``n``; ``drafter`` "model" drafts with ``draft``, any
+    other value is passed as ``draft=`` (e.g. ``"quant:int8"``, the target's own int8 copy)."""
     k = num_drafts(method)
 
     def prepare(seed):
         return sampler.prepare(
             target,
-            None if method == "ar" else draft,
+            None if method == "ar" else draft if drafter == "model" else drafter,
             prompt,
             key=jax.random.key(seed),
             max_new_tokens=args.max_new_tokens,
@@ -298,7 +301,8 @@ def run_method(target, draft, prompt, method, n, args) -> dict:
     var = float(((sizes - atn) ** 2 * counts).sum() / max(steps - 1, 1))
     cpu_s, wall_s = statistics.median(cpu), statistics.median(wall)
     return dict(
-        method=method,
+        method=method if drafter == "model" else f"{method} + {drafter}",
+        drafter=drafter,
         n=0 if method == "ar" else n,
         K=k,
         tokens=tokens,
@@ -322,6 +326,14 @@ def main(argv=None) -> int:
         choices=list(sampler.METHODS),
         help="Methods to run: K = 1 for ar and the one-chain methods, else K = 2 "
         f"(default: {' '.join(DEFAULT_METHODS)}).",
+    )
+    p.add_argument(
+        "--drafters",
+        nargs="+",
+        default=["model"],
+        help="Who drafts, each a row set of its own: model (the 68M draft) or any draft= string, "
+        "e.g. quant:int8 (the target's own int8 copy; its bound columns stay empty: c is the draft "
+        "model's) (default: model).",
     )
     p.add_argument(
         "--n",
@@ -392,6 +404,9 @@ def main(argv=None) -> int:
         p.error("--repeats, --max-new-tokens, --prompt-tokens and every --n must be >= 1")
     if args.torch_threads < 1:
         p.error("--torch-threads must be >= 1")
+    unknown = [d for d in args.drafters if d != "model" and not drafters.is_named(d)]
+    if unknown:
+        p.error(f"--drafters: {unknown} name no drafter; give model, self:L, quant:int8 or lookup")
     args.no_hf = skip_hf("bench_cost_ratio", args.no_hf, what="rows")
     shapes = (SMOKE_TARGET, SMOKE_DRAFT) if args.smoke else (TARGET, DRAFT)
     if args.no_hf:  # no checkpoints to write: the same pair, made on the device
@@ -422,10 +437,14 @@ def main(argv=None) -> int:
     )
     fits = {m: fit_seconds(target.vocab_size, m, max(args.repeats, 5)) for m in ("is", "optimal")}
     rows = []
-    for method in args.methods:
-        for n in [1] if method == "ar" else args.n:
-            rows.append(run_method(target, draft, prompt, method, n, args))
-            print(f"# {method} n={rows[-1]['n']}: {rows[-1]}", file=sys.stderr, flush=True)
+    for drafter in args.drafters:
+        for method in args.methods:
+            if method == "ar" and drafter != "model":
+                continue  # one AR row: it drafts nothing
+            for n in [1] if method == "ar" else args.n:
+                rows.append(run_method(target, draft, prompt, method, n, args, drafter))
+                row = rows[-1]
+                print(f"# {row['method']} n={row['n']}: {row}", file=sys.stderr, flush=True)
     hf = [] if args.no_hf else run_transformers(paths, prompt, args.n, args)
     for r in hf:
         print(f"# {r['method']} n={r['n']}: {r}", file=sys.stderr, flush=True)
@@ -440,8 +459,8 @@ def main(argv=None) -> int:
             continue
         r["speedup"] = r["tokens_per_cpu_s"] / ar["tokens_per_cpu_s"]
         r["speedup_wall"] = r["tokens_per_s"] / ar["tokens_per_s"]
-        if r["n"] == 0:
-            continue
+        if r["n"] == 0 or r.get("drafter", "model") != "model":
+            continue  # the bounds take the draft model's c
         ideal = r["tokens_per_step"] / (1 + r["n"] * c_cpu)
         r["ideal_speedup"] = ideal
         r["efficiency"] = r["speedup"] / ideal

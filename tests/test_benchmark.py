@@ -368,10 +368,16 @@ def test_cost_ratio_smoke_beside_transformers(tmp_path, capsys):
     root, out_json = tmp_path / "checkpoints", tmp_path / "cost.json"
     argv = ["--smoke", "--methods", "sps", "--n", "2", "--max-new-tokens", "4", "--repeats", "1"]
     argv += ["--prompt-tokens", "4", "--checkpoints", str(root), "--json", str(out_json)]
-    assert cost.main(argv) == 0
+    assert cost.main([*argv, "--drafters", "model", "quant:int8"]) == 0
     stdout = capsys.readouterr().out
     result = json.loads(out_json.read_text())
-    assert [r["method"] for r in result["rows"]] == ["sps"]
+    # The draft model's rows, then the target's own int8 copy drafting (no bound: c is the model's).
+    assert [r["method"] for r in result["rows"]] == ["sps", "sps + quant:int8"]
+    assert "step_bound" not in result["rows"][1] and "| sps + quant:int8 | 1 | 2 |" in stdout
+    # k_n on the layout the loop scores chains on, and on the one-row layout, in the same run.
+    config = result["config"]
+    assert set(config["chain_cost"]) == set(config["chain_cost_one_row_layout"]) == {"2"}
+    assert "one-row layout:" in stdout
     assert [(r["method"], r["n"]) for r in result["transformers"]] == [
         ("hf generate", 0),
         ("hf assisted", 2),
@@ -396,6 +402,19 @@ def test_cost_ratio_smoke_beside_transformers(tmp_path, capsys):
     args = (cost.SMOKE_TARGET, cost.SMOKE_DRAFT), 0.2, 0.07, 0, root
     assert list(cost.checkpoint_pair(*args)) == paths
     assert [(p / "model.safetensors").stat().st_mtime_ns for p in paths] == stamps
+
+
+def test_cost_ratio_refuses_an_unknown_drafter(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "bench_cost_ratio_script", SCRIPT.with_name("bench_cost_ratio.py")
+    )
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    with pytest.raises(SystemExit) as exit_:
+        cost.main(["--smoke", "--drafters", "model", "bogus"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--drafters: ['bogus'] name no drafter" in err
 
 
 @pytest.mark.slow
