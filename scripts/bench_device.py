@@ -32,6 +32,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,9 @@ import numpy as np
 from asps_jax import decode, sampler
 from asps_jax.models import LlamaConfig, llama
 from asps_jax.models.base import Model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark import timed_runs  # noqa: E402
 
 SHAPES = {
     "7b": dict(  # llama-7B
@@ -173,13 +177,7 @@ def compile_all(programs: dict, threads: int) -> dict:
 
 
 def run(prepared, compiled, compile_s: float, method: str, args) -> dict:
-    dynamic = prepared.inputs.kwargs()
-    jax.block_until_ready(compiled(**dynamic))  # warm-up: first-call allocations
-    times = []
-    for _ in range(max(args.repeats, 1)):
-        start = time.perf_counter()
-        state = jax.block_until_ready(compiled(**dynamic))
-        times.append(time.perf_counter() - start)
+    state, _, _, times = timed_runs(prepared, args.repeats, compiled)
     stats = jax.device_get(sampler.summarize_stats(state, prepared.batch))
     wall = float(np.median(times))
     steps = max(int(np.max(stats["target_calls"])), 1)

@@ -377,13 +377,15 @@ BENCH_SCHEMA = {
 }
 
 
-def timed_runs(prepared, repeats: int):
-    """``prepared``'s whole loop compiled ahead of time, run once as a warm-up (first-call
-    allocations; when ``repeats > 0``) and then ``max(repeats, 1)`` timed runs: ``(the last
-    run's state, compile seconds, warm-up seconds, run seconds)``."""
+def timed_runs(prepared, repeats: int, compiled=None):
+    """``prepared``'s whole loop compiled ahead of time (or ``compiled``, that loop compiled
+    already: 0 compile seconds), run once as a warm-up (first-call allocations; when
+    ``repeats > 0``) and then ``max(repeats, 1)`` timed runs: ``(the last run's state, compile
+    seconds, warm-up seconds, run seconds)``."""
     dynamic = prepared.inputs.kwargs()  # the decoder is compiled in
     start = time.perf_counter()
-    compiled = decode.generate.lower(prepared.decoder, **dynamic).compile()
+    if compiled is None:
+        compiled = decode.generate.lower(prepared.decoder, **dynamic).compile()
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
     if repeats > 0:

@@ -276,7 +276,7 @@ def test_one_row_layout_keeps_the_law_and_the_greedy_output(pair, monkeypatch):
     """The law and greedy runs above put both models on the wide run layout (``[in, out]``: each
     forward multiplies many rows). Here both run on the one-row layout (``[out, in]``), which the
     sampler gives a target only under ``ar`` at batch 1: ASpS keeps transformers' two-token law
-    and its greedy output, and the draft law's diagnostics still reach the optimum."""
+    and its greedy output."""
     hf_target, target, draft = pair
     chosen = []
 

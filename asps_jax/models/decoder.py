@@ -59,6 +59,7 @@ from asps_jax.models.layers import (
     rms_norm,
     rms_norm_offset,
     soft_cap,
+    split_layers,
     window_mask,
     with_features,
 )
@@ -339,12 +340,7 @@ def prepare_params(config: DecoderConfig, params: dict, wide: bool = False) -> d
     layers = params["layers"]
     if isinstance(layers, (tuple, list)):
         return params
-    split = jax.jit(lambda a: tuple(a[i] for i in range(config.num_hidden_layers)))
-    per_name = {name: split(a) for name, a in layers.items()}
-    per_layer = tuple(
-        {name: per_name[name][i] for name in layers} for i in range(config.num_hidden_layers)
-    )
-    return {**params, "layers": per_layer}
+    return {**params, "layers": split_layers(config.num_hidden_layers, layers)}
 
 
 def _layer(c: DecoderConfig, p: dict, x_BTE, cache_k, cache_v, *, cos, sin, mask):

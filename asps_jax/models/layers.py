@@ -233,6 +233,14 @@ def output_logits(x_BTE: jax.Array, params: dict, tied: bool) -> jax.Array:
     return lm_logits(x_BTE, params["embed"] if tied else params["lm_head"], tied)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def split_layers(L: int, layers: dict) -> tuple:
+    """Stacked layers ``{name: [L, ...]}`` as ``L`` per-layer dicts, each array a copy of its
+    slice (a run layout: inside a compiled forward a slice of a stacked parameter is a copy on
+    every call, a separate array is read in place)."""
+    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(L))
+
+
 def scan_layers(layer, x, xs, features: tuple[int, ...]):
     """``lax.scan`` of ``layer(x, xs_i) -> (x, ys_i)`` over the stacked layers: ``(x, ys,
     streams)``, ``streams`` the residual stream entering each layer when ``features`` asks for

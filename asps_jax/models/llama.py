@@ -39,6 +39,7 @@ from asps_jax.models.layers import (
     output_logits,
     rms_norm,
     scan_layers,
+    split_layers,
     with_features,
 )
 from asps_jax.models.quant import einsum, merge
@@ -240,12 +241,6 @@ def _run_layer(p: dict) -> dict:
     return dict(run, attn_norm=p["attn_norm"], mlp_norm=p["mlp_norm"])
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _split_layers(L: int, layers: dict) -> tuple:
-    """The stored layers as ``L`` per-layer dicts, each array a copy of its slice."""
-    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(L))
-
-
 def prepare_params(config: LlamaConfig, params: dict, wide: bool = False) -> dict:
     """The run layout of ``params``: ``"layers"`` a tuple of ``L`` per-layer dicts. ``wide``
     False (a call multiplies one row: the draft's rollout, AR at batch 1): projections stored
@@ -273,7 +268,7 @@ def prepare_params(config: LlamaConfig, params: dict, wide: bool = False) -> dic
         return params
     L = config.num_hidden_layers
     if wide:
-        return {**params, "layers": _split_layers(L, layers)}
+        return {**params, "layers": split_layers(L, layers)}
     per_layer = tuple(_run_layer({k: a[i] for k, a in layers.items()}) for i in range(L))
     return {**params, "layers": per_layer}
 
