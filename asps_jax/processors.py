@@ -58,16 +58,8 @@ def process_logits(
     NaN logits are treated as ``-inf``; a row with no finite logit stays all ``-inf`` (callers that
     sample from it must check, see ``decode``).
     """
-    logits = jnp.asarray(logits_V, jnp.float32)
-    logits = jnp.where(jnp.isnan(logits), NEG_INF, logits)
+    logits, scaled, greedy = _scaled(logits_V, temperature)
     vocab = logits.shape[-1]
-    temperature = jnp.asarray(temperature, jnp.float32)
-    greedy = temperature <= 0.0
-
-    # --- Step 1: temperature (guarded so the greedy branch never divides by zero; finite logits
-    # that overflow when divided stay finite, so the largest one keeps its mass) ---
-    scaled = logits / jnp.where(greedy, 1.0, temperature)
-    scaled = jnp.minimum(scaled, jnp.finfo(jnp.float32).max)
 
     # --- Step 2: top-k; keep every logit >= the k-th largest (ties kept, as transformers) ---
     # Both filters find their threshold by bisection over the logits' order-preserving 32-bit
@@ -75,8 +67,7 @@ def process_logits(
     # threshold, far cheaper at real vocabularies.
     keys = _order_keys(scaled)
     if top_k is not None:
-        k = jnp.asarray(top_k, jnp.int32)
-        k_eff = jnp.where((k <= 0) | (k >= vocab), vocab, k)
+        k_eff = _k_eff(top_k, vocab)
         # The k-th largest: the largest key with at least k logits at or above it.
         kth = _from_key(_bisect(keys, lambda t: jnp.sum(keys >= t[..., None], -1) >= k_eff, True))
         scaled = jnp.where(scaled < kth[..., None], NEG_INF, scaled)
@@ -97,6 +88,79 @@ def process_logits(
         threshold = jnp.where(cut == 0, NEG_INF, _from_key(cut))[..., None]
         scaled = jnp.where((scaled < threshold) & (p < 1.0), NEG_INF, scaled)
 
+    return _finish(logits, scaled, greedy, min_p)
+
+
+def process_logits_from_top(
+    logits_V: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    top_k: int | jax.Array | None = None,
+    top_p: float | jax.Array | None = None,
+    min_p: float | jax.Array | None = None,
+    *,
+    width: int = 64,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`process_logits` from the ``width`` largest logits of each row, and whether that is
+    exact, bool ``[...]``.
+
+    The top-k and top-p thresholds are read off ``lax.top_k(·, width)`` (one partial sort)
+    instead of 64 passes over V. That is the same cut whenever it lies among those candidates:
+    top-k with ``k <= width`` (or disabled), and top-p when the mass strictly above the
+    ``width``-th largest logit already reaches ``top_p``. A row where it may not is flagged not
+    exact (its output is then wrong): callers fall back to :func:`process_logits` for the batch
+    (``SamplingParams.process``). The k-th largest value is the same bit for bit; the top-p mass
+    sums the same nonzero terms in another order, so a cut can differ only when the mass above a
+    logit is within float32 rounding of ``top_p``.
+    """
+    logits, scaled, greedy = _scaled(logits_V, temperature)
+    vocab = logits.shape[-1]
+    width = min(width, vocab)
+    values, index = jax.lax.top_k(scaled, width)  # descending
+    rows = values.shape[:-1]
+    exact = jnp.ones(rows, bool)
+    if top_k is not None:
+        k_eff = jnp.broadcast_to(_k_eff(top_k, vocab), rows)
+        kth = jnp.take_along_axis(values, jnp.minimum(k_eff, width)[..., None] - 1, -1)
+        kth = jnp.where(k_eff[..., None] >= vocab, NEG_INF, kth)  # disabled: keeps everything
+        exact &= (k_eff <= width) | (k_eff >= vocab)
+        scaled = jnp.where(scaled < kth, NEG_INF, scaled)
+        values = jnp.where(values < kth, NEG_INF, values)
+    if top_p is not None:
+        p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), rows)
+        probs = jnp.exp(jnp.take_along_axis(log_normalize(scaled), index, -1))
+        # The mass strictly above each candidate; every logit above one is a candidate.
+        above = jnp.sum(
+            jnp.where(values[..., None, :] > values[..., :, None], probs[..., None, :], 0.0), -1
+        )
+        # The smallest candidate with less than top_p above it; past the last candidate the
+        # cut would lie outside them unless the mass above the last reaches top_p.
+        threshold = jnp.min(jnp.where(above < p[..., None], values, jnp.inf), -1, keepdims=True)
+        exact &= (p >= 1.0) | (above[..., -1] >= p)
+        scaled = jnp.where((scaled < threshold) & (p[..., None] < 1.0), NEG_INF, scaled)
+    return _finish(logits, scaled, greedy, min_p), exact | jnp.broadcast_to(greedy, rows)
+
+
+def _scaled(logits_V, temperature):
+    """The logits as float32 (NaN -> -inf), divided by the temperature, and the greedy flag."""
+    logits = jnp.asarray(logits_V, jnp.float32)
+    logits = jnp.where(jnp.isnan(logits), NEG_INF, logits)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    greedy = temperature <= 0.0
+    # --- Step 1: temperature (guarded so the greedy branch never divides by zero; finite logits
+    # that overflow when divided stay finite, so the largest one keeps its mass) ---
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    return logits, jnp.minimum(scaled, jnp.finfo(jnp.float32).max), greedy
+
+
+def _k_eff(top_k, vocab):
+    """The number of logits top-k keeps at least (V when disabled: k <= 0 or k >= V)."""
+    k = jnp.asarray(top_k, jnp.int32)
+    return jnp.where((k <= 0) | (k >= vocab), vocab, k)
+
+
+def _finish(logits, scaled, greedy, min_p):
+    """Normalise the filtered logits, apply min-p, and the greedy point mass."""
+    vocab = logits.shape[-1]
     logprobs = log_normalize(scaled)
 
     # --- Step 4: min-p (transformers' MinPLogitsWarper): drop every token whose probability is
@@ -357,7 +421,17 @@ class SamplingParams:
         min_p = self.min_p if "min_p" in self.filters else None
 
         def filtered(logits):
-            return jax.vmap(process_logits)(logits, temperature, top_k, top_p, min_p)
+            # The thresholds from each row's 64 largest logits (one partial sort), and where
+            # some row's cut may lie past them (top-k over 64, a top-p nucleus wider than 64
+            # tokens) the 64 passes of process_logits' bisection for the batch.
+            fast, exact = jax.vmap(process_logits_from_top)(
+                logits, temperature, top_k, top_p, min_p
+            )
+
+            def bisected(logits):
+                return jax.vmap(process_logits)(logits, temperature, top_k, top_p, min_p)
+
+            return jax.lax.cond(jnp.all(exact), lambda _: fast, bisected, logits)
 
         def min_p_only(logits):  # min-p needs no sort
             return jax.vmap(process_logits)(logits, temperature, None, None, min_p)

@@ -11,7 +11,13 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from asps_jax.processors import process_logits, sample_token, validate_sampling_args
+from asps_jax.processors import (
+    SamplingParams,
+    process_logits,
+    process_logits_from_top,
+    sample_token,
+    validate_sampling_args,
+)
 
 
 def reference(logits, temperature=1.0, top_k=None, top_p=None):
@@ -165,6 +171,54 @@ def test_thresholds_on_ties_signed_zeros_and_extremes():
             np.testing.assert_array_equal(np.isneginf(got[b]), np.isneginf(want), err_msg=str(b))
             # the law (log-probs past float32's range, -6e38 in float64, are 0 either way)
             np.testing.assert_allclose(np.exp(got[b]), np.exp(want), atol=1e-6, err_msg=str(b))
+
+
+def test_thresholds_from_the_top_64_equal_the_bisection_where_flagged_exact():
+    """process_logits_from_top reads both cuts off each row's 64 largest logits: on rows of 300
+    logits (ties, -inf, +-0.0, huge spreads; k around 64, top_p from 1e-9 to 1, min-p) every row
+    it flags exact equals the bisection bit for bit and the float64 reference; it flags exact
+    every row whose cut must lie among those 64 (k <= 64 or top-k off with top_p = 1, greedy),
+    and no row with 64 < k < V. SamplingParams.process, which takes the fast output only when
+    the whole batch is exact, equals the bisection on a batch with and without such rows."""
+    rng = np.random.default_rng(11)
+    rows, vocab = 480, 300
+    kinds = [
+        lambda: rng.integers(-3, 3, vocab).astype(np.float64),  # heavy ties
+        lambda: rng.choice([0.0, -0.0, 1e30, -1e30, 1.0, -np.inf], vocab),
+        lambda: rng.normal(size=vocab) * rng.choice([1e-3, 1.0, 5.0, 1e30]),
+        lambda: np.where(rng.random(vocab) < 0.6, -np.inf, rng.normal(size=vocab) * 4),
+    ]
+    logits = np.stack([kinds[r % 4]() for r in range(rows)]).astype(np.float32)
+    temperature = rng.choice([0.0, 0.5, 1.0, 3.0], rows).astype(np.float32)
+    top_k = rng.choice([0, 1, 5, 50, 63, 64, 65, 200, vocab, vocab + 1], rows).astype(np.int32)
+    top_p = rng.choice([1e-9, 0.1, 0.5, 0.9, 0.999, 1.0], rows).astype(np.float32)
+    min_p = rng.choice([0.0, 0.05], rows).astype(np.float32)
+    args = (logits, temperature, top_k, top_p, min_p)
+    want = np.asarray(jax.jit(jax.vmap(process_logits))(*args))
+    got, exact = map(np.asarray, jax.jit(jax.vmap(process_logits_from_top))(*args))
+    k_off = (top_k <= 0) | (top_k >= vocab)
+    assert exact[(temperature == 0) | ((top_k <= 64) & ~k_off & (top_p == 1.0))].all()
+    assert exact[k_off & (top_p == 1.0)].all()
+    assert not exact[(top_k > 64) & (top_k < vocab) & (temperature > 0)].any()
+    assert 0.5 < exact.mean() < 1.0  # both kinds of rows are present
+    for b in np.flatnonzero(exact):
+        np.testing.assert_array_equal(got[b], want[b], err_msg=str(b))
+        if min_p[b] == 0:
+            ref = reference(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b]))
+            np.testing.assert_array_equal(np.isneginf(got[b]), np.isneginf(ref), err_msg=str(b))
+
+    def processed(b):
+        sampling = SamplingParams.make(len(b), temperature[b], top_k[b], top_p[b], min_p=min_p[b])
+        return np.asarray(jax.jit(lambda s, x: s.process(x))(sampling, logits[b][:, None]))[:, 0]
+
+    # a row the fast path gets wrong: the batch holding it must take the bisection
+    wrong = [b for b in np.flatnonzero(~exact) if not np.array_equal(got[b], want[b])]
+    assert wrong
+    for batch in (
+        np.flatnonzero(exact)[:8],
+        np.concatenate([np.flatnonzero(exact)[:7], wrong[:1]]),
+    ):
+        np.testing.assert_array_equal(processed(batch), want[batch])
 
 
 def _transformers(logits, temperature, top_k, top_p):
