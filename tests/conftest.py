@@ -18,6 +18,12 @@ import signal
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Most tests compile far more than they run: XLA:CPU compiles them at -O0 (LLVM's optimisation
+# off, about half the compile), in this process and in every command-line run it starts. Tests
+# marked ``optimized`` (the law runs of 10^4 rows and more, whose run outweighs their compile)
+# get the default optimisation; see ``pytest_runtest_setup``. The HLO, what each program
+# computes, is the same; a float may differ in its last bit (FMA contraction).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 # One on-disk compilation cache per test run, never the user's. The process that imports this
 # first (xdist's controller) makes it; the workers it starts and the CLI subprocesses they run
@@ -42,6 +48,17 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 if compile_cache.enable(RUN_CACHE_DIR) is not None:
     # In-process, only programs that take a while to compile are worth the round trip to disk.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+_FAST_COMPILE = jax.config.values["jax_disable_most_optimizations"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Compile at -O0 unless the test is marked ``optimized`` (before its fixtures are made, so
+    a module-scoped fixture compiles as the first test that uses it)."""
+    optimized = item.get_closest_marker("optimized") is not None
+    jax.config.update("jax_disable_most_optimizations", _FAST_COMPILE and not optimized)
 
 
 def pytest_sessionfinish(session):

@@ -425,6 +425,7 @@ def test_nan_logits_raise_and_keep_the_output(pair, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile: default XLA optimisation
 @pytest.mark.parametrize("method", ["tv", "is_bv"])
 def test_one_draft_tree_method_is_asps_in_law(pair, law_run, method):
     """With K = 1 a tree verifier is ASpS draft by draft (tests/test_verify_tree.py), not draw by

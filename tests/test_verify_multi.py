@@ -212,6 +212,7 @@ STAT_METHODS = [
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile: default XLA optimisation
 @pytest.mark.parametrize("method,options,law_name", STAT_METHODS)
 def test_statistical_verify_drafts(method, options, law_name):
     """10^5 vmapped calls: emitted strings continued by the target follow p (chi-square), and the
