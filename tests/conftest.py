@@ -1,5 +1,6 @@
-"""Test-wide JAX settings: loud rank promotion, CPU only (tests never need an accelerator), one
-on-disk compilation cache per test run, and a bounded number of compiled programs held at once.
+"""Test-wide JAX settings: loud rank promotion, CPU only (tests never need an accelerator), XLA at
+-O0 but for tests marked ``optimized``, one on-disk compilation cache per test run, and a bounded
+number of compiled programs held at once.
 
 Each test and each module leaves the process as it found it (``_process_state_restored``,
 ``_module_state_restored``): JAX's configuration, the environment, the SIGINT / SIGTERM handlers,
