@@ -388,7 +388,7 @@ def run(models):
 
 
 @pytest.mark.slow
-@pytest.mark.optimized  # the law run outweighs its compile: default XLA optimisation
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 @pytest.mark.parametrize("method", RUNS)
 def test_first_two_tokens_follow_the_processed_target_law(models, run, method):
     """End to end through asps_jax.sample: the first two tokens (one step decides both when the

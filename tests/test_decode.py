@@ -218,6 +218,7 @@ def _law(law_run, method, seed=100):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 @pytest.mark.parametrize("method", METHODS)
 def test_first_two_tokens_follow_the_target_law(pair, law_run, method):
     hf_target = pair[0]
@@ -272,6 +273,7 @@ def test_temperature_zero_is_the_target_greedy_decoding(pair, law_run, method):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 def test_one_row_layout_keeps_the_law_and_the_greedy_output(pair, monkeypatch):
     """The law and greedy runs above put both models on the wide run layout (``[in, out]``: each
     forward multiplies many rows). Here both run on the one-row layout (``[out, in]``), which the
@@ -322,6 +324,7 @@ def test_eos_inside_an_accepted_block_ends_the_row(pair, method):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 @pytest.mark.parametrize("method", ["asps", "spectr"])
 def test_eos_law_is_exact(pair, method):
     """With EOS on, the law of (x1, x2) — x2 absent after an EOS — is still the target's."""
@@ -425,7 +428,7 @@ def test_nan_logits_raise_and_keep_the_output(pair, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.optimized  # the law run outweighs its compile: default XLA optimisation
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 @pytest.mark.parametrize("method", ["tv", "is_bv"])
 def test_one_draft_tree_method_is_asps_in_law(pair, law_run, method):
     """With K = 1 a tree verifier is ASpS draft by draft (tests/test_verify_tree.py), not draw by

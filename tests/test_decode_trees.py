@@ -56,7 +56,7 @@ def tree_law_run(pair):
 
 
 @pytest.mark.slow
-@pytest.mark.optimized  # the law run outweighs its compile: default XLA optimisation
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 @pytest.mark.parametrize("method, tree", TREE_CASES)
 def test_branching_tree_follows_the_target_law(pair, tree_law_run, method, tree):
     hf_target = pair[0]

@@ -49,6 +49,7 @@ def pair(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 def test_tau_zero_equals_fixed_n_draw_for_draw(pair):
     """K = 2 chains (each stops on its own), ROWS rows at three temperatures. The stopped run has
     the shapes of the specinfer law test below (PROMPT, ROWS rows, n = 2, max_new_tokens = 3;
@@ -214,6 +215,7 @@ def _splitting_tau(hf_draft):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 @pytest.mark.parametrize("method, num_drafts", [("asps", 1), ("specinfer", 2)])
 def test_sample_law_with_confidence_stop(pair, method, num_drafts):
     """The first two tokens of ROWS rows (max_new_tokens = 3, so step one may draft 2 tokens)

@@ -510,6 +510,7 @@ def _write_pair(root, target_family, draft_family):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_sample_follows_the_target_law_and_greedy_is_generate(tmp_path, pair):
     """One compiled call per pair: ROWS law rows + greedy rows (temperature 0) side by side."""

@@ -385,6 +385,7 @@ def _processed_laws(hf, depth, warp) -> list[np.ndarray]:
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 @pytest.mark.parametrize("method, kw", STAT_CASES, ids=STAT_IDS)
 def test_statistical_law(tiny, method, kw):
     """ROWS rows (one jitted loop) drafted by the head: the first three tokens against

@@ -222,6 +222,7 @@ def _chi_square(out, law, what: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 @pytest.mark.parametrize("method, kw", STAT_CASES, ids=[m for m, _ in STAT_CASES])
 def test_quantized_self_draft_keeps_the_target_law(llama, method, kw):
     """ROWS rows (one jitted loop), the int4 copy drafting: the first three tokens against

@@ -212,7 +212,7 @@ STAT_METHODS = [
 
 
 @pytest.mark.slow
-@pytest.mark.optimized  # the law run outweighs its compile: default XLA optimisation
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 @pytest.mark.parametrize("method,options,law_name", STAT_METHODS)
 def test_statistical_verify_drafts(method, options, law_name):
     """10^5 vmapped calls: emitted strings continued by the target follow p (chi-square), and the
@@ -229,6 +229,7 @@ def test_statistical_verify_drafts(method, options, law_name):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 def test_statistical_without_replacement():
     length, _ = _run_statistical("specinfer_wor", {}, without_replacement=True)
     assert length.mean() > 1.0
