@@ -60,7 +60,6 @@ def _sample(tiny, prompts, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
 def test_n_samples_keep_the_law_and_are_independent(tiny):
     """3,000 samples of one prompt (n = 3000): the first two tokens have the target's law; 1,500
     prompts with n = 2: the first tokens of a prompt's two samples are independent (their joint
