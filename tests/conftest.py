@@ -18,6 +18,8 @@ import shutil
 import signal
 import tempfile
 
+from subprocess_env import FAST_CODEGEN
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Most tests compile far more than they run: XLA:CPU compiles them at -O0 (LLVM's optimisation
 # off), in this process and in every command-line run it starts. Tests marked ``optimized`` (the
@@ -31,8 +33,11 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # default, whose compile is 13.1 s). Flags already in XLA_FLAGS come after these and win; xdist's
 # workers inherit them from the controller.
 OPTIMIZED_FLAGS = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
-if OPTIMIZED_FLAGS not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{OPTIMIZED_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
+# At every level, and in every subprocess (tests/subprocess_env.py), XLA:CPU emits its fusions with
+# the elemental emitter instead of the MLIR fusion emitters: see FAST_CODEGEN there.
+_TEST_FLAGS = f"{OPTIMIZED_FLAGS} {FAST_CODEGEN}"
+if _TEST_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{_TEST_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 # One on-disk compilation cache per test run, never the user's. The process that imports this
 # first (xdist's controller) makes it; the workers it starts and the CLI subprocesses they run
