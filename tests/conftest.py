@@ -1,6 +1,7 @@
 """Test-wide JAX settings: loud rank promotion, CPU only (tests never need an accelerator), XLA at
--O0 but for tests marked ``optimized``, one on-disk compilation cache per test run, and a bounded
-number of compiled programs held at once.
+-O0 but for tests marked ``optimized`` (fusions by XLA:CPU's elemental emitter at every level), one
+on-disk compilation cache per test run, and a bounded number of compiled programs held at once;
+and the longest modules handed to xdist's workers first.
 
 Each test and each module leaves the process as it found it (``_process_state_restored``,
 ``_module_state_restored``): JAX's configuration, the environment, the SIGINT / SIGTERM handlers,
