@@ -35,7 +35,7 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # workers inherit them from the controller.
 OPTIMIZED_FLAGS = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
 # At every level, and in every subprocess (tests/subprocess_env.py), XLA:CPU emits its fusions with
-# the elemental emitter instead of the MLIR fusion emitters: see FAST_CODEGEN there.
+# the elemental emitter instead of the MLIR fusion emitters, in one LLVM module: see FAST_CODEGEN.
 _TEST_FLAGS = f"{OPTIMIZED_FLAGS} {FAST_CODEGEN}"
 if _TEST_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{_TEST_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()

@@ -12,8 +12,12 @@ bit (FMA contraction), as it already does between a sharded program and the one-
 # the same HLO, compiled in less time (a float may differ in its last bit). Measured on one decode
 # loop (tv, 8 rows, -O0, alone): 2.0 s of backend compile against 3.4 s; tests/test_logprobs.py
 # alone took 56 CPU-seconds against 90. The pytest processes use it at every level
-# (tests/conftest.py). An XLA without the flag stops at start on "Unknown flag in XLA_FLAGS".
-FAST_CODEGEN = "--xla_cpu_use_fusion_emitters=false"
+# (tests/conftest.py). And one LLVM module per program, not split for threads to compile in
+# parallel: the suite's two processes already keep both cores busy, and the split costs CPU (the
+# first call of an 8-row loop, compile and trace, alone: tv 3.90 / 4.30 / 4.01 CPU-s against 3.61
+# / 3.68 / 3.40 unsplit, specinfer 4.71 / 4.76 / 4.54 against 4.43 / 4.35 / 4.04). An XLA without
+# these flags stops at start on "Unknown flag in XLA_FLAGS".
+FAST_CODEGEN = "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 FAST_COMPILE = f"--xla_backend_optimization_level=0 {FAST_CODEGEN}"
 
 
