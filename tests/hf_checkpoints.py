@@ -87,6 +87,16 @@ def load_tiny_pair(root, vocab_size: int = 12):
     return asps_jax.load_model(str(root / "target")), asps_jax.load_model(str(root / "draft"))
 
 
+def char_tokenizer(chars: str) -> transformers.PreTrainedTokenizerFast:
+    """One character per token: id 0 is ``</s>`` (the EOS), ids 1.. the characters of ``chars``."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {"</s>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>")
+
+
 def write_peaked_pair(root, vocab_size: int = 12):
     """A target with large weights (``initializer_range`` 0.4: peaked laws, so drafts are sometimes
     rejected) and a draft that is a noisy copy of it, written under ``root`` and loaded:

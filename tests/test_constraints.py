@@ -24,6 +24,7 @@ import tabular as tab
 import torch
 import transformers
 import tree_reference as ref
+from hf_checkpoints import char_tokenizer
 from multidraft_laws import node_law
 from multidraft_reference import continuation_error, tree_law, without_replacement_weights
 from test_decode import PROMPT, VOCAB, _chi_square_pvalue, write_pair
@@ -296,19 +297,10 @@ R3 = r"[a-e][f-k]*"  # never ends: always a continuation
 PREFIX = {R1: r"([a-e]+[f-k]?)?", R2: r"|a|b|a[b-k]|b[a-c]|[c-k]", R3: r"([a-e][f-k]*)?"}
 
 
-def _char_tokenizer():
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    vocab = {"</s>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>")
-
-
 @pytest.fixture(scope="module")
 def char_models(tmp_path_factory):
     hf_target, target, draft = write_pair(tmp_path_factory.mktemp("ckpt"))
-    tokenizer = _char_tokenizer()
+    tokenizer = char_tokenizer(CHARS)
     assert VOCAB == len(tokenizer) == 12
     with_tok = [dataclasses.replace(m, tokenizer=tokenizer) for m in (target, draft)]
     return hf_target, *with_tok, target

@@ -25,9 +25,8 @@ import numpy as np
 import pytest
 import tabular as tab
 import torch
-import transformers
 from controls_reference import warped_probs
-from hf_checkpoints import write_tiny_family, write_tiny_llama
+from hf_checkpoints import char_tokenizer, write_tiny_family, write_tiny_llama
 from multidraft_laws import node_law
 from multidraft_reference import continuation_error, tree_law
 from test_self_draft import PROMPT, VOCAB, N, _cli, _laws, _outcome
@@ -712,18 +711,8 @@ def test_continuous_batching_gives_the_one_batch_tokens(tiny):
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
 
 
-def _char_tokenizer():
-    """One character per token: id 0 '</s>', ids 1..4 'a'..'d'."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    vocab = {"</s>": 0, **{c: i + 1 for i, c in enumerate("abcd")}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>")
-
-
 def _constrained(tiny, pattern):
-    target = dataclasses.replace(tiny.target, tokenizer=_char_tokenizer())
+    target = dataclasses.replace(tiny.target, tokenizer=char_tokenizer("abcd"))
     out = asps_jax.sample(
         target, tiny.spec, [PROMPT] * 16, key=jax.random.key(2), regex=pattern, **KW
     )

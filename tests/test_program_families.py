@@ -1,12 +1,16 @@
 """A step's program contains only the feature families the call uses: each family's presence is
-static (giving it changes the program), its values are traced (changing them does not)."""
+static (giving it changes the program), its values are traced (changing them does not). The
+sampling controls, stop strings and constraints have values; top-k logprobs, the raw logprobs and
+the diagnostics are an output width or a flag, so only their presence is checked."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
-from hf_checkpoints import load_tiny_pair
+from hf_checkpoints import char_tokenizer, load_tiny_pair
 
 from asps_jax import decode, sampler
 
@@ -15,14 +19,16 @@ PROMPT = [1, 5, 3]
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return load_tiny_pair(tmp_path_factory.mktemp("families"))
+    target, draft = load_tiny_pair(tmp_path_factory.mktemp("families"))
+    tokenizer = char_tokenizer("abcdefghijk")  # stop strings and constraints read token bytes
+    return dataclasses.replace(target, tokenizer=tokenizer), draft
 
 
-def _program(pair, **kwargs) -> str:
+def _program(pair, method="asps", **kwargs) -> str:
     """The StableHLO of ``Decoder.generate`` for the call (lowered, not compiled)."""
     target, draft = pair
     call = sampler.prepare(
-        target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=4, method="asps",
+        target, draft, [PROMPT], key=jax.random.key(0), max_new_tokens=4, method=method,
         num_draft_tokens=2, **kwargs,
     )  # fmt: skip
     return decode.Decoder.generate.lower(call.decoder, **call.inputs.kwargs()).as_text()
@@ -39,6 +45,8 @@ FAMILIES = {
     "no_repeat_ngram_size": (2, 3),
     "min_tokens": (2, 5),
     "bad_words": ([[1, 2], [3]], [[4, 4], [0]]),  # the same shape: [1, 2 words, 2 tokens]
+    "stop": (["ab", "c"], ["ka", "j"]),  # the same lengths
+    "regex": ("[a-e]+k", "[f-j]+a"),  # the same automaton shape (json_schema: the same family)
 }
 
 
@@ -54,3 +62,19 @@ def test_a_family_enters_the_program_only_when_given(pair, plain, family):
     assert with_one != plain, f"{family} compiled into the plain program, or not at all"
     assert len(with_one) > len(plain)
     assert _program(pair, **{family: other}) == with_one, f"a new {family} value recompiles"
+
+
+# Presence only: (the method's arguments, the option given).
+FLAGS = {
+    "top_logprobs": ({}, {"top_logprobs": 2}),
+    "raw_logprobs": ({}, {"raw_logprobs": True}),
+    "diagnostics": ({"method": "specinfer", "num_drafts": 2}, {"diagnostics": True}),
+}
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+def test_an_output_enters_the_program_only_when_asked(pair, plain, flag):
+    method, option = FLAGS[flag]
+    without = plain if not method else _program(pair, **method)
+    with_it = _program(pair, **method, **option)
+    assert with_it != without and len(with_it) > len(without), f"{flag} changes nothing"
