@@ -64,7 +64,7 @@ def test_a_family_enters_the_program_only_when_given(pair, plain, family):
     assert _program(pair, **{family: other}) == with_one, f"a new {family} value recompiles"
 
 
-# Presence only: (the method's arguments, the option given).
+# Presence only: (the call's other arguments, the option given).
 FLAGS = {
     "top_logprobs": ({}, {"top_logprobs": 2}),
     "raw_logprobs": ({}, {"raw_logprobs": True}),
@@ -74,7 +74,7 @@ FLAGS = {
 
 @pytest.mark.parametrize("flag", FLAGS)
 def test_an_output_enters_the_program_only_when_asked(pair, plain, flag):
-    method, option = FLAGS[flag]
-    without = plain if not method else _program(pair, **method)
-    with_it = _program(pair, **method, **option)
+    base, option = FLAGS[flag]
+    without = _program(pair, **base) if base else plain
+    with_it = _program(pair, **base, **option)
     assert with_it != without and len(with_it) > len(without), f"{flag} changes nothing"
