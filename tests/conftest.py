@@ -19,7 +19,7 @@ import shutil
 import signal
 import tempfile
 
-from subprocess_env import FAST_CODEGEN
+from subprocess_env import FAST_CODEGEN, supported
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Most tests compile far more than they run: XLA:CPU compiles them at -O0 (LLVM's optimisation
@@ -33,10 +33,13 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # (10.5 s each) and runs as fast as the default level (3.5 s against 13.4 s at -O0 and 4.1 s at the
 # default, whose compile is 13.1 s). Flags already in XLA_FLAGS come after these and win; xdist's
 # workers inherit them from the controller.
-OPTIMIZED_FLAGS = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
+OPTIMIZED_FLAGS = supported(
+    "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
+)
 # At every level, and in every subprocess (tests/subprocess_env.py), XLA:CPU emits its fusions with
 # the elemental emitter instead of the MLIR fusion emitters, in one LLVM module: see FAST_CODEGEN.
-_TEST_FLAGS = f"{OPTIMIZED_FLAGS} {FAST_CODEGEN}"
+# Only flags this jaxlib knows (``supported``): an unknown one would stop every process at start.
+_TEST_FLAGS = f"{OPTIMIZED_FLAGS} {FAST_CODEGEN}".strip()
 if _TEST_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{_TEST_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 

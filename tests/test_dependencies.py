@@ -1,6 +1,7 @@
 """pyproject.toml declares what the code imports, and nothing that it does not: every runtime
 dependency and every optional group (except the test tools) is imported somewhere in asps_jax/
-or scripts/, and every third-party module they import is declared."""
+or scripts/, and every third-party module they import is declared; the suite's XLA flags are
+only those the installed jaxlib knows (jax is not pinned)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,14 @@ def test_declared_dependencies_are_imported_and_imports_declared():
     third_party = imported - set(sys.stdlib_module_names) - {"asps_jax", *scripts}
     undeclared = sorted(third_party - declared)
     assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
+
+
+def test_the_suites_xla_flags_that_this_jaxlib_lacks_are_dropped(monkeypatch):
+    """jax is not pinned, and XLA stops a process at start on a flag its jaxlib does not know: the
+    suite's speed-only flags (tests/subprocess_env.py) keep only those the CPU backend starts with,
+    each probed in a child process."""
+    from subprocess_env import supported
+
+    monkeypatch.setenv("ASPS_JAX_TEST_XLA_FLAGS", "{}")  # probe afresh; restored after the test
+    known = "--xla_backend_optimization_level=0"
+    assert supported(f"--xla_no_such_flag=1 {known}") == known
