@@ -590,7 +590,8 @@ def load_head(path, target, *, dtype=None) -> Head:
 
 def save_head(path, config: HeadConfig, params: dict, *, embed: bool = False) -> Path:
     """Write the head in the EAGLE-3 layout (``config.json`` + ``model.safetensors``, with
-    ``d2t`` offsets and the ``t2d`` mask; ``embed``: also its embedding)."""
+    ``d2t`` offsets and the ``t2d`` mask; ``embed``: also its embedding), each file replaced
+    only once both are written."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     host = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
@@ -602,10 +603,18 @@ def save_head(path, config: HeadConfig, params: dict, *, embed: bool = False) ->
     tensors["t2d"] = t2d
     if embed:
         tensors["embed_tokens.weight"] = host["embed"].astype(np.float32)
-    tmp = folder / (WEIGHTS_FILE + ".tmp")
-    loader.write_safetensors(tmp, list(tensors.items()))
-    tmp.replace(folder / WEIGHTS_FILE)
-    (folder / CONFIG_FILE).write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    # Both files written in full first, then renamed: a failed write (a full disk) leaves the
+    # folder's previous head as it was and no temporary file.
+    weights, conf = folder / (WEIGHTS_FILE + ".tmp"), folder / (CONFIG_FILE + ".tmp")
+    try:
+        loader.write_safetensors(weights, list(tensors.items()))
+        conf.write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    except BaseException:
+        weights.unlink(missing_ok=True)
+        conf.unlink(missing_ok=True)
+        raise
+    weights.replace(folder / WEIGHTS_FILE)
+    conf.replace(folder / CONFIG_FILE)
     return folder
 
 
