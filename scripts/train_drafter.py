@@ -435,9 +435,11 @@ def train_loop(args, argv, job) -> int:
     progress = tqdm(total=args.steps, initial=job["start"], desc="head", unit="step",
                     dynamic_ncols=True)  # fmt: skip
     try:  # the bar closed before any message: an error is a line of its own
-        return _steps(args, argv, job, target_params, progress)
+        status = _steps(args, argv, job, target_params, progress)
     finally:
         progress.close()
+    print(job["note"], file=sys.stderr if status else sys.stdout)
+    return status
 
 
 def _steps(args, argv, job, target_params, progress) -> int:
@@ -482,7 +484,7 @@ def _steps(args, argv, job, target_params, progress) -> int:
         batch = next(batches, None)
     job["log"]["total_wall_time_s"] = round(time.perf_counter() - job["started"], 1)
     save(args, argv, job, step, saved, None)
-    print(f"wrote {job['out']} (step {step}); sample with --draft eagle3:{job['out']}")
+    job["note"] = f"wrote {job['out']} (step {step}); sample with --draft eagle3:{job['out']}"
     return 0
 
 
@@ -491,7 +493,7 @@ def _interrupted(args, argv, job, step: int, saved: int) -> int:
     if step > saved:
         save(args, argv, job, step, saved, None)
     where = f"{job['out']} holds step {step}" if step else "nothing was saved"
-    print(f"\n{PROG}: interrupted; {where} (the same command resumes it)", file=sys.stderr)
+    job["note"] = f"{PROG}: interrupted; {where} (the same command resumes it)"
     return INTERRUPTED
 
 
