@@ -66,6 +66,7 @@ import numpy as np  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO_ROOT / "data/tinyshakespeare.txt"
 STATE_FILE, LOG_FILE = "train_state.npz", "training.json"
+HEAD_FILES = ("config.json", "model.safetensors")
 INTERRUPTED, DIVERGED = 130, 1
 PROG = "train_drafter.py"
 
@@ -289,6 +290,7 @@ def run(args, argv) -> int:
     if args.draft_vocab is not None and args.draft_vocab > vocab:
         raise ValueError(f"--draft-vocab {args.draft_vocab}: at most the target's {vocab} tokens")
     out = Path(args.out or f"{Path(args.target).name}-eagle3")
+    check_out(out)
     _stop_if_interrupted("loading the target")
     docs, data_info = read_corpus(args)
     ids = tokenize(target.tokenizer, docs)
@@ -307,6 +309,19 @@ def run(args, argv) -> int:
     job["windows"] = windows(args, data, job["start"])
     _stop_if_interrupted("preparing the head")
     return train_loop(args, argv, job)
+
+
+def check_out(out: Path) -> None:
+    """``--out``: a new folder, or one this script wrote (with its ``train_state.npz``); a file,
+    or a head folder without it (a finished or foreign head, the bundled one), is refused
+    before any step, so no head is overwritten."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: a file, not a folder")
+    if not (out / STATE_FILE).exists() and any((out / f).exists() for f in HEAD_FILES):
+        raise ValueError(
+            f"--out {out}: holds a head but no {STATE_FILE} to resume it from (not a run of this "
+            "script, or its state was removed); give another --out"
+        )
 
 
 def start(args, out, target, config, train_ids) -> dict:

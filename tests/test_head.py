@@ -826,6 +826,22 @@ def test_a_constraint_allowing_only_tokens_the_head_never_drafts(tiny):
 # --- The command line ---------------------------------------------------------------------------
 
 
+def test_cli_bad_head_config_is_one_line(capsys, tmp_path):
+    """A head config.json with num_attention_heads 0 or a list for rope_scaling: exit 2, one line
+    naming the file and the field, no traceback (issue 66, item 6)."""
+    cli = _cli()
+    for field, value in (("num_attention_heads", 0), ("rope_scaling", [1, 2])):
+        folder = tmp_path / field
+        shutil.copytree(MODELS_DIR / "tinyshakespeare-eagle3", folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, field: value}))
+        assert cli.main(["--max-new-tokens", "2", "--draft", head.PREFIX + str(folder)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"sample.py: error: draft={head.PREFIX}{folder}: config.json: field "
+                              f"'{field}' must be"), err  # fmt: skip
+        assert "\n" not in err and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_cli_eagle3_draft(capsys, tmp_path):
     """scripts/sample.py --draft eagle3:FOLDER with a head made for the bundled target (a draft

@@ -304,6 +304,17 @@ def test_a_resume_with_other_flags_is_refused(saved, capsys, extra, match):
     _fails([*argv, "--steps", "6", *extra], capsys, match)
 
 
+def test_an_out_folder_not_of_this_script_is_refused(corpus, tmp_path, capsys):
+    """--out a file, or a head folder with no train_state.npz (the bundled head's): refused
+    before any step, the files untouched."""
+    (tmp_path / "file").write_text("x")
+    _fails(_quick_args(corpus, tmp_path / "file"), capsys, r"--out .*file: a file, not a folder")
+    bundled = ROOT / "models/tinyshakespeare-eagle3"
+    before = {p.name: p.stat().st_mtime_ns for p in bundled.iterdir()}
+    _fails(_quick_args(corpus, bundled), capsys, r"holds a head but no train_state.npz")
+    assert {p.name: p.stat().st_mtime_ns for p in bundled.iterdir()} == before
+
+
 def test_a_full_disk_keeps_the_last_checkpoint(saved, capsys, monkeypatch):
     """The head's write fails half-way with ENOSPC: one line (exit 2), the step-4 checkpoint
     whole and no temporary file left."""

@@ -1,7 +1,8 @@
 """The checks of an EAGLE-3 head's files (:mod:`asps_jax.drafters.head`): ``config.json``'s fields
 by type and range, the weights' dtypes, and the vocabulary maps ``d2t`` / ``t2d``.
 
-Each refusal is one ``ValueError`` line that starts with ``where`` (the ``draft=eagle3:PATH``
+Each refusal is one :class:`~asps_jax.models.loader.CheckpointError` line (a ``ValueError``) that
+starts with ``where`` (the ``draft=eagle3:PATH``
 argument and the file) and names the field or tensor at fault. The rules:
 
 * every size (``hidden_size``, ``intermediate_size``, ``num_attention_heads``,
@@ -26,6 +27,7 @@ import math
 
 import numpy as np
 
+from asps_jax.models.loader import CheckpointError
 from asps_jax.models.rope import RopeScaling
 
 SIZES = (
@@ -45,7 +47,9 @@ DEFAULT_CONTEXT = 2048
 def _integer(value, field: str, where: str, low: int) -> int:
     ok = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     if isinstance(value, bool) or not ok or value < low:
-        raise ValueError(f"{where}: field {field!r} must be an integer >= {low}, got {value!r}")
+        raise CheckpointError(
+            f"{where}: field {field!r} must be an integer >= {low}, got {value!r}"
+        )
     return int(value)
 
 
@@ -53,7 +57,7 @@ def _number(d: dict, field: str, where: str, default: float) -> float:
     value = d.get(field, default)
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{where}: field {field!r} must be a number > 0, got {value!r}")
+        raise CheckpointError(f"{where}: field {field!r} must be a number > 0, got {value!r}")
     return float(value)
 
 
@@ -61,7 +65,7 @@ def _sizes(d: dict, where: str) -> dict[str, int]:
     """The size fields, defaults applied (see the module docstring)."""
     for field in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
         if d.get(field) is None:
-            raise ValueError(
+            raise CheckpointError(
                 f"{where}: not a valid EAGLE-3 head config (field {field!r} is missing)"
             )
     got = {f: _integer(d[f], f, where, 1) for f in SIZES if d.get(f) is not None}
@@ -72,18 +76,18 @@ def _sizes(d: dict, where: str) -> dict[str, int]:
     got.setdefault("max_position_embeddings", DEFAULT_CONTEXT)
     if "head_dim" not in got:
         if hidden % heads:
-            raise ValueError(
+            raise CheckpointError(
                 f"{where}: field 'head_dim' is missing and hidden_size {hidden} is not a multiple "
                 f"of num_attention_heads {heads}"
             )
         got["head_dim"] = hidden // heads
     if heads % got["num_key_value_heads"]:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: field 'num_attention_heads' ({heads}) must be a multiple of "
             f"'num_key_value_heads' ({got['num_key_value_heads']})"
         )
     if got["draft_vocab_size"] > got["vocab_size"]:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: field 'draft_vocab_size' ({got['draft_vocab_size']}) must be at most "
             f"'vocab_size' ({got['vocab_size']})"
         )
@@ -96,11 +100,11 @@ def _rope(d: dict, where: str, max_pos: int) -> tuple[RopeScaling | None, dict]:
     if rope is None:
         return None, {}
     if not isinstance(rope, dict):
-        raise ValueError(f"{where}: field {field!r} must be an object or null, got {rope!r}")
+        raise CheckpointError(f"{where}: field {field!r} must be an object or null, got {rope!r}")
     try:
         return RopeScaling.from_hf(rope, max_pos), rope
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{where}: field {field!r}: {e}") from None
+        raise CheckpointError(f"{where}: field {field!r}: {e}") from None
 
 
 def _layers(d: dict, where: str) -> tuple[int, ...] | None:
@@ -108,13 +112,13 @@ def _layers(d: dict, where: str) -> tuple[int, ...] | None:
     if eagle is None:
         return None
     if not isinstance(eagle, dict):
-        raise ValueError(f"{where}: field 'eagle_config' must be an object, got {eagle!r}")
+        raise CheckpointError(f"{where}: field 'eagle_config' must be an object, got {eagle!r}")
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         return None
     field = "eagle_config.eagle_aux_hidden_state_layer_ids"
     if not isinstance(ids, list) or not ids:
-        raise ValueError(f"{where}: field {field!r} must be a list of layer ids, got {ids!r}")
+        raise CheckpointError(f"{where}: field {field!r} must be a list of layer ids, got {ids!r}")
     return tuple(_integer(i, field, where, 0) for i in ids)
 
 
@@ -124,13 +128,13 @@ def config_fields(d: dict, where: str) -> dict:
     says."""
     arch = d.get("architectures") or []
     if not isinstance(arch, list) or not any("Eagle3" in str(a) for a in arch):
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: not an EAGLE-3 head (architectures {arch}); expected "
             "'LlamaForCausalLMEagle3'"
         )
     layers = d.get("num_hidden_layers", 1)
     if layers != 1:
-        raise ValueError(f"{where}: an EAGLE-3 head has one layer, got {layers}")
+        raise CheckpointError(f"{where}: an EAGLE-3 head has one layer, got {layers}")
     sizes = _sizes(d, where)
     scaling, rope = _rope(d, where, sizes["max_position_embeddings"])
     theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -146,7 +150,7 @@ def config_fields(d: dict, where: str) -> dict:
 def check_weight(name: str, a: np.ndarray, where: str) -> None:
     """A learned weight's dtype: floating point (see the module docstring)."""
     if a.dtype.kind != "f" and str(a.dtype) != "bfloat16":
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: tensor {name!r} is {a.dtype}; a head's weights must be floating point "
             "(bf16, f16, f32; a quantized or integer export is not read)"
         )
@@ -158,25 +162,25 @@ def target_ids(tensors: dict, draft_vocab: int, vocab: int, where: str) -> np.nd
     d2t = tensors.get("d2t")
     if d2t is None:
         if draft_vocab != vocab:
-            raise ValueError(f"{where}: the weights lack 'd2t' (the draft-to-target map)")
+            raise CheckpointError(f"{where}: the weights lack 'd2t' (the draft-to-target map)")
         d2t = np.zeros(vocab, np.int64)
     if d2t.shape != (draft_vocab,) or d2t.dtype.kind not in "iu":
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: 'd2t' must be {draft_vocab} integer offsets (one per draft id), "
             f"got {d2t.dtype} of shape {list(d2t.shape)}"
         )
     ids = np.arange(draft_vocab) + d2t.astype(np.int64)
     if ids.min() < 0 or ids.max() >= vocab:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: 'd2t' must map each of the {draft_vocab} draft ids to a target id in "
             f"[0, {vocab})"
         )
     if len(np.unique(ids)) != len(ids):
-        raise ValueError(f"{where}: 'd2t' maps two draft ids to one target id")
+        raise CheckpointError(f"{where}: 'd2t' maps two draft ids to one target id")
     t2d = tensors.get("t2d")
     if t2d is not None:
         if t2d.shape != (vocab,) or not (t2d.dtype == bool or np.isin(t2d, (0, 1)).all()):
-            raise ValueError(
+            raise CheckpointError(
                 f"{where}: 't2d' must be {vocab} booleans (one per target id), got {t2d.dtype} "
                 f"of shape {list(t2d.shape)}"
             )
@@ -184,7 +188,7 @@ def target_ids(tensors: dict, draft_vocab: int, vocab: int, where: str) -> np.nd
         want[ids] = True
         if not np.array_equal(t2d.astype(bool), want):
             wrong = int(np.flatnonzero(t2d.astype(bool) != want)[0])
-            raise ValueError(
+            raise CheckpointError(
                 f"{where}: 't2d' contradicts 'd2t' at target id {wrong} ('t2d' says "
                 f"{bool(t2d[wrong])}, 'd2t' {'maps' if want[wrong] else 'does not map'} a draft "
                 "id to it)"
