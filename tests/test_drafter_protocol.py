@@ -133,6 +133,7 @@ class Broken(drafters.Drafter):
         )
 
 
+@pytest.mark.slow  # one compile of the sampling loop
 def test_a_non_finite_draft_law_of_any_drafter_raises(tiny):
     model, _ = tiny
     with pytest.raises(asps_jax.NonFiniteLogitsError, match=r"rows \[0\] stopped at new-token "

@@ -726,6 +726,7 @@ def test_a_head_capping_the_context_is_named(tiny, tmp_path):
         asps_jax.sample(tiny.target, head.PREFIX + str(folder), [PROMPT], seed=0, max_new_tokens=6)
 
 
+@pytest.mark.slow  # one compile of the head's sampling loop (both cases share it)
 @pytest.mark.parametrize("tensor", ["fc.weight", "norm.weight"])
 def test_a_non_finite_head_raises_as_a_draft_model_does(tiny, tmp_path, tensor):
     """One NaN in ``fc`` (every draft logit NaN) or an inf norm scale: NonFiniteLogitsError at
