@@ -270,7 +270,7 @@ def _main(argv) -> int:
     except _Diverged as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return DIVERGED
-    except (ValueError, OSError) as err:  # CheckpointError is a ValueError
+    except (ValueError, OSError, NotImplementedError) as err:  # CheckpointError: a ValueError
         message = " ".join(str(err).split())
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2

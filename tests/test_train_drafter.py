@@ -309,6 +309,8 @@ def test_an_out_folder_not_of_this_script_is_refused(corpus, tmp_path, capsys):
     before any step, the files untouched."""
     (tmp_path / "file").write_text("x")
     _fails(_quick_args(corpus, tmp_path / "file"), capsys, r"--out .*file: a file, not a folder")
+    _fails([*_quick_args(corpus, tmp_path / "h"), "--draft-vocab", "5000"], capsys,
+           r"--draft-vocab 5000: at most the target's 2048 tokens")  # fmt: skip
     bundled = ROOT / "models/tinyshakespeare-eagle3"
     before = {p.name: p.stat().st_mtime_ns for p in bundled.iterdir()}
     _fails(_quick_args(corpus, bundled), capsys, r"holds a head but no train_state.npz")
