@@ -409,7 +409,7 @@ def read_state(path: Path):
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
         raise ValueError(
             f"{path}: truncated or not a saved optimizer state ({type(e).__name__}: {e}); "
-            "delete the folder's train_state.npz to start the head over"
+            "restore it, or give another --out to start a new head"
         ) from None
     step = saved.pop("step", None)
     if step is None or step.shape != () or step.dtype.kind not in "iu" or int(step) < 0:
