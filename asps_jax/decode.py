@@ -65,7 +65,7 @@ from asps_jax import (
     stopping,
     trees,
 )
-from asps_jax.drafters.base import Drafter, Proposal, step_keys
+from asps_jax.drafters.base import Drafter, Proposal, step_keys, unusable_depths
 from asps_jax.models import forward_for
 from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
@@ -581,14 +581,14 @@ def _finish_drafts(dec: Decoder, sampling, state, proposal: Proposal) -> Drafts:
     tokens_BKD, draft_lp_BKDV = proposal.tokens_BKD, proposal.logprobs_BKDV
     # Drafts are shortened so that a step never emits past max_new_tokens, and end at an EOS.
     remaining_B = state.budget - state.num_generated
-    lengths_BK = jnp.minimum(jnp.clip(remaining_B - 1, 0, n)[:, None], proposal.usable_BK)
     is_eos = _is_eos(tokens_BKD, sampling.eos_ids)
     first_eos = jnp.where(jnp.any(is_eos, -1), jnp.argmax(is_eos, -1) + 1, n)
-    lengths_BK = jnp.minimum(lengths_BK, first_eos)
+    reach_BK = jnp.minimum(jnp.clip(remaining_B - 1, 0, n)[:, None], first_eos)
+    lengths_BK = jnp.minimum(reach_BK, proposal.usable_BK)
     # A chain ends before the token drawn from an unusable law (a stopping time: the law at depth
-    # i depends on the chain's first i tokens only); only the depths the chain uses count.
-    bad_BK = _first_false(proposal.ok_BKD, n + 2)
-    bad_BK = jnp.where(bad_BK < lengths_BK, bad_BK, n + 2)
+    # i depends on the chain's first i tokens only); only the depths the chain uses count, and
+    # non-finite raw logits within reach whatever the drafter's cut (base.unusable_depths).
+    bad_BK = unusable_depths(proposal, lengths_BK, reach_BK, n + 2)
     # A sibling drawn without replacement after its law's support ran out has probability 0: it
     # was not drawn, and the chain ends before it (never the case for independent draws).
     drawn_lp_BKD = jnp.take_along_axis(draft_lp_BKDV, tokens_BKD[..., None], axis=-1)[..., 0]

@@ -152,20 +152,21 @@ def check_fits(target, drafter, model, spec, lengths_b, budgets, mesh, slot_coun
     continuous batching); then check a tree method's options against the tree (built only once
     the memory check has passed). ``lengths_b`` / ``budgets``: each prompt's length and
     ``max_new_tokens``."""
-    context = target.config.max_position_embeddings
+    context, cap = target.config.max_position_embeddings, ""
     own = None if drafter is None else drafter.context()
-    if own is not None:
-        context = min(context, own)
+    if own is not None and own < context:
+        context, cap = own, f" (the draft's, {drafter.context_source()})"
     over = int(np.argmax(np.asarray(lengths_b) + np.asarray(budgets)))
     if lengths_b[over] + budgets[over] > context:
         raise ValueError(
             f"prompt of {lengths_b[over]} tokens plus max_new_tokens={budgets[over]} exceeds the "
-            f"model context of {context} positions; shorten the prompt or lower max_new_tokens"
+            f"model context of {context} positions{cap}; shorten the prompt or lower "
+            "max_new_tokens"
         )
     if own is not None and spec.num_draft_tokens >= context:
         raise ValueError(
             f"num_draft_tokens={spec.num_draft_tokens} does not fit the model context of "
-            f"{context} positions; lower num_draft_tokens"
+            f"{context} positions{cap}; lower num_draft_tokens"
         )
     batch = len(budgets)
     _memory(

@@ -205,18 +205,17 @@ def run(args) -> int:
 def _load_models(args):
     """``(target, draft)``: the draft a model, a drafter's name (lookup, self:L, quant:int8,
     eagle3:PATH) or None (ar)."""
-    import asps_jax
     from asps_jax.cli.args import DTYPES
     from asps_jax.drafters import is_named as named_draft
 
     dtype = DTYPES[args.dtype]
-    target = asps_jax.load_model(args.target, dtype=dtype, quantize=args.quantize)
+    target = _load(args.target, dtype, "--quantize", args.quantize)
     _stop_if_interrupted("loading the models")
     draft = None
     if args.method != "ar":  # a checkpoint, or a drafter named by --draft (lookup, self:L)
         draft = args.draft
         if not named_draft(args.draft):
-            draft = asps_jax.load_model(args.draft, dtype=dtype, quantize=args.draft_quantize)
+            draft = _load(args.draft, dtype, "--draft-quantize", args.draft_quantize)
         elif args.draft_quantize is not None:
             raise ValueError(
                 f"--draft-quantize quantizes a draft checkpoint; --draft {args.draft} is not one "
@@ -226,6 +225,17 @@ def _load_models(args):
     if target.tokenizer is None:
         raise FileNotFoundError(f"{args.target}: no tokenizer files next to the checkpoint")
     return target, draft
+
+
+def _load(name, dtype, flag: str, quantize):
+    """``load_model``, a scheme that does not fit the model named by its flag."""
+    import asps_jax
+    from asps_jax.models.quant import QuantizeError
+
+    try:
+        return asps_jax.load_model(name, dtype=dtype, quantize=quantize)
+    except QuantizeError as err:
+        raise ValueError(f"{flag} {quantize}: {err.detail}") from None
 
 
 def _run_batch(args, target, draft, mesh, load_s, out_stream, primary) -> int:

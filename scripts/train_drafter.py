@@ -1,79 +1,170 @@
 """Train an EAGLE-3 head for a target on a corpus (CPU, GPU or TPU), resumably.
 
-    python scripts/train_drafter.py                              # the bundled head
+    python scripts/train_drafter.py --quick                      # a one-minute check of the set-up
+    python scripts/train_drafter.py --preset tinyshakespeare-eagle3   # the bundled head's recipe
     python scripts/train_drafter.py --target llama-3.2-1b --data corpus.jsonl --out heads/l1b
     python scripts/train_drafter.py --dataset wikitext:wikitext-2-raw-v1 --target ...  # online
 
 The frozen target runs inside the jitted train step (online features); the head is trained by
 training-time test over ``--ttt-steps`` depths (asps_jax/drafters/train.py). The head is written in
-the EAGLE-3 layout (``config.json`` + ``model.safetensors``) to ``--out`` every ``--save-every``
-steps with the optimizer state (``train_state.npz``), so a run that stops resumes where it was
-when started again with the same ``--out``. Sample with it: ``--draft eagle3:OUT``.
+the EAGLE-3 layout (``config.json`` + ``model.safetensors``) to ``--out`` (default
+``./<target>-eagle3`` in the current directory, never into the checkout's ``models/``) every
+``--save-every`` steps with the optimizer state (``train_state.npz``) and the log
+(``training.json``), so a run that stops resumes where it was when started again with the same
+``--out`` (the same ``--target`` and ``--feature-layers``, else it is refused). Sample with it:
+``--draft eagle3:OUT``. ``--preset NAME`` sets the flags of a recorded recipe (``PRESETS``; flags
+given as well win); ``--quick`` a short run that only checks the set-up.
+
+Exit status: 0 done; 1 the head diverged (NaN / inf weights or loss: not saved, the last
+checkpoint kept); 2 a bad argument, corpus or checkpoint, or a failed write (a full disk: the last
+checkpoint kept, no temporary file left); 130 interrupted (Ctrl-C: the step under way finishes, the
+head is saved at it, and the run resumes from there). Every error is one line.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
-import shlex
-import sys
-import time
-from pathlib import Path
+import signal  # first: a Ctrl-C from here on is recorded
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from tqdm import tqdm
 
-from asps_jax.drafters import head as head_lib
-from asps_jax.drafters import train
-from asps_jax.models import load_model
-from asps_jax.models.base import run_params
+class _CtrlC:
+    """Whether SIGINT came; the loop acts on it after the step under way (see sample.py)."""
+
+    requested = False
+
+
+def _record_sigint(signum, frame) -> None:
+    _CtrlC.requested = True
+
+
+def _take_sigint():
+    """Install :func:`_record_sigint`; the handler it replaced, or None where it did not."""
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is None or previous is signal.SIG_IGN:
+            return None
+        signal.signal(signal.SIGINT, _record_sigint)
+    except ValueError:  # not the main thread: Python's KeyboardInterrupt, caught below
+        return None
+    return previous
+
+
+if __name__ == "__main__":
+    _take_sigint()
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import shlex  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import zipfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO_ROOT / "data/tinyshakespeare.txt"
 STATE_FILE, LOG_FILE = "train_state.npz", "training.json"
+HEAD_FILES = ("config.json", "model.safetensors")
+INTERRUPTED, DIVERGED = 130, 1
+PROG = "train_drafter.py"
+
+# Recorded recipes: flag -> value (docs/benchmarks.md, "Learned heads"; the bundled head's own
+# models/tinyshakespeare-eagle3/training.json records the same command).
+PRESETS = {
+    "tinyshakespeare-eagle3": dict(
+        target="tinyshakespeare-target",
+        data=str(DEFAULT_DATA),
+        steps=800,
+        seq_len=256,
+        batch_size=8,
+        save_every=100,
+        lr=3e-3,
+        warmup=20,
+        ttt_steps=3,
+        val_fraction=0.05,
+        seed=0,
+    ),  # fmt: skip
+}
+QUICK = dict(steps=20, batch_size=4, seq_len=64, save_every=10, warmup=2)
+
+
+class _Interrupted(Exception):
+    """Ctrl-C before the first step; ``stage`` says what was under way."""
+
+
+class _Diverged(Exception):
+    """The head's loss or weights went NaN / inf."""
+
+
+def _stop_if_interrupted(stage: str) -> None:
+    if _CtrlC.requested:
+        raise _Interrupted(stage)
+
+
+@contextlib.contextmanager
+def _sigint_recorded():
+    previous = _take_sigint()
+    if previous is not _record_sigint:
+        _CtrlC.requested = False
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def read_corpus(args) -> tuple[list[str], dict]:
     """The corpus' documents and where they came from: a text file (one document), JSON lines
-    (each line's ``"text"``), or a ``datasets`` name (``NAME[:CONFIG]``, its train split)."""
+    (each line's ``"text"``; a UTF-8 BOM is skipped), or a ``datasets`` name (``NAME[:CONFIG]``,
+    its train split). No document with text is an error."""
     if args.dataset:
         try:
             import datasets
         except ImportError:
-            sys.exit('--dataset needs the datasets package: pip install -e ".[data]"')
+            raise ValueError(
+                '--dataset needs the datasets package: pip install -e ".[data]"'
+            ) from None
         name, _, subset = args.dataset.partition(":")
         try:
             rows = datasets.load_dataset(name, subset or None, split="train")
         except Exception as e:  # noqa: BLE001 - the hub's errors are many; one line for all
-            sys.exit(f"--dataset {args.dataset}: could not load it ({type(e).__name__}: {e})")
+            raise ValueError(
+                f"--dataset {args.dataset}: could not load it ({type(e).__name__}: {e})"
+            ) from None
         docs = [r["text"] for r in rows if r.get("text")]
+        if not docs:
+            raise ValueError(f"--dataset {args.dataset}: no row has text")
         return docs, {"dataset": args.dataset, "documents": len(docs)}
     path = Path(args.data)
     if not path.is_file():
-        sys.exit(f"--data {path}: no such file")
+        raise ValueError(f"--data {path}: no such file")
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        sys.exit(f"--data {path}: not UTF-8 text ({e})")
+        raise ValueError(f"--data {path}: not UTF-8 text ({e})") from None
     info = {"path": _shown(path), "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-    if path.suffix in (".jsonl", ".json"):
-        docs = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                sys.exit(f"--data {path}: line {n} is not JSON ({e})")
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                sys.exit(f'--data {path}: line {n} has no "text" string')
+    if path.suffix not in (".jsonl", ".json"):
+        if not text.strip():
+            raise ValueError(f"--data {path}: the file is empty")
+        return [text], info
+    docs = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--data {path}: line {n} is not JSON ({e})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise ValueError(f'--data {path}: line {n} has no "text" string')
+        if row["text"]:
             docs.append(row["text"])
-        return docs, dict(info, documents=len(docs))
-    return [text], info
+    if not docs:
+        raise ValueError(f'--data {path}: no line has a non-empty "text" (an empty corpus)')
+    return docs, dict(info, documents=len(docs))
 
 
 def _shown(path) -> str:
@@ -82,7 +173,7 @@ def _shown(path) -> str:
     return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
-def tokenize(tokenizer, docs: list[str]) -> np.ndarray:
+def tokenize(tokenizer, docs: list[str]):
     """One stream of token ids: each document's, after the tokenizer's BOS when it has one."""
     bos = getattr(tokenizer, "bos_token_id", None)
     out = []
@@ -94,14 +185,17 @@ def tokenize(tokenizer, docs: list[str]) -> np.ndarray:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        prog=PROG,
         description="Train an EAGLE-3 head for a target, resumably; write it in the EAGLE-3 "
         "checkpoint layout.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a recorded recipe's flags")
+    p.add_argument("--quick", action="store_true", help=f"a short check of the set-up: {QUICK}")
     p.add_argument("--target", default="tinyshakespeare-target", help="the target: alias or path")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="corpus: a text or JSON-lines file")
     p.add_argument("--dataset", help="a datasets name NAME[:CONFIG] instead of --data (online)")
-    p.add_argument("--out", help="the head's folder (default: models/<target>-eagle3)")
+    p.add_argument("--out", help="the head's folder (default: ./<target>-eagle3, or <preset>)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps in all")
     p.add_argument("--batch-size", type=int, default=8, help="windows per optimizer step")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per window")
@@ -118,6 +212,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv):
+    """The flags, a ``--preset``'s or ``--quick``'s values in place of the defaults (a flag
+    given as well wins)."""
+    p = build_parser()
+    first, _ = build_parser().parse_known_args(argv)
+    if first.preset:
+        p.set_defaults(**PRESETS[first.preset], out=first.preset)
+    if first.quick:
+        p.set_defaults(**QUICK)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
 def check_args(p, args) -> None:
     """One-line errors naming the flag (argparse exits with status 2)."""
     for flag in ("steps", "batch_size", "seq_len", "ttt_steps", "save_every"):
@@ -127,140 +235,344 @@ def check_args(p, args) -> None:
         p.error(f"--seq-len must be >= 4 (a window trains seq_len - 2 entries), got {args.seq_len}")
     if not 0 < args.lr < 1:
         p.error(f"--lr must be in (0, 1), got {args.lr}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        p.error(f"--draft-vocab must be >= 1 (the head's vocabulary), got {args.draft_vocab}")
     if not 0 <= args.val_fraction < 0.5:
         p.error(f"--val-fraction must be in [0, 0.5), got {args.val_fraction}")
+    if args.feature_layers is not None:
+        try:
+            args.layers = tuple(int(x) for x in args.feature_layers.split(","))
+        except ValueError:
+            p.error(f"--feature-layers {args.feature_layers!r}: give layer ids, e.g. 2,16,29")
+    else:
+        args.layers = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    check_args(p, args)
+    """Run the command; returns the exit status (the module docstring)."""
+    with _sigint_recorded():
+        try:
+            return _main(argv)
+        except _Interrupted as stop:
+            print(f"\n{PROG}: interrupted while {stop}; nothing was saved", file=sys.stderr)
+            return INTERRUPTED
+
+
+def _main(argv) -> int:
+    args = parse(argv)
+    try:
+        return run(args, argv)
+    except KeyboardInterrupt:  # Python's own handler (main() off the main thread)
+        print(f"\n{PROG}: interrupted; nothing was saved", file=sys.stderr)
+        return INTERRUPTED
+    except _Diverged as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return DIVERGED
+    except (ValueError, OSError, NotImplementedError) as err:  # CheckpointError: a ValueError
+        message = " ".join(str(err).split())
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+
+
+def run(args, argv) -> int:
+    """Load, prepare or resume, train; returns the exit status."""
+    from asps_jax.drafters import train
+    from asps_jax.models import load_model
+
     started = time.perf_counter()
+    _stop_if_interrupted("starting")
     target = load_model(args.target)
     if target.tokenizer is None:
-        sys.exit(f"--target {args.target}: it has no tokenizer to read the corpus with")
-    layers = None
-    if args.feature_layers:
-        try:
-            layers = tuple(int(x) for x in args.feature_layers.split(","))
-        except ValueError:
-            sys.exit(f"--feature-layers {args.feature_layers!r}: give layer ids, e.g. 2,16,29")
-    out = Path(args.out or REPO_ROOT / "models" / f"{Path(args.target).name}-eagle3")
+        raise ValueError(f"--target {args.target}: it has no tokenizer to read the corpus with")
+    vocab = target.config.vocab_size
+    if args.draft_vocab is not None and args.draft_vocab > vocab:
+        raise ValueError(f"--draft-vocab {args.draft_vocab}: at most the target's {vocab} tokens")
+    out = Path(args.out or f"{Path(args.target).name}-eagle3")
+    check_out(out)
+    _stop_if_interrupted("loading the target")
     docs, data_info = read_corpus(args)
     ids = tokenize(target.tokenizer, docs)
     n_val = int(len(ids) * args.val_fraction)
-    train_ids, val_ids = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
-    vocab = target.config.vocab_size
+    data = dict(train=ids[: len(ids) - n_val], val=ids[len(ids) - n_val :], info=data_info)
     config = train.TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        learning_rate=args.lr,
-        warmup=args.warmup,
-        ttt_steps=args.ttt_steps,
-    )
-    target_params = run_params(target)
-    opt = train.optimizer(config)
-    start, log = 0, {"evals": []}
-    if (out / STATE_FILE).is_file():  # resume: the head, the optimizer and the step
-        head = head_lib.load_head(out, target, dtype=jnp.float32)
-        head_config, params = head.config, head.params
-        saved = dict(np.load(out / STATE_FILE))
-        start = int(saved.pop("step"))
-        learned = head_lib.trainable(params)
-        opt_state = train.unflat_state(opt.init(learned), saved, f"{out / STATE_FILE}")
-        if (out / LOG_FILE).is_file():
-            log = json.loads((out / LOG_FILE).read_text())
-        print(f"resuming {out} at step {start} of {args.steps}")
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        learning_rate=args.lr, warmup=args.warmup, ttt_steps=args.ttt_steps,
+    )  # fmt: skip
+    _stop_if_interrupted("reading the corpus")
+    if (out / STATE_FILE).exists():
+        job = resume(args, out, target, config)
     else:
-        try:
-            d2t = train.vocab_map(train_ids, vocab, args.draft_vocab or vocab)
-            head_config = head_lib.HeadConfig.for_target(target.config, len(d2t), layers)
-            head_lib.check_matches(head_config, target, "--feature-layers")
-        except ValueError as e:
-            sys.exit(str(e))
-        params = head_lib.init_params(
-            head_config, jax.random.key(args.seed), target.params["embed"], d2t
+        job = start(args, out, target, config, data["train"])
+    job.update(target=target, config=config, out=out, data=data, started=started)
+    job["windows"] = windows(args, data, job["start"])
+    _stop_if_interrupted("preparing the head")
+    return train_loop(args, argv, job)
+
+
+def check_out(out: Path) -> None:
+    """``--out``: a new folder, or one this script wrote (with its ``train_state.npz``); a file,
+    or a head folder without it (a finished or foreign head, the bundled one), is refused
+    before any step, so no head is overwritten."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: a file, not a folder")
+    if not (out / STATE_FILE).exists() and any((out / f).exists() for f in HEAD_FILES):
+        raise ValueError(
+            f"--out {out}: holds a head but no {STATE_FILE} to resume it from (not a run of this "
+            "script, or its state was removed); give another --out"
         )
-        learned = head_lib.trainable(params)
-        opt_state = opt.init(learned)
+
+
+def start(args, out, target, config, train_ids) -> dict:
+    """A new head: the vocabulary map from the corpus, random weights, a fresh optimizer."""
+    import jax
+
+    from asps_jax.drafters import head as head_lib
+    from asps_jax.drafters import train
+
+    vocab = target.config.vocab_size
+    d2t = train.vocab_map(train_ids, vocab, args.draft_vocab or vocab)
+    head_config = head_lib.HeadConfig.for_target(target.config, len(d2t), args.layers)
+    head_lib.check_matches(head_config, target, "--feature-layers")
+    params = head_lib.init_params(
+        head_config, jax.random.key(args.seed), target.params["embed"], d2t
+    )
+    learned = head_lib.trainable(params)
     fixed = {"embed": params["embed"], "d2t": params["d2t"]}
+    opt_state = train.optimizer(config).init(learned)
+    return dict(head_config=head_config, learned=learned, fixed=fixed, opt_state=opt_state,
+                start=0, log={"evals": []})  # fmt: skip
+
+
+def resume(args, out, target, config) -> dict:
+    """The head, optimizer state and step saved in ``out``, refused where this run's flags do
+    not describe the same head (``--target``, ``--feature-layers``, ``--draft-vocab``) or a file
+    is unreadable."""
+    import jax.numpy as jnp
+
+    from asps_jax.drafters import head as head_lib
+    from asps_jax.drafters import train
+
+    log = read_log(out / LOG_FILE)
+    was = log.get("target")
+    if was is not None and was != args.target:
+        raise ValueError(
+            f"--target {args.target}: {out} holds a head trained for --target {was} ({LOG_FILE}); "
+            "give that target to resume it, or another --out"
+        )
+    head = head_lib.load_head(out, target, dtype=jnp.float32)
+    c = head.config
+    for flag, given, saved in (
+        ("--feature-layers", args.layers, c.feature_layers),
+        ("--draft-vocab", args.draft_vocab, c.draft_vocab_size),
+    ):
+        if given is not None and given != saved:
+            shown = ",".join(map(str, saved)) if isinstance(saved, tuple) else saved
+            raise ValueError(
+                f"{flag} {','.join(map(str, given)) if isinstance(given, tuple) else given}: "
+                f"{out} holds a head with {flag} {shown} (config.json); drop the flag to resume "
+                "it, or give another --out"
+            )
+    learned = head_lib.trainable(head.params)
+    fixed = {"embed": head.params["embed"], "d2t": head.params["d2t"]}
+    step, flat = read_state(out / STATE_FILE)
+    opt_state = train.unflat_state(
+        train.optimizer(config).init(learned), flat, str(out / STATE_FILE)
+    )
+    print(f"resuming {out} at step {step} of {args.steps}")
+    return dict(head_config=c, learned=learned, fixed=fixed, opt_state=opt_state, start=step,
+                log=log)  # fmt: skip
+
+
+def read_log(path: Path) -> dict:
+    """``training.json`` (absent: a fresh log); one line naming it when it is not a JSON
+    object."""
+    if not path.exists():
+        return {"evals": []}
     try:
-        val = train.sample_windows(np.random.default_rng(1), val_ids, 4 * args.batch_size,
-                                   args.seq_len) if n_val >= args.seq_len else None  # fmt: skip
+        log = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); restore it or delete it") from None
+    if not isinstance(log, dict) or not isinstance(log.get("evals", []), list):
+        raise ValueError(f'{path}: not a training log (a JSON object with "evals")')
+    log.setdefault("evals", [])
+    return log
+
+
+def read_state(path: Path):
+    """``(step, arrays)`` of ``train_state.npz``; one line naming it when it is truncated, empty
+    or not the optimizer state (the arrays' shapes are checked by ``train.unflat_state``)."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            saved = {k: f[k] for k in f.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
+        raise ValueError(
+            f"{path}: truncated or not a saved optimizer state ({type(e).__name__}: {e}); "
+            "restore it, or give another --out to start a new head"
+        ) from None
+    step = saved.pop("step", None)
+    if step is None or step.shape != () or step.dtype.kind not in "iu" or int(step) < 0:
+        raise ValueError(f"{path}: no step count in it (an empty or foreign .npz)")
+    if sorted(saved) != sorted(str(i) for i in range(len(saved))):
+        raise ValueError(f"{path}: its arrays are not an optimizer state ({sorted(saved)[:4]})")
+    return int(step), saved
+
+
+def windows(args, data, start: int):
+    """``(validation windows or None, the training batches of steps start .. steps - 1)``."""
+    from asps_jax.drafters import train
+
+    try:
+        val = None
+        if len(data["val"]) >= args.seq_len:
+            val = train.sample_windows(np.random.default_rng(1), data["val"], 4 * args.batch_size,
+                                       args.seq_len)  # fmt: skip
         # Step i's windows come from a generator seeded by (seed, i): a resumed run draws what
         # the uninterrupted one would have.
-        batches = (train.sample_windows(np.random.default_rng([args.seed, i]), train_ids,
+        batches = (train.sample_windows(np.random.default_rng([args.seed, i]), data["train"],
                                         args.batch_size, args.seq_len)
                    for i in range(start, args.steps))  # fmt: skip
         first = next(batches, None)
     except ValueError as e:
-        sys.exit(f"--data: {e}")
+        raise ValueError(f"--data: {e}") from None
+    return val, first, batches
 
-    def evaluate():
-        if val is None:
-            return None
-        loss, m = train.eval_step(
-            head_config, config, target.config, learned, fixed, target_params, val
-        )
-        return {"loss": float(loss), **{k: float(v) for k, v in m.items()}}
 
-    def save(step):
-        save_head_state(out, head_config, {**learned, **fixed}, opt_state, step)
-        log.update(
-            target=args.target,
-            data=data_info,
-            tokens={"train": int(len(train_ids)), "val": int(len(val_ids))},
-            command="python " + shlex.join(["scripts/train_drafter.py", *(argv or sys.argv[1:])]),
-            config={
-                k: _shown(v) if k in ("data", "out") and v else v for k, v in vars(args).items()
-            },  # fmt: skip
-            step=step,
-        )
-        (out / LOG_FILE).write_text(json.dumps(log, indent=2) + "\n")
+def train_loop(args, argv, job) -> int:
+    """The optimizer steps from ``job["start"]``, saving every ``--save-every`` steps; a
+    Ctrl-C is acted on after the step under way (saved there, exit status 130)."""
+    from tqdm import tqdm
 
-    progress = tqdm(total=args.steps, initial=start, desc="head", unit="step", dynamic_ncols=True)
-    tokens_seen, t0 = 0, time.perf_counter()
-    step = start
-    batch = first
+    from asps_jax.models.base import run_params
+
+    target_params = run_params(job["target"])
+    progress = tqdm(total=args.steps, initial=job["start"], desc="head", unit="step",
+                    dynamic_ncols=True)  # fmt: skip
+    try:  # the bar closed before any message: an error is a line of its own
+        status = _steps(args, argv, job, target_params, progress)
+    finally:
+        progress.close()
+    print(job["note"], file=sys.stderr if status else sys.stdout)
+    return status
+
+
+def _steps(args, argv, job, target_params, progress) -> int:
+    import jax.numpy as jnp
+
+    from asps_jax.drafters import train
+
+    target, config = job["target"], job["config"]
+    val, batch, batches = job["windows"]
+    step, saved, t0, tokens_seen, pending = job["start"], job["start"], time.perf_counter(), 0, None
     while batch is not None:
-        learned, opt_state, loss, m = train.train_step(
-            head_config, config, target.config, learned, opt_state, fixed, target_params,
-            jnp.asarray(batch),
-        )  # fmt: skip
-        step += 1
-        tokens_seen += batch.size
+        try:
+            job["learned"], job["opt_state"], loss, m = train.train_step(
+                job["head_config"], config, target.config, job["learned"], job["opt_state"],
+                job["fixed"], target_params, jnp.asarray(batch),
+            )  # fmt: skip
+        except KeyboardInterrupt:  # Python's own handler (off the main thread): step lost
+            _CtrlC.requested = True
+            batch = None
+        if batch is None:
+            return _interrupted(args, argv, job, step, saved)
+        if pending is not None:  # one step in flight: Ctrl-C waits for at most this one
+            pending.block_until_ready()
+        pending, step, tokens_seen = loss, step + 1, tokens_seen + batch.size
         progress.update(1)
         if step % 10 == 0 or step == args.steps:
             loss = float(loss)  # waits for the step: the rate counts finished work only
+            if not np.isfinite(loss):
+                raise _Diverged(f"the loss is {loss} at step {step}; {_kept(job, saved)}")
             rate = tokens_seen / (time.perf_counter() - t0)
             progress.set_postfix(loss=f"{loss:.3f}", acc0=f"{float(m['acc_0']):.3f}",
                                  tok_s=f"{rate:.0f}")  # fmt: skip
         if step % args.save_every == 0 or step == args.steps:
-            ev = evaluate()
-            if ev is not None:
-                log["evals"].append(dict(step=step, **ev))
-                tqdm.write(f"step {step}: val loss {ev['loss']:.4f}, first-position accuracy "
-                           f"{ev['acc_0']:.3f}")  # fmt: skip
-            log["train_wall_time_s"] = log.get("train_wall_time_s", 0.0) + (
+            job["log"]["train_wall_time_s"] = job["log"].get("train_wall_time_s", 0.0) + (
                 time.perf_counter() - t0
             )
             t0, tokens_seen = time.perf_counter(), 0
-            save(step)
+            save(args, argv, job, step, saved, evaluate(job, target_params, val, step))
+            saved = step
+        if _CtrlC.requested:
+            return _interrupted(args, argv, job, step, saved)
         batch = next(batches, None)
-    progress.close()
-    log["total_wall_time_s"] = round(time.perf_counter() - started, 1)
-    save(step)
-    print(f"wrote {out} (step {step}); sample with --draft eagle3:{out}")
+    job["log"]["total_wall_time_s"] = round(time.perf_counter() - job["started"], 1)
+    save(args, argv, job, step, saved, None)
+    job["note"] = f"wrote {job['out']} (step {step}); sample with --draft eagle3:{job['out']}"
     return 0
 
 
-def save_head_state(out: Path, head_config, params, opt_state, step: int) -> None:
-    """The head (EAGLE-3 layout) and the optimizer state, each file replaced atomically."""
-    head_lib.save_head(out, head_config, params)
-    tmp = out / (STATE_FILE + ".tmp.npz")
-    np.savez(tmp, step=np.asarray(step), **train.flat_state(opt_state))
-    tmp.replace(out / STATE_FILE)
+def _interrupted(args, argv, job, step: int, saved: int) -> int:
+    """Ctrl-C: the head saved at ``step`` (the last finished one) unless it already is."""
+    if step > saved:
+        save(args, argv, job, step, saved, None)
+    where = f"{job['out']} holds step {step}" if step else "nothing was saved"
+    job["note"] = f"{PROG}: interrupted; {where} (the same command resumes it)"
+    return INTERRUPTED
+
+
+def evaluate(job, target_params, val, step: int):
+    from asps_jax.drafters import train
+
+    if val is None:
+        return None
+    loss, m = train.eval_step(
+        job["head_config"], job["config"], job["target"].config, job["learned"], job["fixed"],
+        target_params, val,
+    )  # fmt: skip
+    ev = {"loss": float(loss), **{k: float(v) for k, v in m.items()}}
+    from tqdm import tqdm
+
+    tqdm.write(f"step {step}: val loss {ev['loss']:.4f}, first-position accuracy "
+               f"{ev['acc_0']:.3f}")  # fmt: skip
+    return ev
+
+
+def _kept(job, saved: int) -> str:
+    if saved and (job["out"] / STATE_FILE).exists():
+        return f"not saved: {job['out']} keeps its checkpoint of step {saved}; try a lower --lr"
+    return "not saved; try a lower --lr"
+
+
+def save(args, argv, job, step: int, saved: int, ev) -> None:
+    """The head, the optimizer state and the log at ``step``, refused for a head with NaN / inf
+    weights; every file is written in full before any is replaced, so a failed write (a full
+    disk) keeps the checkpoint of step ``saved`` whole."""
+    import jax.numpy as jnp
+
+    from asps_jax.drafters import head as head_lib
+    from asps_jax.drafters import train
+
+    broken = sorted(k for k, a in job["learned"].items() if not bool(jnp.all(jnp.isfinite(a))))
+    if broken:
+        raise _Diverged(f"the head diverged: NaN / inf weights in {broken} at step {step}; "
+                        f"{_kept(job, saved)}")  # fmt: skip
+    log, out = job["log"], job["out"]
+    if ev is not None:
+        log["evals"].append(dict(step=step, **ev))
+    log.update(
+        target=args.target, data=job["data"]["info"],
+        tokens={"train": int(len(job["data"]["train"])), "val": int(len(job["data"]["val"]))},
+        command="python " + shlex.join([f"scripts/{PROG}", *(argv or sys.argv[1:])]),
+        config={k: _shown(v) if k in ("data", "out") and v else v for k, v in vars(args).items()
+                if k != "layers"},
+        step=step,
+    )  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    tmp_state, tmp_log = out / (STATE_FILE + ".tmp.npz"), out / (LOG_FILE + ".tmp")
+    try:
+        np.savez(tmp_state, step=np.asarray(step), **train.flat_state(job["opt_state"]))
+        tmp_log.write_text(json.dumps(log, indent=2) + "\n")
+        head_lib.save_head(out, job["head_config"], {**job["learned"], **job["fixed"]})
+    except OSError as e:
+        tmp_state.unlink(missing_ok=True)
+        tmp_log.unlink(missing_ok=True)
+        kept = f"its checkpoint of step {saved} is kept" if saved else "nothing was saved"
+        raise OSError(f"--out {out}: writing the checkpoint of step {step} failed "
+                      f"({e.strerror or e}); {kept}") from None  # fmt: skip
+    tmp_state.replace(out / STATE_FILE)
+    tmp_log.replace(out / LOG_FILE)
 
 
 if __name__ == "__main__":

@@ -112,3 +112,32 @@ def test_a_user_drafter_refuses_what_it_cannot_draft(tiny):
     with pytest.raises(ValueError, match="draft_stop: the confidence stop is an option"):
         asps_jax.sample(model, TOY, [PROMPT], key=jax.random.key(0), max_new_tokens=2,
                         draft_stop="confidence:0.5")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Broken(drafters.Drafter):
+    """A drafter whose model went NaN and which cuts its own chains to nothing (usable 0, every
+    law "ok"): the shared check (``Proposal.finite_BKD`` from ``drafters.finite_laws``) still
+    stops the row, as a NaN draft model's does (issue 66, item 3)."""
+
+    def propose(self, dec, params, sampling, state) -> drafters.Proposal:
+        n, k = dec.spec.num_draft_tokens, dec.spec.tree.num_chains
+        batch = state.root.shape[0]
+        logits = jnp.full((batch, k, n, VOCAB), jnp.nan, jnp.float32)
+        return drafters.Proposal(
+            tokens_BKD=jnp.zeros((batch, k, n), jnp.int32),
+            logprobs_BKDV=jnp.full((batch, k, n, VOCAB), -jnp.inf, jnp.float32),
+            ok_BKD=jnp.ones((batch, k, n), bool),
+            usable_BK=jnp.zeros((batch, k), jnp.int32),
+            finite_BKD=drafters.finite_laws(logits),
+        )
+
+
+@pytest.mark.slow  # one compile of the sampling loop
+def test_a_non_finite_draft_law_of_any_drafter_raises(tiny):
+    model, _ = tiny
+    with pytest.raises(asps_jax.NonFiniteLogitsError, match=r"rows \[0\] stopped at new-token "
+                       r"positions \[0\]") as err:  # fmt: skip
+        asps_jax.sample(model, Broken(), [PROMPT], key=jax.random.key(0), max_new_tokens=2,
+                        num_draft_tokens=2)  # fmt: skip
+    assert int(err.value.output.lengths[0]) == 0

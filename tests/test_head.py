@@ -572,6 +572,10 @@ def _offsets(ids):
     return np.asarray(ids, np.int64) - np.arange(len(ids))
 
 
+def _field(name, got, low=1):
+    return rf"config.json: field '{name}' must be an integer >= {low}, got {re.escape(str(got))}$"
+
+
 FOR_ANOTHER = "it was trained for another target"
 D2T_RANGE = r"'d2t' must map each of the 4 draft ids to a target id in \[0, 5\)"
 BAD_HEADS = [
@@ -639,6 +643,57 @@ BAD_HEADS = [
         dict(config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}}),
         r"reads target layers \[0, 1, 3\], the target has 3 \(ids 0 .. 2\)",
     ),
+    # Issue 66: wrong-typed config fields, t2d, integer weights (asps_jax/drafters/head_checks.py).
+    ("zero_heads", dict(config={"num_attention_heads": 0}), _field("num_attention_heads", 0)),
+    ("str_hidden", dict(config={"hidden_size": "16"}), _field("hidden_size", "'16'")),
+    ("bool_kv", dict(config={"num_key_value_heads": True}), _field("num_key_value_heads", True)),
+    ("draft_vocab_0", dict(config={"draft_vocab_size": 0}), _field("draft_vocab_size", 0)),
+    ("draft_vocab_neg", dict(config={"draft_vocab_size": -5}), _field("draft_vocab_size", -5)),
+    (
+        "context_0",
+        dict(config={"max_position_embeddings": 0}),
+        _field("max_position_embeddings", 0),
+    ),
+    (
+        "kv_heads",
+        dict(config={"num_key_value_heads": 3}),
+        r"config.json: field 'num_attention_heads' \(4\) must be a multiple of 'num_key_value_",
+    ),
+    (
+        "rope_list",
+        dict(config={"rope_scaling": [1, 2]}),
+        r"config.json: field 'rope_scaling' must be an object or null, got \[1, 2\]",
+    ),
+    (
+        "rope_no_factor",
+        dict(config={"rope_scaling": {"rope_type": "linear"}}),
+        r"config.json: field 'rope_scaling': rope_scaling of type 'linear' needs a 'factor'",
+    ),
+    (
+        "eps",
+        dict(config={"rms_norm_eps": "tiny"}),
+        r"config.json: field 'rms_norm_eps' must be a number > 0, got 'tiny'",
+    ),
+    (
+        "layer_ids",
+        dict(config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, "x", 1]}}),
+        r"field 'eagle_config.eagle_aux_hidden_state_layer_ids' must be an integer >= 0, got 'x'",
+    ),
+    (
+        "t2d_contradicts",
+        dict(tensors={"t2d": np.array([1, 1, 1, 1, 0], bool)}),
+        r"'t2d' contradicts 'd2t' at target id 3 \('t2d' says True, 'd2t' does not map",
+    ),
+    (
+        "t2d_length",
+        dict(tensors={"t2d": np.ones(4, bool)}),
+        r"'t2d' must be 5 booleans \(one per target id\), got bool of shape \[4\]",
+    ),
+    (
+        "int32_weight",
+        dict(tensors={"fc.weight": np.ones((16, 48), np.int32)}),
+        r"tensor 'fc.weight' is int32; a head's weights must be floating point",
+    ),
 ]
 
 
@@ -657,6 +712,34 @@ def test_bad_head_is_a_one_line_error(tiny, tmp_path, case, change, match):
     with pytest.raises(ValueError, match=match) as err:
         asps_jax.sample(tiny.target, head.PREFIX + str(folder), [PROMPT], seed=0, max_new_tokens=2)
     assert "\n" not in str(err.value) and str(folder) in str(err.value)
+
+
+def test_a_head_capping_the_context_is_named(tiny, tmp_path):
+    """A head whose config.json allows 8 positions: the call past them names the head's file and
+    field, not only 'the model context' (issue 66)."""
+    folder = _variant(tiny, tmp_path, config={"max_position_embeddings": 8})
+    match = (
+        r"exceeds the model context of 8 positions \(the draft's, draft='eagle3:.*': "
+        r"config.json max_position_embeddings\)"
+    )
+    with pytest.raises(ValueError, match=match):
+        asps_jax.sample(tiny.target, head.PREFIX + str(folder), [PROMPT], seed=0, max_new_tokens=6)
+
+
+@pytest.mark.slow  # one compile of the head's sampling loop (both cases share it)
+@pytest.mark.parametrize("tensor", ["fc.weight", "norm.weight"])
+def test_a_non_finite_head_raises_as_a_draft_model_does(tiny, tmp_path, tensor):
+    """One NaN in ``fc`` (every draft logit NaN) or an inf norm scale: NonFiniteLogitsError at
+    the first token, as a NaN draft model gives, not drafts silently switched off (issue 66)."""
+    from safetensors.numpy import load_file
+
+    weights = load_file(tiny.folder / head.WEIGHTS_FILE)
+    bad = weights[tensor].copy()
+    bad.flat[0] = np.nan if tensor == "fc.weight" else np.inf
+    folder = _variant(tiny, tmp_path, tensors={tensor: bad})
+    with pytest.raises(asps_jax.NonFiniteLogitsError, match=r"positions \[0\]") as err:
+        asps_jax.sample(tiny.target, head.PREFIX + str(folder), [PROMPT], seed=0, max_new_tokens=2)
+    assert int(err.value.output.lengths[0]) == 0
 
 
 def test_bad_use_of_a_head_is_a_one_line_error(tiny):
@@ -742,6 +825,22 @@ def test_a_constraint_allowing_only_tokens_the_head_never_drafts(tiny):
 
 
 # --- The command line ---------------------------------------------------------------------------
+
+
+def test_cli_bad_head_config_is_one_line(capsys, tmp_path):
+    """A head config.json with num_attention_heads 0 or a list for rope_scaling: exit 2, one line
+    naming the file and the field, no traceback (issue 66, item 6)."""
+    cli = _cli()
+    for field, value in (("num_attention_heads", 0), ("rope_scaling", [1, 2])):
+        folder = tmp_path / field
+        shutil.copytree(MODELS_DIR / "tinyshakespeare-eagle3", folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, field: value}))
+        assert cli.main(["--max-new-tokens", "2", "--draft", head.PREFIX + str(folder)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"sample.py: error: draft={head.PREFIX}{folder}: config.json: field "
+                              f"'{field}' must be"), err  # fmt: skip
+        assert "\n" not in err and "Traceback" not in err
 
 
 @pytest.mark.slow

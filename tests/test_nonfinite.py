@@ -160,3 +160,14 @@ def test_processors_flag_unusable_laws():
     # Greedy of a row without a finite logit is no law at all (it used to be a point mass on 0).
     greedy = np.asarray(process_logits(np.full((2, 3), nan, np.float32), temperature=0.0))
     assert np.all(greedy == -np.inf)
+
+
+@pytest.mark.slow
+def test_nan_draft_with_a_confidence_stop_still_raises(models):
+    """A NaN draft law is no confident law: the confidence stop cut every chain to nothing and
+    drafting went silently off; the shared check (Proposal.finite_BKD) stops the rows (issue 66)."""
+    m = models[0]
+    with pytest.raises(NonFiniteLogitsError) as info:
+        asps_jax.sample(m["target"], m["nan_draft"], [PROMPT] * 2, seed=0, max_new_tokens=3,
+                        num_draft_tokens=2, draft_stop="confidence:0.5")  # fmt: skip
+    assert info.value.rows == [0, 1] and info.value.positions == [0, 0]

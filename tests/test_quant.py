@@ -298,6 +298,8 @@ def test_update_params_refreshes_the_quantized_draft(llama):
         ("int4:12", "w_down has 32 inputs per output \\(32\\), which groups of 12 do not divide; "
          "give a group size that divides every matrix \\(here 'int4:8'\\) or 'int8'"),
         ("int4:3", "which groups of 3 do not divide; .* \\(here 'int4:2'\\)"),
+        ("int4:\u0663", "'int4:G'"),  # an Arabic-Indic 3: ASCII digits only (issue 66)
+        ("int4:+8", "'int4:G'"),
     ],
 )  # fmt: skip
 def test_bad_quantize_is_a_one_line_error(llama, spec, match):
@@ -373,3 +375,23 @@ def test_cli_quantized_target_and_draft(capsys):
     assert cli.main(argv + ["--draft", "quant:int8"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["new_tokens"] == 8 and result["acceptance"] > 0.9
+
+
+def test_plain_int4_fits_the_bundled_pair(capsys):
+    """The bundled target's matrices are 192 and 512 inputs wide with heads of 48: plain 'int4'
+    takes groups of 16 (the largest of at most 128 dividing every matrix: 128, 96, 64 and 32 do
+    not), the group the docs' int4 figures used; the draft's (64, 172, heads of 32) take 4. A
+    given group that does not divide the draft's matrices is one line naming the draft model
+    and the flag (issue 66)."""
+    for name, group in (("tinyshakespeare-target", 16), ("tinyshakespeare-draft", 4)):
+        model = asps_jax.load_model(name)
+        got = quant.fitted(model.config, model.params, quant.parse("int4"))
+        assert got == quant.Scheme("int4", group), name
+        quant.plan(model.config, model.params, got)  # divides every matrix
+        with pytest.raises(ValueError, match=f"here 'int4:{group}'"):
+            quant.plan(model.config, model.params, quant.Scheme("int4", group + 1))
+    cli = _cli()
+    assert cli.main(["--max-new-tokens", "2", "--draft-quantize", "int4:64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sample.py: error: --draft-quantize int4:64: tinyshakespeare-draft's ")
+    assert "(here 'int4:4')" in err and "\n" not in err

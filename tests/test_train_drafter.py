@@ -11,6 +11,7 @@ import collections
 import functools
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -157,8 +158,7 @@ def test_script_resumes_where_it_stopped(corpus, tmp_path, monkeypatch, capsys):
         return real_step(*args)
 
     monkeypatch.setattr(train, "train_step", stop_after_three)
-    with pytest.raises(KeyboardInterrupt):
-        script.main(_args(corpus, tmp_path / "resumed"))
+    assert script.main(_args(corpus, tmp_path / "resumed")) == 130  # saved, no traceback
     monkeypatch.setattr(train, "train_step", real_step)
     assert json.loads((tmp_path / "resumed/training.json").read_text())["step"] == 3
     assert script.main(_args(corpus, tmp_path / "resumed")) == 0
@@ -183,6 +183,9 @@ def test_script_resumes_where_it_stopped(corpus, tmp_path, monkeypatch, capsys):
         (["--seq-len", "2"], "--seq-len must be >= 4"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--lr", "2"], "--lr must be in"),
+        (["--warmup", "-5"], "--warmup must be >= 0, got -5"),
+        (["--draft-vocab", "0"], "--draft-vocab must be >= 1 (the head's vocabulary), got 0"),
+        (["--feature-layers", "1,x"], "--feature-layers '1,x': give layer ids"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(corpus, tmp_path, capsys, extra, match):
@@ -200,13 +203,180 @@ def test_bad_flags_exit_2_naming_the_flag(corpus, tmp_path, capsys, extra, match
         (b'{"text": "a"}\nnot json\n', ".jsonl", "line 2 is not JSON"),
         (b'{"body": "a"}\n', ".jsonl", 'line 1 has no "text"'),
         (b"to be", ".txt", "fewer than one window"),
+        (b"", ".jsonl", "no line has a non-empty"),
+        (b'\n{"text": ""}\n', ".jsonl", "(an empty corpus)"),
+        (b"", ".txt", "the file is empty"),
+        # A BOM'd corpus is read (as --prompts reads one): too short here, not "not JSON".
+        (b'\xef\xbb\xbf{"text": "to be"}\n', ".jsonl", "fewer than one window"),
     ],
 )
-def test_bad_corpus_is_one_line(tmp_path, content, suffix, match):
+def test_bad_corpus_is_one_line(tmp_path, capsys, content, suffix, match):
     path = tmp_path / f"corpus{suffix}"
     if content is not None:
         path.write_bytes(content)
-    with pytest.raises(SystemExit) as e:
-        _script().main(_args(path, tmp_path / "h"))
-    assert match in str(e.value) and "\n" not in str(e.value)
+    assert _script().main(_args(path, tmp_path / "h")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train_drafter.py: error: --data") and match in err, err
+    assert err.count("\n") == 1
     assert not (tmp_path / "h").exists()  # nothing written
+
+
+# --- The error boundary without compiling (issue 66, item 5): a stand-in optimizer step ---------
+
+
+def _fake_step(calls, nan_at=None, sigint_at=None):
+    """train.train_step's signature, no compile: the weights unchanged (NaN from call
+    ``nan_at``), a SIGINT sent to this process during call ``sigint_at``."""
+
+    def step(head_config, config, target_config, learned, opt_state, fixed, params, batch):
+        calls.append(1)
+        if sigint_at == len(calls):
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGINT)
+        if nan_at is not None and len(calls) >= nan_at:
+            learned = dict(learned, fc=learned["fc"] * jnp.nan)
+        return learned, opt_state, jnp.zeros(()), {"acc_0": jnp.zeros(())}
+
+    return step
+
+
+def _quick_args(corpus, out, *extra):
+    return [*_args(corpus, out, steps=4), "--save-every", "2", "--val-fraction", "0", *extra]
+
+
+@pytest.fixture
+def saved(corpus, tmp_path, monkeypatch):
+    """A checkpoint of step 4 written by the script (stand-in steps), and its argv."""
+    monkeypatch.setattr(train, "train_step", _fake_step([]))
+    argv = _quick_args(corpus, tmp_path / "head")
+    assert _script().main(argv) == 0
+    return tmp_path / "head", argv
+
+
+def _fails(argv, capsys, match, status=2):
+    assert _script().main(argv) == status
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar's line
+    assert err.startswith("train_drafter.py: error: ") and "\n" not in err, err
+    assert re.search(match, err), err
+    return err
+
+
+def _bad_zip(path):
+    path.write_bytes(path.read_bytes()[:100])
+
+
+BAD_RESUMES = [
+    ("model.safetensors", lambda p: p.write_bytes(p.read_bytes()[:200]), r"model.safetensors"),
+    ("train_state.npz", _bad_zip, r"train_state.npz: truncated or not a saved optimizer state"),
+    ("train_state.npz", lambda p: p.write_bytes(b""), r"train_state.npz: truncated or not a"),
+    ("train_state.npz", lambda p: np.savez(p, x=np.ones(2)), r"train_state.npz: no step count"),
+    (
+        "train_state.npz",
+        lambda p: np.savez(p, step=np.asarray(2), **{"0": np.ones(3)}),
+        r"train_state.npz: 1 saved arrays, this run's state has",
+    ),
+    ("training.json", lambda p: p.write_text("{not json"), r"training.json: not valid JSON"),
+    ("training.json", lambda p: p.write_text("[1, 2]"), r"training.json: not a training log"),
+]
+
+
+@pytest.mark.parametrize("name, damage, match", BAD_RESUMES)
+def test_a_damaged_checkpoint_is_one_line(saved, capsys, name, damage, match):
+    out, argv = saved
+    damage(out / name)
+    _fails(argv, capsys, match)
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--target", "tinyshakespeare-draft"], r"--target tinyshakespeare-draft: .* holds a head "
+         r"trained for --target tinyshakespeare-target \(training.json\)"),
+        (["--feature-layers", "0,1,2"], r"--feature-layers 0,1,2: .* holds a head with "
+         r"--feature-layers 1,2,3 \(config.json\); drop the flag"),
+        (["--draft-vocab", "200"], r"--draft-vocab 200: .* holds a head with --draft-vocab 300"),
+    ],
+)  # fmt: skip
+def test_a_resume_with_other_flags_is_refused(saved, capsys, extra, match):
+    out, argv = saved
+    _fails([*argv, "--steps", "6", *extra], capsys, match)
+
+
+def test_an_out_folder_not_of_this_script_is_refused(corpus, tmp_path, capsys):
+    """--out a file, or a head folder with no train_state.npz (the bundled head's): refused
+    before any step, the files untouched."""
+    (tmp_path / "file").write_text("x")
+    _fails(_quick_args(corpus, tmp_path / "file"), capsys, r"--out .*file: a file, not a folder")
+    _fails([*_quick_args(corpus, tmp_path / "h"), "--draft-vocab", "5000"], capsys,
+           r"--draft-vocab 5000: at most the target's 2048 tokens")  # fmt: skip
+    bundled = ROOT / "models/tinyshakespeare-eagle3"
+    before = {p.name: p.stat().st_mtime_ns for p in bundled.iterdir()}
+    _fails(_quick_args(corpus, bundled), capsys, r"holds a head but no train_state.npz")
+    assert {p.name: p.stat().st_mtime_ns for p in bundled.iterdir()} == before
+
+
+def test_a_full_disk_keeps_the_last_checkpoint(saved, capsys, monkeypatch):
+    """The head's write fails half-way with ENOSPC: one line (exit 2), the step-4 checkpoint
+    whole and no temporary file left."""
+    import errno
+
+    from asps_jax.models import loader
+
+    out, argv = saved
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = loader.write_safetensors
+
+    def full(path, tensors):
+        real(path, tensors[:2])  # a part of the file is written, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(loader, "write_safetensors", full)
+    _fails([*argv, "--steps", "6"], capsys, r"--out .*: writing the checkpoint of step 6 failed "
+           r"\(No space left on device\); its checkpoint of step 4 is kept")  # fmt: skip
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_diverged_head_is_not_saved(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train, "train_step", _fake_step([], nan_at=3))
+    out = tmp_path / "head"
+    _fails(_quick_args(corpus, out), capsys, r"the head diverged: NaN / inf weights in \['fc'\] at "
+           r"step 4; not saved: .* keeps its checkpoint of step 2", status=1)  # fmt: skip
+    assert json.loads((out / "training.json").read_text())["step"] == 2
+    assert not list(out.glob("*.tmp*"))
+
+
+def test_ctrl_c_stops_at_the_next_step_and_saves(corpus, tmp_path, capsys, monkeypatch):
+    """SIGINT during step 3 of 4 (save every 2): step 3 finishes, is saved, exit 130, no
+    traceback; the next run resumes at step 3."""
+    calls = []
+    monkeypatch.setattr(train, "train_step", _fake_step(calls, sigint_at=3))
+    out = tmp_path / "head"
+    assert _script().main(_quick_args(corpus, out)) == 130
+    assert len(calls) == 3
+    err = capsys.readouterr().err
+    assert "interrupted;" in err and "holds step 3" in err and "Traceback" not in err
+    assert json.loads((out / "training.json").read_text())["step"] == 3
+    monkeypatch.setattr(train, "train_step", _fake_step(calls))
+    assert _script().main(_quick_args(corpus, out)) == 0
+    assert len(calls) == 4  # one step left
+
+
+def test_presets_quick_and_the_default_folder(monkeypatch, tmp_path):
+    """--preset tinyshakespeare-eagle3 is the bundled head's recorded recipe (its training.json,
+    the command in docs/benchmarks.md); --quick shortens a run; explicit flags win; the default
+    --out is in the current directory, never the checkout's models/."""
+    script = _script()
+    recorded = json.loads((ROOT / "models/tinyshakespeare-eagle3/training.json").read_text())
+    args = script.parse(["--preset", "tinyshakespeare-eagle3"])
+    got = {k: v for k, v in vars(args).items() if k in recorded["config"]}
+    want = dict(recorded["config"], data=str(ROOT / recorded["config"]["data"]))
+    want["out"] = "tinyshakespeare-eagle3"
+    assert got == want
+    assert recorded["command"] in (ROOT / "docs/benchmarks.md").read_text()
+    assert script.parse(["--preset", "tinyshakespeare-eagle3", "--steps", "5"]).steps == 5
+    quick = script.parse(["--quick"])
+    assert (quick.steps, quick.seq_len) == (script.QUICK["steps"], script.QUICK["seq_len"])
+    assert script.parse(["--quick", "--steps", "3"]).steps == 3
+    assert script.parse([]).out is None  # run(): Path("<target>-eagle3"), relative to the cwd

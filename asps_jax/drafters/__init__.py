@@ -16,15 +16,17 @@
 :func:`resolve` is the one reader of the ``draft=`` argument. A drafter is a frozen value, static
 under jit (a field of :class:`~asps_jax.decode.Decoder`), so a user can also build one of their
 own and pass it as ``draft=``: subclass :class:`Drafter` as a frozen dataclass and implement
-``propose`` (and ``init`` / ``prefill`` / ``refill`` / ``commit`` if it keeps a state). Adding a
-drafter to the package is one file and one line in :func:`resolve`.
+``propose`` (and ``init`` / ``prefill`` / ``refill`` / ``commit`` if it keeps a state); a drafter
+with logits of its own reports them with :func:`finite_laws` (``Proposal.finite_BKD``), so a NaN
+or ``+inf`` draft law raises ``NonFiniteLogitsError`` like a draft model's. Adding a drafter to the
+package is one file and one line in :func:`resolve`.
 """
 
 from __future__ import annotations
 
 from asps_jax.checks import check_int
 from asps_jax.drafters import head, self_layers
-from asps_jax.drafters.base import Drafter, Proposal, chain_keys, step_keys
+from asps_jax.drafters.base import Drafter, Proposal, chain_keys, finite_laws, step_keys
 from asps_jax.drafters.lookup import DEFAULT_NGRAM, Lookup
 from asps_jax.drafters.model import ModelDraft
 from asps_jax.drafters.self_layers import PREFIX as SELF_PREFIX
@@ -54,6 +56,7 @@ __all__ = [
     "SelfDraft",
     "SharedLayers",
     "chain_keys",
+    "finite_laws",
     "is_named",
     "longest_draft",
     "options",

@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from asps_jax.processors import logits_ok
+
 PURPOSE_DRAFT = 0  # the step key's purpose for drafting (decode folds in the others)
 
 
@@ -47,6 +49,13 @@ class Proposal:
       state: the drafter's state after drawing (passed to :meth:`Drafter.commit`).
       target_cache: the target cache with the drafter's scratch slots written, for a drafter
         that drafts inside the target's cache; None leaves it as it was.
+      finite_BKD: bool[B, K, D] or None, :func:`finite_laws` of each law's raw logits (the
+        drafter's own, before any control): the loop stops a row with ``NonFiniteLogitsError``
+        at the first depth within reach (the step's budget, the path's EOS) whose logits were
+        not finite, whatever ``ok_BKD`` and ``usable_BK`` say, so a drafter cannot turn a broken
+        model into silently empty drafts. :func:`~asps_jax.drafters.model.rollout_proposal`
+        fills it; a drafter computing logits its own way sets it with :func:`finite_laws`
+        (None: a drafter with no logits, e.g. a lookup).
     """
 
     tokens_BKD: jax.Array
@@ -55,6 +64,7 @@ class Proposal:
     usable_BK: jax.Array
     state: Any = None
     target_cache: Any = None
+    finite_BKD: Any = None
 
 
 class Drafter:
@@ -95,6 +105,10 @@ class Drafter:
         """The most positions the drafter can attend over (a draft model's context), None for no
         bound of its own."""
         return None
+
+    def context_source(self) -> str:
+        """Where :meth:`context`'s bound comes from, named in the error of a call past it."""
+        return f"the {self.name} drafter's context"
 
     def default_draft_len(self) -> int | None:
         """The draft length when the call gives no ``num_draft_tokens`` (None: the default 8)."""
@@ -144,6 +158,31 @@ class Drafter:
         path's target features (``features_BTF[:, j]``: the path's node j, the root first) and
         the emitted tokens (``tokens_BT[:, j]``: the token after node j), ``num_B`` of them."""
         return state
+
+
+def finite_laws(logits_V: jax.Array) -> jax.Array:
+    """bool ``[...]``: the shared check of a draft law's raw logits ``[..., V]`` (the draft
+    model's, :func:`asps_jax.processors.logits_ok`): no NaN or ``+inf`` and some finite logit.
+    ``Proposal.finite_BKD`` holds it per law."""
+    return logits_ok(logits_V)
+
+
+def unusable_depths(proposal: Proposal, lengths_BK, reach_BK, never: int) -> jax.Array:
+    """int32[B, K]: the depth of each path's first law that stops its row (``never`` where none
+    does): an unusable law (``ok_BKD``) among the ``lengths_BK`` depths the path uses, or a law
+    whose raw logits were not finite (``finite_BKD``) among the ``reach_BK`` depths the step could
+    use (the budget, the path's EOS), whatever the drafter's own cut (``usable_BK``)."""
+    bad_BK = _first_false(proposal.ok_BKD, never)
+    bad_BK = jnp.where(bad_BK < lengths_BK, bad_BK, never)
+    if proposal.finite_BKD is None:
+        return bad_BK
+    broken_BK = _first_false(proposal.finite_BKD, never)
+    return jnp.minimum(bad_BK, jnp.where(broken_BK < reach_BK, broken_BK, never))
+
+
+def _first_false(ok_BKD, never: int) -> jax.Array:
+    """int32[B, K]: the index of the first False along the last axis (``never`` if none)."""
+    return jnp.where(jnp.all(ok_BKD, axis=-1), never, jnp.argmax(~ok_BKD, axis=-1))
 
 
 def step_keys(state, purpose: int = PURPOSE_DRAFT) -> jax.Array:

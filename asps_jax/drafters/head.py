@@ -34,7 +34,8 @@ Checkpoints are in the EAGLE-3 layout (SpecForge, the EAGLE repository, vLLM and
 it): ``config.json`` with ``"architectures": ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``
 and ``eagle_config.eagle_aux_hidden_state_layer_ids``, and ``model.safetensors`` with ``fc``,
 ``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` (offsets: target id = draft id + ``d2t[id]``),
-``t2d`` and optionally ``embed_tokens`` (else the target's embedding is used).
+``t2d`` and optionally ``embed_tokens`` (else the target's embedding is used); a head's files are
+checked field by field and tensor by tensor (:mod:`asps_jax.drafters.head_checks`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax import footprint, kv_cache, scoring
+from asps_jax.drafters import head_checks
 from asps_jax.drafters.base import Drafter, Proposal
 from asps_jax.drafters.model import rollout_proposal
 from asps_jax.models import loader
@@ -113,41 +115,12 @@ class HeadConfig:
 
     @classmethod
     def from_hf(cls, d: dict, target_config, where: str = "config.json") -> HeadConfig:
-        """From an EAGLE-3 ``config.json`` (SpecForge / EAGLE layout) for ``target_config``."""
-        arch = d.get("architectures") or []
-        if not any("Eagle3" in a for a in arch):
-            raise ValueError(
-                f"{where}: not an EAGLE-3 head (architectures {arch}); expected {ARCHITECTURE!r}"
-            )
-        if int(d.get("num_hidden_layers", 1)) != 1:
-            raise ValueError(
-                f"{where}: an EAGLE-3 head has one layer, got {d['num_hidden_layers']}"
-            )
-        try:
-            heads = int(d["num_attention_heads"])
-            hidden = int(d["hidden_size"])
-            ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-            target_layers = target_config.num_hidden_layers
-            layers = tuple(int(i) for i in ids) if ids else default_feature_layers(target_layers)
-            max_pos = int(d.get("max_position_embeddings", 2048))
-            rope = d.get("rope_scaling") or d.get("rope_parameters")
-            return cls(
-                hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                vocab_size=int(d["vocab_size"]),
-                draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
-                target_hidden_size=int(d.get("target_hidden_size") or hidden),
-                feature_layers=layers,
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))),
-                rope_scaling=RopeScaling.from_hf(rope, max_pos),
-                max_position_embeddings=max_pos,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{where}: not a valid EAGLE-3 head config ({e!r})") from None
+        """From an EAGLE-3 ``config.json`` (SpecForge / EAGLE layout) for ``target_config``, its
+        fields checked (:func:`asps_jax.drafters.head_checks.config_fields`)."""
+        fields = head_checks.config_fields(d, where)
+        layers = fields.pop("feature_layers")
+        layers = layers or default_feature_layers(target_config.num_hidden_layers)
+        return cls(**fields, feature_layers=layers)
 
     def to_hf(self) -> dict:
         """The ``config.json`` of this head in the EAGLE-3 layout."""
@@ -362,6 +335,7 @@ class EagleHead(Drafter):
     """The drafter of a learned head (``draft="eagle3:PATH"``); see the module docstring."""
 
     config: HeadConfig
+    where: str = dataclasses.field(default="", compare=False)  # for messages only
 
     replicated = True
 
@@ -375,6 +349,9 @@ class EagleHead(Drafter):
 
     def context(self) -> int | None:
         return self.config.max_position_embeddings
+
+    def context_source(self) -> str:
+        return f"{self.where or self.name}: {CONFIG_FILE} max_position_embeddings"
 
     def footprint(self, sizes) -> dict[str, int]:
         c = self.config
@@ -493,11 +470,11 @@ class EagleHead(Drafter):
         (cache, _), drawn = rollout_proposal(
             dec, sampling, state, feed, (cache, first_hidden_RE), store_last=False
         )
-        # A law with no mass and no NaN (a constraint that allows only tokens outside the draft
-        # vocabulary) ends the chain before it: a stopping time of the head's own laws, so
-        # exact; the row goes on (the target's law draws the next token).
+        # A law with no mass from finite logits (a constraint that allows only tokens outside
+        # the draft vocabulary) ends the chain before it: a stopping time of the head's own
+        # laws, so exact; the row goes on (the target's law draws the next token).
         lp = drawn["logprobs_BKDV"]
-        empty = ~jnp.any(lp > -jnp.inf, axis=-1) & ~jnp.any(jnp.isnan(lp), axis=-1)
+        empty = ~jnp.any(lp > -jnp.inf, axis=-1) & drawn["finite_BKD"]
         first_empty = jnp.where(jnp.any(empty, -1), jnp.argmax(empty, -1), empty.shape[-1])
         drawn["usable_BK"] = jnp.minimum(drawn["usable_BK"], first_empty.astype(jnp.int32))
         drawn["ok_BKD"] = drawn["ok_BKD"] | empty
@@ -586,25 +563,9 @@ def load_head(path, target, *, dtype=None) -> Head:
                 f"{where}: tensor {TENSORS[name]!r} has shape {list(a.shape)}, the config "
                 f"says {list(shape)}"
             )
+        head_checks.check_weight(TENSORS[name], a, where)
         params[name] = jnp.asarray(a.astype(np.float32), want_dtype)
-    d2t = tensors.get("d2t")
-    if d2t is None:
-        if c.draft_vocab_size != c.vocab_size:
-            raise ValueError(f"{where}: the weights lack 'd2t' (the draft-to-target map)")
-        d2t = np.zeros(c.vocab_size, np.int64)
-    if d2t.shape != (c.draft_vocab_size,) or d2t.dtype.kind not in "iu":
-        raise ValueError(
-            f"{where}: 'd2t' must be {c.draft_vocab_size} integer offsets (one per draft id), "
-            f"got {d2t.dtype} of shape {list(d2t.shape)}"
-        )
-    ids = np.arange(c.draft_vocab_size) + d2t.astype(np.int64)
-    if ids.min() < 0 or ids.max() >= c.vocab_size:
-        raise ValueError(
-            f"{where}: 'd2t' must map each of the {c.draft_vocab_size} draft ids to a target id "
-            f"in [0, {c.vocab_size})"
-        )
-    if len(np.unique(ids)) != len(ids):
-        raise ValueError(f"{where}: 'd2t' maps two draft ids to one target id")
+    ids = head_checks.target_ids(tensors, c.draft_vocab_size, c.vocab_size, where)
     embed = tensors.get("embed_tokens.weight")
     target_embed = target.params["embed"]
     if embed is None:
@@ -614,6 +575,8 @@ def load_head(path, target, *, dtype=None) -> Head:
             f"{where}: tensor 'embed_tokens.weight' has shape {list(embed.shape)}, the "
             f"target's embedding {list(target_embed.shape)}"
         )
+    else:
+        head_checks.check_weight("embed_tokens.weight", embed, where)
     params["embed"] = jnp.asarray(np.asarray(embed, np.float32), want_dtype)
     params["d2t"] = jnp.asarray(ids, jnp.int32)
     return Head(
@@ -627,7 +590,8 @@ def load_head(path, target, *, dtype=None) -> Head:
 
 def save_head(path, config: HeadConfig, params: dict, *, embed: bool = False) -> Path:
     """Write the head in the EAGLE-3 layout (``config.json`` + ``model.safetensors``, with
-    ``d2t`` offsets and the ``t2d`` mask; ``embed``: also its embedding)."""
+    ``d2t`` offsets and the ``t2d`` mask; ``embed``: also its embedding), each file replaced
+    only once both are written."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     host = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
@@ -639,10 +603,18 @@ def save_head(path, config: HeadConfig, params: dict, *, embed: bool = False) ->
     tensors["t2d"] = t2d
     if embed:
         tensors["embed_tokens.weight"] = host["embed"].astype(np.float32)
-    tmp = folder / (WEIGHTS_FILE + ".tmp")
-    loader.write_safetensors(tmp, list(tensors.items()))
-    tmp.replace(folder / WEIGHTS_FILE)
-    (folder / CONFIG_FILE).write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    # Both files written in full first, then renamed: a failed write (a full disk) leaves the
+    # folder's previous head as it was and no temporary file.
+    weights, conf = folder / (WEIGHTS_FILE + ".tmp"), folder / (CONFIG_FILE + ".tmp")
+    try:
+        loader.write_safetensors(weights, list(tensors.items()))
+        conf.write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    except BaseException:
+        weights.unlink(missing_ok=True)
+        conf.unlink(missing_ok=True)
+        raise
+    weights.replace(folder / WEIGHTS_FILE)
+    conf.replace(folder / CONFIG_FILE)
     return folder
 
 
@@ -672,7 +644,7 @@ def drafter(head: Head, target, *, mesh=None, confidence_stop: bool = False) -> 
     if confidence_stop:
         raise ValueError("draft_stop: the confidence stop is an option of a draft model's rollout")
     check_matches(head.config, target, f"draft={head.name!r}")
-    return EagleHead(head.config)
+    return EagleHead(head.config, where=f"draft={head.name!r}")
 
 
 __all__ = [

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import footprint, kv_cache, penalties, scoring, sharding
-from asps_jax.drafters.base import Drafter, Proposal, chain_keys
+from asps_jax.drafters.base import Drafter, Proposal, chain_keys, finite_laws
 from asps_jax.draws import draw_without_replacement
 from asps_jax.models import forward_for
-from asps_jax.processors import logits_ok, sample_token
+from asps_jax.processors import sample_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,19 +139,21 @@ def own_feed(forward, params, mesh, rows: int):
 
 def _law(logits_R1V, at, path_RD, *, sampling, history, mesh):
     """The processed draft law at depth ``at`` from one feed's logits, on each chain's own path:
-    ``(logprobs float32[R, V], usable bool[R])``."""
+    ``(logprobs float32[R, V], usable bool[R], finite bool[R])`` (finite: the raw logits',
+    :func:`~asps_jax.drafters.base.finite_laws`)."""
     logits_R1V = sharding.constrain(logits_R1V, ("batch", None, "vocab"), mesh)
     lp_R1V, mass_R1 = penalties.process(
         sampling, history, logits_R1V, path_RD[:, None], at[None], draft=True
     )
-    return lp_R1V[:, 0], logits_ok(logits_R1V[:, 0]) & mass_R1[:, 0]
+    finite_R = finite_laws(logits_R1V[:, 0])
+    return lp_R1V[:, 0], finite_R & mass_R1[:, 0], finite_R
 
 
 def _depth_keys(keys_R, depth):
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, depth)
 
 
-def _draw_tree(plan, depth, keys_R, logprobs_RV, ok_R):
+def _draw_tree(plan, depth, keys_R, logprobs_RV, ok_R, finite_R):
     """Children of each node from the law and key of the first row through it."""
     rows = keys_R.shape[0]
     group_first, sibling = (jnp.asarray(t)[depth] for t in plan.tables)
@@ -160,15 +162,16 @@ def _draw_tree(plan, depth, keys_R, logprobs_RV, ok_R):
     first_R = rows_R - rows_R % width + jnp.tile(group_first, rows // width)
     sibling_R = jnp.tile(sibling, rows // width)
     keys_R, logprobs_RV, ok_R = keys_R[first_R], logprobs_RV[first_R], ok_R[first_R]
+    finite_R = finite_R[first_R]
     if plan.replace:
         child_keys = jax.vmap(jax.random.fold_in)(keys_R, sibling_R)
-        return jax.vmap(sample_token)(child_keys, logprobs_RV), logprobs_RV, ok_R
+        return jax.vmap(sample_token)(child_keys, logprobs_RV), logprobs_RV, ok_R, finite_R
 
     def without_replacement(key, logprobs_V, s):
         return draw_without_replacement(key, logprobs_V, plan.max_width)[s]
 
     next_R = jax.vmap(without_replacement)(keys_R, logprobs_RV, sibling_R)
-    return next_R, logprobs_RV, ok_R
+    return next_R, logprobs_RV, ok_R, finite_R
 
 
 def rollout(
@@ -204,9 +207,10 @@ def rollout(
       store_last: feed x_n too, so the cache holds its keys / values (a draft cache of its own).
 
     Returns:
-      ``(cache, tokens int32[R, n], logprobs float32[R, n, V], laws_ok bool[R, n], usable
-      int32[R])``; ``laws_ok[r, i]`` is False when the law of depth i had a NaN or ``+inf`` logit
-      or no finite one, or the controls banned every token; ``usable`` is None without a stop.
+      ``(cache, tokens int32[R, n], logprobs float32[R, n, V], laws_ok bool[R, n], finite
+      bool[R, n], usable int32[R])``; ``laws_ok[r, i]`` is False when the law of depth i had a
+      NaN or ``+inf`` logit or no finite one (then ``finite[r, i]`` is False too), or the
+      controls banned every token; ``usable`` is None without a stop.
     """
     law = lambda logits, at, path: _law(  # noqa: E731
         logits, at, path, sampling=sampling, history=history, mesh=mesh
@@ -219,24 +223,26 @@ def rollout(
     def body(carry, depth):
         cache, token_R, path_RD = carry
         cache, logits_R1V = feed(cache, token_R, depth)
-        logprobs_RV, ok_R = law(logits_R1V, depth, path_RD)
+        logprobs_RV, ok_R, finite_R = law(logits_R1V, depth, path_RD)
         depth_keys = _depth_keys(keys_R, depth)
         if plan is not None:
-            next_R, logprobs_RV, ok_R = _draw_tree(plan, depth, depth_keys, logprobs_RV, ok_R)
+            next_R, logprobs_RV, ok_R, finite_R = _draw_tree(
+                plan, depth, depth_keys, logprobs_RV, ok_R, finite_R
+            )
         else:
             next_R = jax.vmap(sample_token)(depth_keys, logprobs_RV)
         path_RD = jax.lax.dynamic_update_slice_in_dim(path_RD, next_R[:, None], depth, axis=1)
-        return (cache, next_R, path_RD), (next_R, logprobs_RV, ok_R)
+        return (cache, next_R, path_RD), (next_R, logprobs_RV, ok_R, finite_R)
 
     rows = root_R.shape[0]
     path_RD = jnp.zeros((rows, draft_len), jnp.int32)
-    (cache, last_R, _), (tokens_DR, logprobs_DRV, ok_DR) = jax.lax.scan(
+    (cache, last_R, _), (tokens_DR, logprobs_DRV, ok_DR, finite_DR) = jax.lax.scan(
         body, (cache, root_R, path_RD), jnp.arange(draft_len)
     )
     if store_last:  # the (n+1)-th feed only stores x_n's keys/values; its law is never used
         cache, _ = feed(cache, last_R, jnp.asarray(draft_len))
-    tokens_RD = jnp.swapaxes(tokens_DR, 0, 1)
-    return cache, tokens_RD, jnp.swapaxes(logprobs_DRV, 0, 1), jnp.swapaxes(ok_DR, 0, 1), None
+    lp_RDV, ok_RD, finite_RD = (jnp.swapaxes(a, 0, 1) for a in (logprobs_DRV, ok_DR, finite_DR))
+    return cache, jnp.swapaxes(tokens_DR, 0, 1), lp_RDV, ok_RD, finite_RD, None
 
 
 def rollout_proposal(dec, sampling, state, feed, cache, **options) -> tuple[Any, dict]:
@@ -244,7 +250,7 @@ def rollout_proposal(dec, sampling, state, feed, cache, **options) -> tuple[Any,
     (:func:`rollout`, its ``options``), as the fields of a :class:`Proposal` but its state."""
     n, k = dec.spec.num_draft_tokens, dec.spec.tree.num_chains
     batch = state.root.shape[0]
-    cache, tokens_RD, lp_RDV, ok_RD, usable_R = rollout(
+    cache, tokens_RD, lp_RDV, ok_RD, finite_RD, usable_R = rollout(
         feed,
         cache,
         jnp.repeat(state.root, k),
@@ -261,6 +267,7 @@ def rollout_proposal(dec, sampling, state, feed, cache, **options) -> tuple[Any,
         logprobs_BKDV=lp_RDV.reshape(batch, k, n, lp_RDV.shape[-1]),
         ok_BKD=ok_RD.reshape(batch, k, n),
         usable_BK=usable_lengths(usable_R, batch, k, n),
+        finite_BKD=finite_RD.reshape(batch, k, n),
     )
 
 
@@ -286,10 +293,10 @@ def _rollout_stopped(feed, law, cache, root_R, keys_R, n: int, sampling, limit_R
         return (depth <= n) & ((depth == 0) | jnp.any(stop_R >= depth))
 
     def body(carry):
-        depth, cache, token_R, tokens_RD, lp_RDV, ok_RD, stop_R = carry
+        depth, cache, token_R, tokens_RD, lp_RDV, ok_RD, finite_RD, stop_R = carry
         cache, logits_R1V = feed(cache, token_R, depth)
         at = jnp.minimum(depth, n - 1)
-        logprobs_RV, ok_R = law(logits_R1V, at, tokens_RD)
+        logprobs_RV, ok_R, finite_R = law(logits_R1V, at, tokens_RD)
         next_R = jax.vmap(sample_token)(_depth_keys(keys_R, depth), logprobs_RV)
         growing = depth < n
         unsure_R = jnp.exp(jnp.max(logprobs_RV, axis=-1)) < tau_R
@@ -298,8 +305,12 @@ def _rollout_stopped(feed, law, cache, root_R, keys_R, n: int, sampling, limit_R
             growing, jax.lax.dynamic_update_slice_in_dim(buf, new[:, None], at, axis=1), buf
         )
         tokens_RD = upd(tokens_RD, next_R)
-        lp_RDV, ok_RD = upd(lp_RDV, logprobs_RV), upd(ok_RD, ok_R)
-        return depth + 1, cache, next_R, tokens_RD, lp_RDV, ok_RD, stop_R
+        lp_RDV, ok_RD, finite_RD = (
+            upd(lp_RDV, logprobs_RV),
+            upd(ok_RD, ok_R),
+            upd(finite_RD, finite_R),
+        )
+        return depth + 1, cache, next_R, tokens_RD, lp_RDV, ok_RD, finite_RD, stop_R
 
     # The law's width is the draft's vocabulary: take it from one traced forward's shape.
     vocab = jax.eval_shape(lambda c: feed(c, root_R, jnp.asarray(0))[1], cache).shape[-1]
@@ -310,10 +321,11 @@ def _rollout_stopped(feed, law, cache, root_R, keys_R, n: int, sampling, limit_R
         jnp.zeros((rows, n), jnp.int32),  # the chain so far: also the controls' path
         jnp.zeros((rows, n, vocab), jnp.float32),
         jnp.ones((rows, n), bool),
+        jnp.ones((rows, n), bool),
         jnp.clip(limit_R.astype(jnp.int32), 0, n),
     )
-    _, cache, _, tokens_RD, lp_RDV, ok_RD, stop_R = jax.lax.while_loop(cond, body, init)
-    return cache, tokens_RD, lp_RDV, ok_RD, stop_R
+    _, cache, _, tokens_RD, lp_RDV, ok_RD, finite_RD, stop_R = jax.lax.while_loop(cond, body, init)
+    return cache, tokens_RD, lp_RDV, ok_RD, finite_RD, stop_R
 
 
 def _sync_replicas(cache: kv_cache.KVCache, start_B, winner_B, num_drafts: int, width: int):

@@ -6,8 +6,10 @@ is stored as a Qwix :class:`qwix.QArray`: symmetric integer values and float sca
 * ``"int8"``: one scale per output channel (per layer), absmax / 127.5 (Qwix's convention: the
   largest magnitude rounds to 127);
 * ``"int4"`` / ``"int4:G"``: one scale per output channel and per group of ``G`` consecutive
-  inputs (default 128), absmax / 7.5; a matrix whose inputs ``G`` does not divide is a one-line
-  error naming it and a group size that divides every matrix.
+  inputs, absmax / 7.5. ``"int4"`` takes the largest group of at most 128 inputs that divides
+  every matrix of the model (128 where it does; 16 on the bundled pair, whose attention heads are
+  48 wide and MLPs 512); a given ``G`` that does not divide a matrix's inputs is a one-line error
+  naming the model, the matrix and the group that would.
 
 The embedding, learned position tables, norms, biases and the LM head stay in float: the
 embedding is a row lookup (nothing to multiply), and the head sets the logits' precision, which
@@ -48,10 +50,20 @@ class Scheme:
 
     mode: str
     group: int | None = None
+    auto: bool = False  # "int4": the largest group <= DEFAULT_GROUP that divides every matrix
 
     @property
     def name(self) -> str:
-        return self.mode if self.group is None else f"{self.mode}:{self.group}"
+        return self.mode if self.group is None or self.auto else f"{self.mode}:{self.group}"
+
+
+class QuantizeError(ValueError):
+    """A scheme that does not fit a model's matrices: ``detail`` without the argument's name, for
+    a caller that names its own flag (the CLI's ``--quantize`` / ``--draft-quantize``)."""
+
+    def __init__(self, what: str, detail: str):
+        super().__init__(f"{what}: {detail}")
+        self.detail = detail
 
 
 def parse(spec, what: str = "quantize", given=None) -> Scheme:
@@ -62,16 +74,16 @@ def parse(spec, what: str = "quantize", given=None) -> Scheme:
     if mode == "int8" and not group:
         return Scheme("int8")
     if mode == "int4":
-        try:
-            size = int(group, 10) if group else DEFAULT_GROUP
-        except ValueError:
-            size = 0
+        if not group:
+            return Scheme("int4", DEFAULT_GROUP, auto=True)
+        # ASCII digits only: int() would read other scripts' digits ('٣' as 3).
+        size = int(group) if group.isascii() and group.isdigit() else 0
         if size >= 1:
             return Scheme("int4", size)
     raise ValueError(
         f"{what}={spec if given is None else given!r}: weight-only quantization is 'int8' (per "
-        f"channel) or 'int4' / 'int4:G' (per channel and group of G inputs, default "
-        f"{DEFAULT_GROUP})"
+        "channel) or 'int4' / 'int4:G' (per channel and group of G inputs, G in ASCII digits; "
+        f"default the largest group <= {DEFAULT_GROUP} that divides every matrix)"
     )
 
 
@@ -176,9 +188,9 @@ def _axes_of(config) -> dict:
     return family.param_axes(config)
 
 
-def plan(config, params, scheme: Scheme) -> dict:
-    """``{path: qwix keyword arguments}`` of every matrix of ``params`` (stored layout) to
-    quantize; one-line errors for a layout it does not know or a group that does not divide."""
+def _matrices(config, params) -> dict:
+    """``{path: (name, shape, axes)}`` of every matrix of ``params`` (stored layout) to quantize;
+    one-line errors for a layout it does not know."""
     axes = _axes_of(config)
     flat = dict(jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_q)[0])
     out = {}
@@ -196,27 +208,52 @@ def plan(config, params, scheme: Scheme) -> dict:
             raise ValueError(f"quantize: {name} is quantized already; quantize float weights")
         if _is_matrix(name, names):
             out[path] = (name, tuple(leaf.shape), names)
+    return out
+
+
+def _largest_group(matrices: dict, at_most: int) -> int:
+    """The largest group <= ``at_most`` that divides every matrix (1 always does)."""
+    return next(
+        g
+        for g in range(at_most, 0, -1)
+        if all(_tiles(shape, _inputs(names), g) for _, shape, names in matrices.values())
+    )
+
+
+def fitted(config, params, scheme: Scheme) -> Scheme:
+    """``scheme`` with plain ``"int4"``'s group chosen for the model (see the module
+    docstring); any other scheme as it is."""
+    if not scheme.auto:
+        return scheme
+    return Scheme("int4", _largest_group(_matrices(config, params), DEFAULT_GROUP))
+
+
+def plan(config, params, scheme: Scheme, *, what: str = "", model: str = "") -> dict:
+    """``{path: qwix keyword arguments}`` of every matrix of ``params`` (stored layout) to
+    quantize; one-line errors for a layout it does not know or a group that does not divide
+    (a :class:`QuantizeError` naming ``what`` and ``model``)."""
+    matrices = _matrices(config, params)
+    if scheme.auto:
+        scheme = Scheme("int4", _largest_group(matrices, DEFAULT_GROUP))
     try:
-        return {path: _how(*spec, scheme) for path, spec in out.items()}
+        return {path: _how(*spec, scheme) for path, spec in matrices.items()}
     except _GroupError as err:
-        # A group size that divides every matrix: the largest power of two below the one given.
-        fits = [
-            g
-            for g in (1 << k for k in reversed(range((scheme.group - 1).bit_length())))
-            if all(_tiles(shape, _inputs(names), g) for _, shape, names in out.values())
-        ]
-        hint = f"'int4:{fits[0]}'" if fits else "none does"
-        raise ValueError(
-            f"quantize={scheme.name!r}: {err}; give a group size that divides every matrix "
-            f"(here {hint}) or 'int8'"
+        fits = _largest_group(matrices, scheme.group - 1) if scheme.group > 1 else None
+        hint = f"'int4:{fits}'" if fits else "none does"
+        whose = f"{model}'s " if model else ""
+        raise QuantizeError(
+            what or f"quantize={scheme.name!r}",
+            f"{whose}{err}; give a group size that divides every matrix (here {hint}) or 'int8' "
+            "(plain 'int4' picks the largest such group)",
         ) from None
 
 
-def quantize_params(config, params, spec) -> dict:
+def quantize_params(config, params, spec, *, what: str = "", model: str = "") -> dict:
     """``params`` (the stored layout of ``config``'s family) with every projection matrix a
-    :class:`qwix.QArray` of ``spec`` (see the module docstring); the rest unchanged."""
+    :class:`qwix.QArray` of ``spec`` (see the module docstring); the rest unchanged. ``what``
+    and ``model`` name the argument and the model in errors."""
     scheme = parse(spec) if not isinstance(spec, Scheme) else spec
-    how = plan(config, params, scheme)
+    how = plan(config, params, scheme, what=what, model=model)
     qtype = _BITS[scheme.mode]
     leaves = jax.tree_util.tree_flatten_with_path(params)
     flat = [
@@ -244,18 +281,17 @@ def dequantize_params(params) -> dict:
     return jax.tree.map(lambda x: qwix.dequantize(x) if _is_q(x) else x, params, is_leaf=_is_q)
 
 
-def quantize_model(model, spec):
-    """``model`` with quantized weights (its name marked ``[int8]``), a new Model."""
+def quantize_model(model, spec, *, what: str = ""):
+    """``model`` with quantized weights (its name marked ``[int8]``, ``[int4:16]``: the group
+    used), a new Model; ``what`` names the argument in errors (default ``quantize=...``)."""
     from asps_jax.models.base import Model
 
     if not isinstance(model, Model):
         raise ValueError(f"quantize: expected a Model, got {type(model).__name__}")
-    scheme = parse(spec)
-    return dataclasses.replace(
-        model,
-        name=f"{model.name}[{scheme.name}]",
-        params=quantize_params(model.config, model.params, scheme),
-    )
+    scheme = parse(spec) if not isinstance(spec, Scheme) else spec
+    params = quantize_params(model.config, model.params, scheme, what=what, model=model.name)
+    scheme = fitted(model.config, model.params, scheme)
+    return dataclasses.replace(model, name=f"{model.name}[{scheme.name}]", params=params)
 
 
 # One quantized copy per (target, scheme) while the target lives (its params do not change: a
@@ -274,6 +310,6 @@ def quantized_copy(target, spec: str):
         )
     per_target = _COPIES.setdefault(target, {})
     if scheme not in per_target:
-        copy = quantize_model(target, scheme.name)
+        copy = quantize_model(target, scheme, what=f"draft={spec!r}")
         per_target[scheme] = dataclasses.replace(copy, name=f"{target.name}[{PREFIX}{scheme.name}]")
     return per_target[scheme]
