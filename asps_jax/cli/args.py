@@ -151,7 +151,8 @@ def _method(p: argparse.ArgumentParser) -> None:
         type=flags.positive_int,
         default=None,
         metavar="K",
-        help="independent draft chains per step, for multi-draft methods (default 1)",
+        help="draft chains per step, for multi-draft methods: independent, or with their roots "
+        "drawn without replacement under specinfer_wor (default 1)",
     )
     p.add_argument(
         "--tree",
