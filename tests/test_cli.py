@@ -169,6 +169,48 @@ def test_help_explains_every_flag(capsys):
         assert action.help
 
 
+def test_usage_follows_the_sections_and_the_cache_help_names_its_folders():
+    """Issue 65: the synopsis kept the order the flags were added in; the cache flag's help left
+    out $XDG_CACHE_HOME."""
+    from asps_jax.cli.args import GROUPS
+
+    parser = build_parser()
+    usage = " ".join(parser.format_usage().split())
+    flags = [f for section in GROUPS.values() for f in section]
+    at = [
+        usage.index(f"[{flag} ") if f"[{flag} " in usage else usage.index(f"[{flag}]")
+        for flag in flags
+    ]
+    assert at == sorted(at) and usage.index("[-h]") < at[0]
+    (cache,) = [a for a in parser._actions if "--no-compile-cache" in a.option_strings]
+    assert "$XDG_CACHE_HOME/asps_jax/jax" in cache.help and "$ASPS_JAX_CACHE_DIR" in cache.help
+
+
+def test_top_logprobs_of_zero_probability_tokens_are_a_documented_finite_number():
+    """Strict JSON has no -Infinity: a token outside the law's support (k above its size) is
+    written as output.ZERO_PROBABILITY_LOGPROB (-9999.0), not null (issue 65)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from asps_jax.cli import output
+
+    out = SimpleNamespace(
+        tokens=np.array([[5, 6]]),
+        lengths=np.array([2]),
+        logprobs=np.array([[-0.5, -0.1]], np.float32),
+        top_logprobs=(
+            np.array([[[5, 1], [6, 2]]]),
+            np.array([[[-0.5, -np.inf], [-0.1, -2.4]]], np.float32),
+        ),
+    )
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "xy")
+    result = output.batch_json({}, out, ["p"], tokenizer)
+    assert output.ZERO_PROBABILITY_LOGPROB == -9999.0
+    assert result["top_logprobs"][0][0] == [[5, -0.5], [1, -9999.0]]
+    assert json.loads(json.dumps(output.strict_json(result), allow_nan=False)) == result
+
+
 def test_optimal_is_python_only(capsys):
     """ "optimal" (a reference construction, far slower per step) is not a --method choice."""
     parser = build_parser()

@@ -151,9 +151,18 @@ def _main(argv) -> int:
         print("\nsample.py: interrupted; nothing was generated", file=sys.stderr)
         return INTERRUPTED
     except (ValueError, FileNotFoundError, NotImplementedError, FloatingPointError) as err:
-        message = " ".join(str(err).split())
-        print(f"sample.py: error: {message}", file=sys.stderr)
+        print(f"sample.py: error: {_error_message(err)}", file=sys.stderr)
         return 2 if not isinstance(err, FloatingPointError) else 1
+
+
+def _error_message(err: Exception) -> str:
+    """One line; but missing weights keep their lines (the first a one-line summary with the
+    fetch command, then one place searched per line), indented under the error."""
+    from asps_jax.models.cards import MissingWeightsError
+
+    if isinstance(err, MissingWeightsError) and "\n" in str(err).strip():
+        return "\n  ".join(line.rstrip() for line in str(err).strip().splitlines())
+    return " ".join(str(err).split())
 
 
 def run(args) -> int:

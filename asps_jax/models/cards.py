@@ -15,8 +15,8 @@ A card names an alias's Hugging Face repo id and the architecture numbers its co
    huggingface_hub's cache functions: the revision ``refs/main`` points at first;
 5. ``huggingface_hub.snapshot_download`` when ``HF_HUB_OFFLINE`` is unset and the Hub is reachable.
 
-Nothing found raises ``MissingWeightsError`` listing every place searched and the command that
-fetches the weights.
+Nothing found raises ``MissingWeightsError``: its first line a one-line summary with the command
+that fetches the weights, then every place searched, one per line.
 """
 
 from __future__ import annotations
@@ -240,9 +240,9 @@ def resolve(name_or_path: str | os.PathLike) -> Resolved:
     raise MissingWeightsError(
         f"no weights for {name!r}"
         + (f" ({repo_id})" if repo_id and repo_id != name else "")
-        + f". Looked in:\n  - {where}\nFetch them with:\n  {fetch_command(repo_id, card)}\n"
-        + "(or put a checkpoint folder at $ASPS_MODELS_DIR/"
-        + f"{alias}, or pass its path)"
+        + f"; fetch them with: {fetch_command(repo_id, card)}\n"
+        + f"Looked in:\n  - {where}\n"
+        + f"Or put a checkpoint folder at $ASPS_MODELS_DIR/{alias}, or pass its path."
     )
 
 
