@@ -134,11 +134,23 @@ def test_json_is_strict_after_one_step(capsys):
     assert result["tokens_per_step"] == 1.0 and result["tokens_per_step_stderr"] is None
 
 
+# Runs the script as `python scripts/sample.py` would, then says on stderr whether torch (installed
+# with the test extra: seconds to import) was imported at any point of the run.
+_REPORT_TORCH = (
+    "import atexit, runpy, sys; "
+    "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, file=sys.stderr)); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
 @pytest.mark.slow
-def test_runs_as_a_subprocess_without_network():
+def test_runs_as_a_subprocess_without_network_or_torch():
+    """The whole command (start-up, both models and their tokenizers, the run) imports no torch:
+    transformers' AutoTokenizer would (issue 65), so the tokenizer's own class is loaded."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--max-new-tokens", "8", "--method", "sps"],
+        [sys.executable, "-c", _REPORT_TORCH, str(SCRIPT), "--max-new-tokens", "8"]
+        + ["--method", "sps"],
         capture_output=True,
         text=True,
         env=env,
@@ -146,6 +158,7 @@ def test_runs_as_a_subprocess_without_network():
     )
     assert proc.returncode == 0, proc.stderr
     assert "--- statistics ---" in proc.stdout and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "torch imported: False", proc.stderr
 
 
 def test_llama7b_without_weights_explains_where_it_looked(capsys, monkeypatch, tmp_path):

@@ -125,10 +125,12 @@ def test_a_fresh_venv_with_the_wheel_runs_the_command_from_an_empty_directory(
     def run(*argv):
         return subprocess.run(argv, cwd=empty, env=env, capture_output=True, text=True, timeout=300)
 
-    where = run(str(python), "-I", "-c", "import asps_jax; print(asps_jax.__file__)")
+    code = "import sys, asps_jax as a; print(a.__file__, a.__version__, 'torch' in sys.modules)"
+    where = run(str(python), "-I", "-c", code)
     assert where.returncode == 0, where.stderr
-    assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
-    assert ROOT not in Path(where.stdout.strip()).parents
+    path, version, torch = where.stdout.split()
+    assert Path(path).is_relative_to(venv) and ROOT not in Path(path).parents, where.stdout
+    assert version == PYPROJECT["project"]["version"] and torch == "False"  # no torch at import
     helped = run(str(python), "-I", "-m", "asps_jax", "--help")
     assert helped.returncode == 0 and "usage:" in helped.stdout, helped.stderr
     ran = run(str(venv / "bin" / "asps-jax"), "sample", "--max-new-tokens", "8", "--json")

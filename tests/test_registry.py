@@ -141,8 +141,8 @@ def test_cli_choices_and_help_come_from_the_registry():
     assert "optimal" in sampler.METHODS
     assert action.help == (
         "verification method: ar = target alone; sps / asps = one draft chain; specinfer / "
-        "spectr / is / specinfer_wor = several drafts, token by token; tv / tv_wr / is_bv = several "
-        "drafts verified as one tree (default asps)"
+        "spectr / is / specinfer_wor = several drafts, token by token; tv / tv_wr / is_bv = "
+        "several drafts verified as one tree (default asps)"
     )
 
 
