@@ -133,6 +133,22 @@ def test_asps_gain_pairs_asps_with_sps_at_the_same_n():
     assert "| 2 | 2.000 | 2.500 | 1.250 ± 0.080 |" in table
 
 
+def test_separation_says_which_runs_the_quick_subset_tells_apart():
+    """Issue 65: --quick gave three methods the same tokens per step with nothing said."""
+
+    def row(method, n, tps, se, k=1):
+        return dict(method=method, n=n, K=k, tokens_per_step=tps, tokens_per_step_se=se)
+
+    rows = [row("ar", 1, 1.0, 0.0), row("sps", 4, 3.0, 0.05), row("asps", 4, 3.3, 0.05)]
+    rows += [row("specinfer", 4, 3.35, 0.05, k=2)]
+    assert benchmark.separation(rows) == [
+        "- specinfer (K=2) vs asps (K=1), n=4: +0.050 ± 0.071 tokens per step: NOT separated "
+        "at this size",
+        "- asps (K=1) vs sps (K=1), n=4: +0.300 ± 0.071 tokens per step: separated",
+    ]
+    assert benchmark.QUICK["no_hf"] and benchmark.QUICK["batch_size"] >= 32
+
+
 def test_plan_runs_each_method_at_its_draft_counts():
     runs = benchmark.plan(["sps", "specinfer", "ar"], [1, 4], [1, 2, 4])
     assert runs == [
