@@ -420,6 +420,25 @@ def test_cost_ratio_smoke_beside_transformers(tmp_path, capsys):
     assert [(p / "model.safetensors").stat().st_mtime_ns for p in paths] == stamps
 
 
+def test_cost_ratio_says_its_memory_need_where_less_is_free(monkeypatch, capsys):
+    """Issue 65: the kernel killed it at 8.6 GB with nothing said; its --quick peaked at 10.9."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_cost_ratio_memory", SCRIPT.with_name("bench_cost_ratio.py")
+    )
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    pages = {"SC_AVPHYS_PAGES": 2 * 2**30 // 4096, "SC_PAGE_SIZE": 4096}  # 2 GB free
+    monkeypatch.setattr(cost.os, "sysconf", pages.__getitem__)
+    cost.warn_memory("bench_cost_ratio")
+    assert capsys.readouterr().err == (
+        "bench_cost_ratio: needs about 12 GB of memory at the 0.5B shape and 2.0 GB is free; it "
+        "may be killed (--smoke runs tiny shapes)\n"
+    )
+    pages["SC_AVPHYS_PAGES"] *= 8  # 16 GB free: nothing said
+    cost.warn_memory("bench_cost_ratio")
+    assert capsys.readouterr().err == ""
+
+
 def test_cost_ratio_refuses_an_unknown_drafter(capsys):
     spec = importlib.util.spec_from_file_location(
         "bench_cost_ratio_script", SCRIPT.with_name("bench_cost_ratio.py")
