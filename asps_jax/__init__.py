@@ -7,6 +7,8 @@ Public API (docs/api.md): verification (:func:`verify_chain`, :func:`verify_draf
 (:func:`process_logits`).
 """
 
+from importlib import metadata as _metadata
+
 from asps_jax.models import Model, check_compatible, load_model
 from asps_jax.processors import process_logits
 from asps_jax.sampler import NonFiniteLogitsError, SampleOutput
@@ -14,6 +16,11 @@ from asps_jax.session import Sampler, Session, sample, stream
 from asps_jax.sharding import ShardingRules, init_distributed, make_mesh
 from asps_jax.verify import Verdict, verify_chain, verify_drafts
 from asps_jax.verify.acceptance import optimal_acceptance
+
+try:
+    __version__ = _metadata.version("asps_jax")  # the installed distribution's (pyproject.toml)
+except _metadata.PackageNotFoundError:  # the tree on PYTHONPATH with no install at all
+    __version__ = "0+unknown"
 
 __all__ = [
     "Model",

@@ -22,8 +22,8 @@ from asps_jax.verify import registry
 from asps_jax.verify.registry import REGISTRY
 
 # What sample / Session / the CLI accept for ``method``: "ar" plus the registry's methods that run
-# in the decode loop. specinfer_wor draws its roots without replacement, which the loop's
-# independent draft chains do not; it is available through verify_drafts only.
+# in the decode loop (all of them: specinfer_wor's K roots are drawn without replacement as the
+# siblings of one node, Method.draft_tree).
 METHODS: tuple[str, ...] = ("ar",) + tuple(m.name for m in REGISTRY.values() if m.in_sample)
 
 MAX_TREE_NODES = 1024

@@ -43,7 +43,13 @@ Last, the level race's per-node fit (``is`` and ``optimal`` defaults, K = 2, at 
 CPU time beside the target's one-token forward, measured in the same run.
 
 ``--quick`` (a few minutes at the 0.5B shape, compilation included): n = 4, 16 new tokens, one
-timed run, methods ar, asps, specinfer and is, and transformers.
+timed run, methods ar and asps, no transformers rows.
+
+Memory: the float32 pair is 2.4 GB of weights (target 2.17 GB, draft 0.27 GB), but building it and
+compiling its loops on the device take far more: ``--quick`` peaked at 10.9 GB resident (measured;
+no transformers), and the full run adds the checkpoints' write and transformers' float32 copy of
+both models (one was killed at 8.6 GB while it built the pair). Give it 12 GB or more; ``--smoke``
+(tiny shapes) runs anywhere. The script says so on stderr where less memory is free.
 
     python scripts/bench_cost_ratio.py [--quick] [--n 2 4 8] [--methods ar sps ...] [--no-hf]
                                        [--drafters model quant:int8] [--checkpoints DIR]
@@ -90,8 +96,27 @@ SMOKE_TARGET.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_he
 SMOKE_DRAFT = dict(DRAFT, vocab_size=256, hidden_size=32, intermediate_size=64)
 SMOKE_DRAFT.update(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
 DEFAULT_METHODS = ("ar", "sps", "asps", "specinfer", "is", "is_bv", "tv")
-QUICK = dict(methods=["ar", "asps"], n=[4], max_new_tokens=16, repeats=1)
+# --quick: no transformers rows, so no checkpoints written and no torch copy of the pair (the
+# full run's memory peak); the pair is built on the device and stays under 4 GB (docstring).
+QUICK = dict(methods=["ar", "asps"], n=[4], max_new_tokens=16, repeats=1, no_hf=True)
 CHECKPOINTS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "asps_jax"
+
+
+NEEDS_GB = 12  # the measured peak of --quick at the 0.5B shape (10.9 GB), rounded up
+
+
+def warn_memory(script: str, needs_gb: float = NEEDS_GB) -> None:
+    """One line on stderr where the machine has less than ``needs_gb`` of memory available."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):  # not on this platform: nothing to say
+        return
+    if free < needs_gb:
+        print(
+            f"{script}: needs about {needs_gb} GB of memory at the 0.5B shape and {free:.1f} GB "
+            "is free; it may be killed (--smoke runs tiny shapes)",
+            file=sys.stderr,
+        )
 
 
 def num_drafts(method: str) -> int:
@@ -408,6 +433,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--drafters: {unknown} name no drafter; give model, self:L, quant:int8 or lookup")
     args.no_hf = skip_hf("bench_cost_ratio", args.no_hf, what="rows")
+    if not args.smoke:
+        warn_memory("bench_cost_ratio")
     shapes = (SMOKE_TARGET, SMOKE_DRAFT) if args.smoke else (TARGET, DRAFT)
     if args.no_hf:  # no checkpoints to write: the same pair, made on the device
         paths = []

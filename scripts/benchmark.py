@@ -55,8 +55,16 @@ CHAIN = tuple(m for m in SPEC if REGISTRY[m].kind == "chain")  # sps, asps: K = 
 MULTI = tuple(m for m in SPEC if REGISTRY[m].kind != "chain")
 FULL_N = (1, 2, 4, 6, 8, 10)
 FULL_K = (1, 2, 4)
+# --quick: enough steps (32 rows of 128 tokens, ~1,200 steps per method) for the tokens-per-step
+# standard errors to tell the methods apart, no transformers runs (their row-by-row assisted
+# generation alone takes minutes); separation() says which pairs it could not tell apart.
 QUICK = dict(
-    methods=["ar", "sps", "asps", "specinfer"], n=[4], k=[2], batch_size=2, max_new_tokens=48
+    methods=["ar", "sps", "asps", "specinfer"],
+    n=[4],
+    k=[2],
+    batch_size=32,
+    max_new_tokens=128,
+    no_hf=True,
 )
 CORPUS = Path(__file__).resolve().parents[1] / "data/tinyshakespeare.txt"
 FALLBACK_TEXT = (
@@ -115,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"Run a ~1 minute subset, which fills only the flags left at their defaults: {QUICK}.",
+        help=f"Run a ~1 minute subset (a quiet 2-core CPU), which fills only the flags left at "
+        f"their defaults: {QUICK}; the methods' tokens per step are told apart, or said not to be.",
     )
     p.add_argument(
         "--batch-size", type=int, default=4, help="Prompts decoded together (default: 4)."
@@ -557,6 +566,25 @@ def asps_gain(rows: list[dict]) -> list[dict]:
     return gains
 
 
+def separation(rows: list[dict]) -> list[str]:
+    """For each draft length, the speculative runs in order of tokens per step, each beside the
+    next: separated when their difference exceeds twice its standard error, else said to be
+    within it (a larger --batch-size / --max-new-tokens would tell them apart)."""
+    lines = []
+    for n in sorted({r["n"] for r in rows if r["method"] != "ar"}):
+        runs = sorted(
+            (r for r in rows if r["method"] != "ar" and r["n"] == n),
+            key=lambda r: -r["tokens_per_step"],
+        )
+        for a, b in zip(runs, runs[1:]):
+            diff = a["tokens_per_step"] - b["tokens_per_step"]
+            se = math.hypot(a["tokens_per_step_se"], b["tokens_per_step_se"])
+            names = f"{a['method']} (K={a['K']}) vs {b['method']} (K={b['K']}), n={n}"
+            verdict = "separated" if diff > 2 * se else "NOT separated at this size"
+            lines.append(f"- {names}: {diff:+.3f} ± {se:.3f} tokens per step: {verdict}")
+    return lines
+
+
 def add_speedups(rows: list[dict], hf: list[dict]) -> None:
     ar = next(r for r in rows if r["method"] == "ar")["tokens_per_s"]
     gen = next((h["tokens_per_s"] for h in hf if h["run"] == "generate"), None)
@@ -763,6 +791,10 @@ def main(argv=None) -> int:
             f"attention, {args.torch_threads} thread(s)"
         )
     print(header + "\n\n" + markdown(rows, hf, gains))
+    apart = separation(rows)
+    if apart:
+        print("\nTokens per step, each run against the next (difference ± standard error):")
+        print("\n".join(apart))
     if controlled:
         print("\n" + controls_markdown(rows, controlled))
     if constrained:

@@ -133,6 +133,22 @@ def test_asps_gain_pairs_asps_with_sps_at_the_same_n():
     assert "| 2 | 2.000 | 2.500 | 1.250 ± 0.080 |" in table
 
 
+def test_separation_says_which_runs_the_quick_subset_tells_apart():
+    """Issue 65: --quick gave three methods the same tokens per step with nothing said."""
+
+    def row(method, n, tps, se, k=1):
+        return dict(method=method, n=n, K=k, tokens_per_step=tps, tokens_per_step_se=se)
+
+    rows = [row("ar", 1, 1.0, 0.0), row("sps", 4, 3.0, 0.05), row("asps", 4, 3.3, 0.05)]
+    rows += [row("specinfer", 4, 3.35, 0.05, k=2)]
+    assert benchmark.separation(rows) == [
+        "- specinfer (K=2) vs asps (K=1), n=4: +0.050 ± 0.071 tokens per step: NOT separated "
+        "at this size",
+        "- asps (K=1) vs sps (K=1), n=4: +0.300 ± 0.071 tokens per step: separated",
+    ]
+    assert benchmark.QUICK["no_hf"] and benchmark.QUICK["batch_size"] >= 32
+
+
 def test_plan_runs_each_method_at_its_draft_counts():
     runs = benchmark.plan(["sps", "specinfer", "ar"], [1, 4], [1, 2, 4])
     assert runs == [
@@ -402,6 +418,25 @@ def test_cost_ratio_smoke_beside_transformers(tmp_path, capsys):
     args = (cost.SMOKE_TARGET, cost.SMOKE_DRAFT), 0.2, 0.07, 0, root
     assert list(cost.checkpoint_pair(*args)) == paths
     assert [(p / "model.safetensors").stat().st_mtime_ns for p in paths] == stamps
+
+
+def test_cost_ratio_says_its_memory_need_where_less_is_free(monkeypatch, capsys):
+    """Issue 65: the kernel killed it at 8.6 GB with nothing said; its --quick peaked at 10.9."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_cost_ratio_memory", SCRIPT.with_name("bench_cost_ratio.py")
+    )
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    pages = {"SC_AVPHYS_PAGES": 2 * 2**30 // 4096, "SC_PAGE_SIZE": 4096}  # 2 GB free
+    monkeypatch.setattr(cost.os, "sysconf", pages.__getitem__)
+    cost.warn_memory("bench_cost_ratio")
+    assert capsys.readouterr().err == (
+        "bench_cost_ratio: needs about 12 GB of memory at the 0.5B shape and 2.0 GB is free; it "
+        "may be killed (--smoke runs tiny shapes)\n"
+    )
+    pages["SC_AVPHYS_PAGES"] *= 8  # 16 GB free: nothing said
+    cost.warn_memory("bench_cost_ratio")
+    assert capsys.readouterr().err == ""
 
 
 def test_cost_ratio_refuses_an_unknown_drafter(capsys):

@@ -134,11 +134,23 @@ def test_json_is_strict_after_one_step(capsys):
     assert result["tokens_per_step"] == 1.0 and result["tokens_per_step_stderr"] is None
 
 
+# Runs the script as `python scripts/sample.py` would, then says on stderr whether torch (installed
+# with the test extra: seconds to import) was imported at any point of the run.
+_REPORT_TORCH = (
+    "import atexit, runpy, sys; "
+    "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, file=sys.stderr)); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
 @pytest.mark.slow
-def test_runs_as_a_subprocess_without_network():
+def test_runs_as_a_subprocess_without_network_or_torch():
+    """The whole command (start-up, both models and their tokenizers, the run) imports no torch:
+    transformers' AutoTokenizer would (issue 65), so the tokenizer's own class is loaded."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--max-new-tokens", "8", "--method", "sps"],
+        [sys.executable, "-c", _REPORT_TORCH, str(SCRIPT), "--max-new-tokens", "8"]
+        + ["--method", "sps"],
         capture_output=True,
         text=True,
         env=env,
@@ -146,6 +158,7 @@ def test_runs_as_a_subprocess_without_network():
     )
     assert proc.returncode == 0, proc.stderr
     assert "--- statistics ---" in proc.stdout and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "torch imported: False", proc.stderr
 
 
 def test_llama7b_without_weights_explains_where_it_looked(capsys, monkeypatch, tmp_path):
@@ -167,6 +180,48 @@ def test_help_explains_every_flag(capsys):
         for flag in action.option_strings:
             assert flag in out
         assert action.help
+
+
+def test_usage_follows_the_sections_and_the_cache_help_names_its_folders():
+    """Issue 65: the synopsis kept the order the flags were added in; the cache flag's help left
+    out $XDG_CACHE_HOME."""
+    from asps_jax.cli.args import GROUPS
+
+    parser = build_parser()
+    usage = " ".join(parser.format_usage().split())
+    flags = [f for section in GROUPS.values() for f in section]
+    at = [
+        usage.index(f"[{flag} ") if f"[{flag} " in usage else usage.index(f"[{flag}]")
+        for flag in flags
+    ]
+    assert at == sorted(at) and usage.index("[-h]") < at[0]
+    (cache,) = [a for a in parser._actions if "--no-compile-cache" in a.option_strings]
+    assert "$XDG_CACHE_HOME/asps_jax/jax" in cache.help and "$ASPS_JAX_CACHE_DIR" in cache.help
+
+
+def test_top_logprobs_of_zero_probability_tokens_are_a_documented_finite_number():
+    """Strict JSON has no -Infinity: a token outside the law's support (k above its size) is
+    written as output.ZERO_PROBABILITY_LOGPROB (-9999.0), not null (issue 65)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from asps_jax.cli import output
+
+    out = SimpleNamespace(
+        tokens=np.array([[5, 6]]),
+        lengths=np.array([2]),
+        logprobs=np.array([[-0.5, -0.1]], np.float32),
+        top_logprobs=(
+            np.array([[[5, 1], [6, 2]]]),
+            np.array([[[-0.5, -np.inf], [-0.1, -2.4]]], np.float32),
+        ),
+    )
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "xy")
+    result = output.batch_json({}, out, ["p"], tokenizer)
+    assert output.ZERO_PROBABILITY_LOGPROB == -9999.0
+    assert result["top_logprobs"][0][0] == [[5, -0.5], [1, -9999.0]]
+    assert json.loads(json.dumps(output.strict_json(result), allow_nan=False)) == result
 
 
 def test_optimal_is_python_only(capsys):

@@ -98,6 +98,21 @@ def test_bad_runs_exit_nonzero_with_one_line(capsys, argv, needle):
     assert len(err.splitlines()) == 1 and needle in err
 
 
+def test_missing_weights_are_a_summary_line_then_one_place_per_line(capsys, monkeypatch):
+    """Issue 65: the places searched used to be one long line of inline bullets."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("ASPS_MODELS_DIR", raising=False)
+    assert cli.main(["--target", "llama68m", "--max-new-tokens", "4"]) == 2
+    first, *rest = capsys.readouterr().err.strip().splitlines()
+    assert first == (
+        "sample.py: error: no weights for 'llama68m' (JackFram/llama-68m); fetch them with: "
+        "hf download JackFram/llama-68m"
+    )
+    assert rest[0] == "  Looked in:" and all(line.startswith("    - ") for line in rest[1:-1])
+    assert any("Hugging Face cache" in line for line in rest) and "Traceback" not in "".join(rest)
+    assert rest[-1].startswith("  Or put a checkpoint folder at $ASPS_MODELS_DIR/llama68m")
+
+
 @pytest.mark.parametrize("seed", [str(2**64), str(2**63), "-1"])
 def test_seed_out_of_range_is_one_line(capsys, seed):
     assert "2**63" in _one_line_error(capsys, ["--seed", seed])

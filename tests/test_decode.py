@@ -204,7 +204,7 @@ def _law_new_tokens(method):
 # The methods whose greedy test would be the only one here to compile their 8-row loop: their
 # greedy rows get a budget in the law run instead (a few more steps of it, no second compile).
 # ASpS's law run runs MAX_NEW steps anyway.
-GREEDY_IN_LAW_RUN = ("asps", "spectr", "optimal", "tv")
+GREEDY_IN_LAW_RUN = ("asps", "spectr", "optimal", "specinfer_wor", "tv")
 
 
 def _law(law_run, method, seed=100):
@@ -234,7 +234,9 @@ def test_first_two_tokens_follow_the_target_law(pair, law_run, method):
         opt = (np.asarray(out.stats["root_optimal_acceptance"]) * out.stats["root_steps"]).sum()
         opt /= steps
         stderr = np.sqrt(acc * (1 - acc) / steps)
-        assert acc <= opt + 4 * stderr, (acc, opt)
+        # The optimum is that of K independent drafts; distinct roots (specinfer_wor) may beat it.
+        if REGISTRY[method].law == "iid":
+            assert acc <= opt + 4 * stderr, (acc, opt)
         if method in CHAIN_METHODS:
             assert abs(acc - opt) <= 4 * stderr, (acc, opt)
     _assert_two_token_law(hf_target, out, method)

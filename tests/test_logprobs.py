@@ -79,7 +79,9 @@ def _hf_logprobs(hf_model, prompt, tokens, temperature, top_k, top_p) -> np.ndar
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
+# specinfer_wor emits through specinfer's code (its roots are only drawn differently): left out
+# to save its compile.
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "specinfer_wor"])
 def test_logprobs_equal_transformers_log_softmax_of_the_processed_logits(pair, method):
     hf_target, target, draft = pair
     out = _sample(target, draft, method, return_logprobs=True)

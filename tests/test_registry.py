@@ -40,7 +40,8 @@ def test_public_lists_keep_their_values_and_order():
     assert api.WITHOUT_REPLACEMENT_METHODS == ("specinfer_wor",)
     assert api.TREE_METHODS == ("tv", "tv_wr", "is_bv")
     assert sampler.METHODS == (
-        "ar", "sps", "asps", "specinfer", "spectr", "is", "optimal", "tv", "tv_wr", "is_bv",
+        "ar", "sps", "asps", "specinfer", "spectr", "is", "optimal", "specinfer_wor", "tv",
+        "tv_wr", "is_bv",
     )  # fmt: skip
 
 
@@ -52,10 +53,15 @@ def test_every_public_list_is_derived_from_the_registry():
     assert all(REGISTRY[m].kind == "chain" for m in api.CHAIN_METHODS)
     assert all(REGISTRY[m].kind == "tree" for m in api.TREE_METHODS)
     assert all(REGISTRY[m].law == "without_replacement" for m in api.WITHOUT_REPLACEMENT_METHODS)
-    # sample runs exactly the entries whose draft law the decode loop draws (independent chains).
+    # sample runs every entry: independent chains, or (specinfer_wor) K roots drawn without
+    # replacement as one node's siblings, each continued by its own chain.
     assert sampler.METHODS[0] == "ar" and "ar" not in REGISTRY
     assert sampler.METHODS[1:] == tuple(m for m, e in REGISTRY.items() if e.in_sample)
-    assert all("iid" in REGISTRY[m].laws for m in sampler.METHODS[1:])
+    assert sampler.METHODS[1:] == tuple(REGISTRY)
+    wor = REGISTRY["specinfer_wor"].draft_tree(3, 4)
+    assert wor.widths == (3, 1, 1, 1) and wor.draws == "without_replacement"
+    assert REGISTRY["specinfer_wor"].draft_tree(1, 4).draws == "chains"
+    assert REGISTRY["specinfer"].draft_tree(3, 4).draws == "chains"
     # The multi-draft verifiers are multi.py's functions; the option defaults are options.py's.
     for name in registry.names("drafts"):
         assert REGISTRY[name].verifier is getattr(multi, f"verify_{name}")
@@ -135,15 +141,17 @@ def test_cli_choices_and_help_come_from_the_registry():
     assert "optimal" in sampler.METHODS
     assert action.help == (
         "verification method: ar = target alone; sps / asps = one draft chain; specinfer / "
-        "spectr / is = several drafts, token by token; tv / tv_wr / is_bv = several "
-        "drafts verified as one tree (default asps)"
+        "spectr / is / specinfer_wor = several drafts, token by token; tv / tv_wr / is_bv = "
+        "several drafts verified as one tree (default asps)"
     )
 
 
 def test_benchmark_lists_come_from_the_registry(monkeypatch):
     bench = _load_script("benchmark", monkeypatch)
     assert bench.CHAIN == ("sps", "asps")
-    assert bench.MULTI == ("specinfer", "spectr", "is", "optimal", "tv", "tv_wr", "is_bv")
+    assert bench.MULTI == (
+        "specinfer", "spectr", "is", "optimal", "specinfer_wor", "tv", "tv_wr", "is_bv",
+    )  # fmt: skip
     verify = _load_script("bench_verify", monkeypatch)
     assert verify.CHAIN_METHODS == api.CHAIN_METHODS
     base = {m.partition("[")[0] for m in verify.DRAFTS_METHODS}
@@ -153,4 +161,4 @@ def test_benchmark_lists_come_from_the_registry(monkeypatch):
         "is[sir]", "optimal",
     )  # fmt: skip
     cost = _load_script("bench_cost_ratio", monkeypatch)
-    assert [cost.num_drafts(m) for m in sampler.METHODS] == [1, 1, 1] + [2] * 7
+    assert [cost.num_drafts(m) for m in sampler.METHODS] == [1, 1, 1] + [2] * 8

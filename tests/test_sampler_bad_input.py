@@ -127,9 +127,23 @@ def test_single_draft_error_names_only_methods_sample_accepts(pair):
     with pytest.raises(ValueError, match="single draft chain") as info:
         _prepare(pair, method="sps", num_drafts=2)
     message = str(info.value)
-    assert "specinfer_wor" not in message  # sample refuses it: never suggest it
-    for method in registry.names("drafts", sample=True):
+    for method in registry.names("drafts", sample=True):  # specinfer_wor too (issue 65)
         assert method in message
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(draft="lookup"), r"^draft='lookup': method 'specinfer_wor' draws its K root drafts "),
+        (dict(draft_stop="confidence:0.5"), r"^draft_stop: .* 'specinfer_wor' draws its K roots "),
+    ],
+)
+def test_specinfer_wor_refuses_what_cannot_draw_distinct_roots(pair, kwargs, match):
+    """Point-mass lookup chains and confidence-stopped chains cannot be one node's distinct
+    siblings: one line naming the argument (issue 65)."""
+    with pytest.raises(ValueError, match=match) as info:
+        _prepare(pair, method="specinfer_wor", num_drafts=2, **kwargs)
+    assert "\n" not in str(info.value)
 
 
 def test_size_estimate_counts_the_caches_and_the_tree():

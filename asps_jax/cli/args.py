@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     sections = _Sections(p)
     for add in (_models, _method, _sampling, _penalties, _run, _devices, _output):
         add(sections)
+    # The usage synopsis lists the flags in the order of --help's sections (argparse writes it in
+    # the order they were added); parsing does not depend on this order.
+    rank = {flag: i for i, flag in enumerate(f for flags in GROUPS.values() for f in flags)}
+    p._actions.sort(key=lambda a: min((rank[o] for o in a.option_strings if o in rank), default=-1))
     return p
 
 
@@ -151,7 +155,8 @@ def _method(p: argparse.ArgumentParser) -> None:
         type=flags.positive_int,
         default=None,
         metavar="K",
-        help="independent draft chains per step, for multi-draft methods (default 1)",
+        help="draft chains per step, for multi-draft methods: independent, or with their roots "
+        "drawn without replacement under specinfer_wor (default 1)",
     )
     p.add_argument(
         "--tree",
@@ -409,8 +414,9 @@ def _output(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-compile-cache",
         action="store_true",
-        help="do not use the on-disk compilation cache (default: on, in $ASPS_JAX_CACHE_DIR or "
-        "~/.cache/asps_jax/jax; ASPS_JAX_NO_CACHE=1 also turns it off)",
+        help="do not use the on-disk compilation cache (default: on, in $ASPS_JAX_CACHE_DIR if "
+        "set, else $XDG_CACHE_HOME/asps_jax/jax, ~/.cache/asps_jax/jax when XDG_CACHE_HOME is "
+        "unset; ASPS_JAX_NO_CACHE=1 also turns it off)",
     )
 
 

@@ -15,6 +15,12 @@ from asps_jax import compile_cache
 from asps_jax.sampler import NonFiniteLogitsError
 from asps_jax.statistics import histogram_mean_stderr
 
+ZERO_PROBABILITY_LOGPROB = -9999.0
+"""The ``--top-logprobs`` value of a token of probability 0 (log-probability -inf, which strict
+JSON cannot write): a finite number that readers can keep treating as one, below the
+log-probability of any token a float32 law can draw (exp(-104) is 0 in float32); OpenAI's API
+reports such tokens with the same value."""
+
 
 def result(session):
     """``(SampleOutput, failure)``: the session's output, and the NonFiniteLogitsError of a model
@@ -115,12 +121,12 @@ def batch_json(s: dict, out, texts, tokenizer) -> dict:
     s["logprobs"] = [logprobs[b, : lengths[b]].tolist() for b in range(lengths.size)]
     if out.top_logprobs is not None:
         ids, lps = (np.asarray(a) for a in out.top_logprobs)
-        # Per position, [token id, log-probability] pairs, most likely first (null for a token
-        # outside the law's support, when k exceeds it).
+        # Per position, [token id, log-probability] pairs, most likely first; a token outside
+        # the law's support (k exceeds it) has ZERO_PROBABILITY_LOGPROB, as strict JSON has no -inf.
         s["top_logprobs"] = [
             [
                 [
-                    [i, lp if math.isfinite(lp) else None]
+                    [i, lp if math.isfinite(lp) else ZERO_PROBABILITY_LOGPROB]
                     for i, lp in zip(ids[b, t].tolist(), lps[b, t].tolist())
                 ]
                 for t in range(lengths[b])

@@ -167,11 +167,16 @@ class Lookup(Drafter):
         return "lookup"
 
     def check(self, target, spec) -> None:
-        if spec.method.kind == "tree":
+        if spec.method.kind == "tree" or spec.tree.plan is not None:
+            what = (
+                "verifies a tree of draws from one law per node"
+                if spec.method.kind == "tree"
+                else "draws its K root drafts without replacement from one law"
+            )
             raise ValueError(
-                f"draft='lookup': method {spec.method.name!r} verifies a tree of draws from one "
-                "law per node; lookup chains are point masses per chain: use a chain method "
-                "(sps, asps) or a multi-draft one (specinfer, spectr, is, optimal)"
+                f"draft='lookup': method {spec.method.name!r} {what}; lookup chains are point "
+                "masses per chain: use a chain method (sps, asps) or a multi-draft one "
+                "(specinfer, spectr, is, optimal)"
             )
 
     def default_draft_len(self) -> int | None:

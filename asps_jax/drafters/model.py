@@ -57,6 +57,11 @@ class ModelDraft(Drafter):
     def check(self, target, spec) -> None:
         if self.confidence_stop and spec.widths:
             raise ValueError("draft_stop: confidence-stopped chains need K chains, not tree=")
+        if self.confidence_stop and spec.tree.plan is not None:  # roots without replacement
+            raise ValueError(
+                f"draft_stop: confidence-stopped chains need K independent chains; method "
+                f"{spec.method.name!r} draws its K roots without replacement (drop draft_stop)"
+            )
 
     def context(self) -> int | None:
         return self.config.max_position_embeddings

@@ -1,31 +1,47 @@
-"""Model cards (``<repo>/models/<alias>/card.json``) and where a checkpoint is looked for.
+"""Model cards (``models/<alias>/card.json``) and where a checkpoint is looked for.
+
+The bundled models are the package ``asps_jax._models``: the checkout's top-level ``models/``
+folder, which pyproject.toml maps onto that name, so that an editable install reads the checkout's
+folder and a wheel (``pip install .``, a git URL, ``dist/*.whl``) carries it as package data.
 
 A card names an alias's Hugging Face repo id and the architecture numbers its config must have.
 ``resolve`` finds the checkpoint folder, in this order:
 
 1. ``name_or_path`` itself when it is a directory;
 2. ``$ASPS_MODELS_DIR/<alias>``;
-3. the bundled checkpoint ``<repo>/models/<alias>/`` (card.json next to config.json + weights);
+3. the bundled checkpoint ``models/<alias>/`` (card.json next to config.json + weights);
 4. the local Hugging Face cache where huggingface_hub puts it (``$HF_HUB_CACHE``, ``$HF_HOME/hub``,
    ``$XDG_CACHE_HOME/huggingface/hub``, ``~/.cache/huggingface/hub``), read through
    huggingface_hub's cache functions: the revision ``refs/main`` points at first;
 5. ``huggingface_hub.snapshot_download`` when ``HF_HUB_OFFLINE`` is unset and the Hub is reachable.
 
-Nothing found raises ``MissingWeightsError`` listing every place searched and the command that
-fetches the weights.
+Nothing found raises ``MissingWeightsError``: its first line a one-line summary with the command
+that fetches the weights, then every place searched, one per line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
 import os
 import re
 import socket
 from pathlib import Path
 
-# <repo>/asps_jax/models/cards.py -> <repo>/models: found from this file, not by importing asps_jax.
-MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+
+def _models_dir() -> Path:
+    """The folder of the bundled models: the package ``asps_jax._models`` where an install maps it
+    (editable or a wheel), else ``<checkout>/models`` (the tree run from its checkout, on
+    ``PYTHONPATH``, with no install of its own)."""
+    try:
+        folder = importlib.resources.files("asps_jax._models")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "models"
+    return Path(str(folder))  # installed unpacked: a real folder
+
+
+MODELS_DIR = _models_dir()
 CARD_FILE = "card.json"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHTS = (
@@ -224,9 +240,9 @@ def resolve(name_or_path: str | os.PathLike) -> Resolved:
     raise MissingWeightsError(
         f"no weights for {name!r}"
         + (f" ({repo_id})" if repo_id and repo_id != name else "")
-        + f". Looked in:\n  - {where}\nFetch them with:\n  {fetch_command(repo_id, card)}\n"
-        + "(or put a checkpoint folder at $ASPS_MODELS_DIR/"
-        + f"{alias}, or pass its path)"
+        + f"; fetch them with: {fetch_command(repo_id, card)}\n"
+        + f"Looked in:\n  - {where}\n"
+        + f"Or put a checkpoint folder at $ASPS_MODELS_DIR/{alias}, or pass its path."
     )
 
 

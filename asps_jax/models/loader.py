@@ -364,14 +364,36 @@ def read_config(path: Path, family_for_type) -> tuple[object, object]:
         ) from None
 
 
+def _tokenizer_class(path: Path):
+    """The tokenizer class ``tokenizer_config.json`` names, where transformers exports it: what
+    AutoTokenizer would pick from that name, without importing AutoTokenizer, which imports torch
+    when it is installed (through transformers' configuration module: seconds at every start).
+    None: let AutoTokenizer decide."""
+    try:
+        name = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(name, str) or not name.isidentifier():
+        return None
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        return None
+    base = transformers.PreTrainedTokenizerBase
+    return cls if isinstance(cls, type) and issubclass(cls, base) else None
+
+
 def load_tokenizer(path: Path):
-    """``transformers.AutoTokenizer`` from the folder, or None when it holds no tokenizer files."""
+    """The folder's tokenizer (the class its ``tokenizer_config.json`` names, else
+    ``transformers.AutoTokenizer``'s choice), or None when it holds no tokenizer files."""
     if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        cls = _tokenizer_class(path)
+        if cls is None:
+            from transformers import AutoTokenizer as cls
+        return cls.from_pretrained(str(path))
     except (ImportError, ValueError, OSError) as e:
         # The weights are usable without it (token ids in, token ids out); say what is missing,
         # e.g. `sentencepiece` for checkpoints that ship only tokenizer.model.

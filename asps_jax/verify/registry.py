@@ -75,8 +75,10 @@ class Method:
 
     @property
     def in_sample(self) -> bool:
-        """Usable by ``sample`` / the decode loop, which draws its K chains independently."""
-        return "iid" in self.laws
+        """Usable by ``sample`` / the decode loop: every method is. The loop draws K independent
+        chains, or, for a method that needs root drafts without replacement, the K roots as
+        distinct siblings of one node, each continued by its own chain (:meth:`draft_tree`)."""
+        return self.law in LAWS
 
     @property
     def options(self) -> tuple[tuple[str, Any], ...]:
@@ -105,10 +107,15 @@ class Method:
         self.accepts.check(self.name, options, vocab=vocab, tree=tree)
 
     def draft_tree(self, num_drafts: int, draft_len: int, widths: tuple = ()) -> trees.DraftTree:
-        """The decode step's :class:`~asps_jax.trees.DraftTree`: K independent chains, or the
-        branching tree ``widths`` drawn with :attr:`branch_draws`."""
+        """The decode step's :class:`~asps_jax.trees.DraftTree`: K independent chains, the
+        branching tree ``widths`` drawn with :attr:`branch_draws`, or, for a method that needs
+        root drafts without replacement (``"specinfer_wor"``), K chains whose roots are drawn
+        without replacement: the tree of widths ``(K, 1, ..., 1)`` (its root paths are the K
+        chains the verifier reads, in the order their roots were drawn)."""
         if widths:
             return trees.DraftTree(widths, self.branch_draws)
+        if self.law == "without_replacement" and num_drafts > 1:
+            return trees.DraftTree((num_drafts,) + (1,) * (draft_len - 1), "without_replacement")
         return trees.DraftTree.chains(num_drafts, draft_len)
 
 
