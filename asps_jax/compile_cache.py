@@ -82,7 +82,40 @@ def enable(path: str | os.PathLike | None = None, notify=None) -> Path | None:
         # A bounded cache is an LRU one that holds a file lock around every read and write: two
         # runs sharing the directory never read an entry the other is still writing.
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+        global _bounded_dir
+        _bounded_dir = directory
+        repair(directory)
     return directory
+
+
+_bounded_dir: Path | None = None  # the size-bounded cache :func:`enable` turned on
+_CACHE, _ATIME = "-cache", "-atime"  # the suffixes of an entry's files in JAX's bounded cache
+
+
+def repair(directory: str | os.PathLike) -> int:
+    """Drop the orphan entries of a size-bounded cache: a program file (``KEY-cache``) without
+    its access-time file (``KEY-atime``), which a write that failed half-way (a full disk) leaves.
+    JAX's bounded cache reads every entry's access time before each write, so one orphan made
+    every later write fail, with a warning per program, for good. An orphan may be truncated, so
+    it is deleted rather than given a time (it is compiled again when next needed). Runs under
+    the cache's own lock, without waiting for it; returns the number of entries dropped (0 when
+    the directory is gone or another process holds the lock: the next call tries again)."""
+    import filelock
+
+    directory = Path(directory)
+    if not directory.is_dir():  # (the lock would create it)
+        return 0
+    try:
+        with filelock.FileLock(directory / ".lockfile", timeout=0):
+            names = set(os.listdir(directory))
+            orphans = [
+                n for n in names if n.endswith(_CACHE) and n[: -len(_CACHE)] + _ATIME not in names
+            ]
+            for name in orphans:
+                (directory / name).unlink(missing_ok=True)
+    except (OSError, filelock.Timeout):
+        return 0
+    return len(orphans)
 
 
 _default_tried = False
@@ -93,9 +126,13 @@ def enable_default() -> Path | None:
     first call decides; later ones return None), unless ``$ASPS_JAX_NO_CACHE`` is set or the
     program already set ``jax_compilation_cache_dir`` (its own directory is left as it is). A
     directory that cannot be used is said once, as a ``RuntimeWarning``, and the run compiles as
-    usual. Returns the directory it turned on, else None."""
+    usual. Later calls (every entry point's) :func:`repair` the bounded cache :func:`enable` turned
+    on, so that a write that failed (a full disk) stops no later one. Returns the directory it
+    turned on, else None."""
     global _default_tried
     if _default_tried:
+        if _bounded_dir is not None:  # a write that failed since (a full disk) left no orphan
+            repair(_bounded_dir)
         return None
     _default_tried = True
     import jax
