@@ -11,6 +11,7 @@ verifiers and the decode step all validate through it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,8 @@ IS_DEFAULTS = dict(
     (("rule", "level_race"), *_RACE, ("s", 5), ("alphabet", 40), ("lp_iters", 300), ("tol", 1e-5))
 )
 OPTIMAL_DEFAULTS = dict((*_RACE, ("grad_steps", 200)))
+NAMES = frozenset(("tail", "alive", *IS_DEFAULTS, *OPTIMAL_DEFAULTS))
+"""Every option some verification method takes (a keyword outside it is unknown everywhere)."""
 _BIG_VOCAB = 1 << 62  # no vocabulary given: only the check that an option exceeds it is skipped
 
 
@@ -211,6 +214,11 @@ class Options:
             checks the options alone.
         """
         options = dict(options)
+        for name in options:
+            if name not in NAMES:
+                close = difflib.get_close_matches(str(name), sorted(NAMES), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"{self.caller}: unknown keyword argument {name!r}{hint}")
         if self.kind == "selection":
             return selection_options(tree, options)
         tail = options.pop("tail", "asps") if self.kind in ("tail", "race") else "asps"
