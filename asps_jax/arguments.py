@@ -15,7 +15,6 @@ number of rows ``n`` asks for, and the PRNG keys of per-prompt seeds.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import itertools
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ import jax
 import numpy as np
 
 from asps_jax import drafters, footprint
-from asps_jax.checks import check_int
+from asps_jax.checks import check_int, check_keywords  # noqa: F401  (the entry points')
 from asps_jax.sampling import Sampling
 from asps_jax.verify import options as method_options
 
@@ -47,22 +46,6 @@ def call_keywords(prepare) -> frozenset[str]:
     return frozenset(
         (*own, *OUTPUT_FLAGS, *Sampling.names(), *drafters.OPTIONS, *method_options.NAMES)
     )
-
-
-def check_keywords(caller: str, given, valid) -> None:
-    """Refuse the first keyword of ``given`` not in ``valid``: one line naming it and the closest
-    valid name (:mod:`difflib`)."""
-    for name in given:
-        if name not in valid:
-            raise ValueError(f"{caller}: unknown keyword argument {name!r}{suggest(name, valid)}")
-
-
-def suggest(name: str, valid) -> str:
-    """``" (did you mean 'x'?)"``: the valid name closest to ``name``, or the list of them."""
-    close = difflib.get_close_matches(str(name), sorted(valid), n=1, cutoff=0.6)
-    if close:
-        return f" (did you mean {close[0]!r}?)"
-    return f" (valid: {', '.join(sorted(valid))})"
 
 
 def check_rows(n, num_prompts: int) -> int:

@@ -483,6 +483,11 @@ def _with_params(model: Model, params, name: str) -> Model:
             f"({len(new)} leaves against {len(old)}, or other names); pass the same pytree"
         )
     for (path, a), (_, b) in zip(old, new):
+        if isinstance(b, jax.Array) and b.is_deleted():
+            raise ValueError(
+                f"update_params: {name}{jax.tree_util.keystr(path)} is a deleted array (donated "
+                "to a jitted call or .delete()d): pass arrays that are still alive"
+            )
         if np.shape(a) != np.shape(b) or _dtype(a) != _dtype(b):
             raise ValueError(
                 f"update_params: {name}{jax.tree_util.keystr(path)} is "

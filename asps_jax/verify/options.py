@@ -11,10 +11,10 @@ verifiers and the decode step all validate through it.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
+from asps_jax.checks import check_keywords
 from asps_jax.verify.selection import PAIRWISE_RULES, RULES, RuleConfig
 from asps_jax.verify.tree_rules import ALIVE_MODES, TREE_RULES, FixedOrderRule, LevelRaceRule
 
@@ -214,11 +214,7 @@ class Options:
             checks the options alone.
         """
         options = dict(options)
-        for name in options:
-            if name not in NAMES:
-                close = difflib.get_close_matches(str(name), sorted(NAMES), n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"{self.caller}: unknown keyword argument {name!r}{hint}")
+        check_keywords(self.caller, options, NAMES)  # a name no method takes: unknown
         if self.kind == "selection":
             return selection_options(tree, options)
         tail = options.pop("tail", "asps") if self.kind in ("tail", "race") else "asps"
