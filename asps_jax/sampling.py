@@ -278,11 +278,7 @@ def bad_word_ids(tokenizer, word: str) -> list[list[int]]:
 
 def _is_word(w) -> bool:
     """A bad word: a string or a non-empty list of token ids."""
-    return isinstance(w, str) or (
-        isinstance(w, Sequence)
-        and bool(w)
-        and all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in w)
-    )
+    return isinstance(w, str) or (isinstance(w, Sequence) and bool(w) and all(_is_id(t) for t in w))
 
 
 def bad_words_per_prompt(bad_words) -> bool:
@@ -295,26 +291,26 @@ def bad_words_per_prompt(bad_words) -> bool:
     )
 
 
+_WORDS = "bad_words: each must be a non-empty string or a non-empty list of token ids"
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int | np.integer) and not isinstance(t, bool)
+
+
 def _bad_entry(bad_words, batch: int) -> str | None:
     """What is wrong with the first entry of ``bad_words`` (none of them a word) that is not a
-    list of words either (an empty list only where the lists cannot be one per prompt), or None."""
+    list of words either (an empty list only where the lists cannot be one per prompt), or None.
+    """
     for i, entry in enumerate(bad_words):
         if isinstance(entry, str) or not isinstance(entry, Sequence):
-            return (
-                f"bad_words[{i}] is {entry!r}: an entry is a word (a non-empty string or a "
-                "non-empty list of token ids) or, one per prompt, a list of words"
-            )
+            return f"{_WORDS} (or, one per prompt, a list of them); bad_words[{i}] is {entry!r}"
         if not entry and len(bad_words) != batch:
-            return (
-                f"bad_words[{i}] is an empty list: a word is a non-empty string or a non-empty "
-                f"list of token ids (and lists one per prompt are {batch})"
-            )
+            return f"{_WORDS}; bad_words[{i}] is an empty list (one per prompt: {batch} lists)"
+        ids = any(_is_id(t) for t in entry)  # meant as a token-id list: its first non-id
         for j, word in enumerate(entry):
-            if not _is_word(word):
-                return (
-                    f"bad_words[{i}][{j}] is {word!r}: a token id is an int (not a bool or a "
-                    "float), a word a non-empty string or a non-empty list of token ids"
-                )
+            if not (_is_id(word) if ids else _is_word(word)):
+                return f"{_WORDS}; bad_words[{i}][{j}] is {word!r} (a token id is an int)"
     return None
 
 
@@ -340,16 +336,14 @@ def _bad_words_rows(target, bad_words, batch: int, padded: int, vocab: int):
             f"{len(rows)} lists"
         )
     seqs_per_row = []
-    for words in rows:
+    for b, words in enumerate(rows):
         if isinstance(words, str) or not isinstance(words, Sequence):
             raise ValueError(f"bad_words: each prompt's must be a list, got {words!r}")
         seqs = []
-        for word in words:
+        for j, word in enumerate(words):
             if not _is_word(word) or (isinstance(word, str) and not word.strip()):
-                raise ValueError(
-                    f"bad_words: each must be a non-empty string or a non-empty list of token "
-                    f"ids, got {word!r}"
-                )
+                where = f"bad_words[{b}][{j}]" if per_prompt else f"bad_words[{j}]"
+                raise ValueError(f"{_WORDS}; {where} is {word!r}")
             if not isinstance(word, str):
                 if not all(0 <= t < vocab for t in word):
                     raise ValueError(
