@@ -260,7 +260,8 @@ _NUMERIC_CHECKS = (
     ("no_repeat_ngram_size", lambda v: _integral(v) and v >= 0,
      "an integer >= 0 (0 disables it)"),
     ("min_tokens", lambda v: _integral(v) and 0 <= v < 2**31,
-     "an integer in [0, 2**31 - 1] (0 disables it; past max_new_tokens it bans EOS throughout)"),
+     "an integer >= 0 and at most 2**31 - 1 (0 disables it; from max_new_tokens on it bans "
+     "EOS throughout)"),
 )  # fmt: skip
 
 

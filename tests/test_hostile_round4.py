@@ -175,7 +175,10 @@ def test_update_params_refuses_a_deleted_array(pair):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(min_tokens=10**12), r"^min_tokens must be an integer in \[0, 2\*\*31 - 1\]"),
+        (
+            dict(min_tokens=10**12),
+            r"^min_tokens must be an integer >= 0 and at most 2\*\*31 - 1 ",
+        ),
         (dict(bad_words=[[]]), r"; bad_words\[0\] is an empty list \(one per prompt: 2"),
         (dict(bad_words=[[1.5]]), r"; bad_words\[0\]\[0\] is 1.5 \(a token id is an int\)$"),
         (dict(bad_words=[[True]]), r"; bad_words\[0\]\[0\] is True \(a token id is an int\)$"),
