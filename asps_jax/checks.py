@@ -41,9 +41,7 @@ def check_keywords(caller: str, given, valid) -> None:
     valid name (:mod:`difflib`)."""
     for name in given:
         if name not in valid:
-            raise UnknownKeywordError(
-                f"{caller}: unknown keyword argument {name!r}{suggest(name, valid)}"
-            )
+            raise UnknownKeywordError(f"{caller}: unknown option {name!r}{suggest(name, valid)}")
 
 
 def known_keywords(*extra: str):

@@ -131,7 +131,7 @@ def _entry_points(pair):
 )
 def test_an_unknown_keyword_is_named_with_the_closest_valid_one(pair, entry, keyword, closest):
     """``Sampler(T, D, temprature=0.5)`` read "verify_drafts: method 'asps' takes no options"."""
-    with pytest.raises(ValueError, match=f"^{entry}: unknown keyword argument '{keyword}'") as err:
+    with pytest.raises(ValueError, match=f"^{entry}: unknown option '{keyword}'") as err:
         _entry_points(pair)[entry](**{keyword: 0.5})
     message = str(err.value)
     assert "\n" not in message and isinstance(err.value, TypeError)  # Python's type for it too
