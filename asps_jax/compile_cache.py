@@ -92,19 +92,19 @@ _bounded_dir: Path | None = None  # the size-bounded cache :func:`enable` turned
 _CACHE, _ATIME = "-cache", "-atime"  # the suffixes of an entry's files in JAX's bounded cache
 
 
-def repair(directory: str | os.PathLike) -> int:
+def repair(directory: str | os.PathLike) -> int | None:
     """Drop the orphan entries of a size-bounded cache: a program file (``KEY-cache``) without
     its access-time file (``KEY-atime``), which a write that failed half-way (a full disk) leaves.
     JAX's bounded cache reads every entry's access time before each write, so one orphan made
     every later write fail, with a warning per program, for good. An orphan may be truncated, so
     it is deleted rather than given a time (it is compiled again when next needed). Runs under
-    the cache's own lock, without waiting for it; returns the number of entries dropped (0 when
-    the directory is gone or another process holds the lock: the next call tries again)."""
+    the cache's own lock, without waiting for it; returns the number of entries dropped, None
+    when the directory is gone or another process holds the lock (the next call tries again)."""
     import filelock
 
     directory = Path(directory)
     if not directory.is_dir():  # (the lock would create it)
-        return 0
+        return None
     try:
         with filelock.FileLock(directory / ".lockfile", timeout=0):
             names = set(os.listdir(directory))
@@ -114,8 +114,25 @@ def repair(directory: str | os.PathLike) -> int:
             for name in orphans:
                 (directory / name).unlink(missing_ok=True)
     except (OSError, filelock.Timeout):
-        return 0
+        return None
     return len(orphans)
+
+
+_scanned: dict[Path, int] = {}  # the bounded cache's directory mtime at its last repair
+
+
+def _repair_if_changed() -> None:
+    """:func:`repair` the bounded cache :func:`enable` turned on if an entry was written (or
+    dropped) there since the last look: a steady loop that compiles nothing scans nothing."""
+    if _bounded_dir is None:
+        return
+    try:
+        if os.stat(_bounded_dir).st_mtime_ns == _scanned.get(_bounded_dir):
+            return
+        if repair(_bounded_dir) is not None:
+            _scanned[_bounded_dir] = os.stat(_bounded_dir).st_mtime_ns
+    except OSError:
+        return
 
 
 _default_tried = False
@@ -131,8 +148,7 @@ def enable_default() -> Path | None:
     turned on, else None."""
     global _default_tried
     if _default_tried:
-        if _bounded_dir is not None:  # a write that failed since (a full disk) left no orphan
-            repair(_bounded_dir)
+        _repair_if_changed()  # a write that failed since (a full disk) leaves no orphan
         return None
     _default_tried = True
     import jax

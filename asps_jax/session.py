@@ -147,7 +147,7 @@ class Session:
     def __init__(
         self, target, draft, prompts, *, key=None, max_new_tokens, return_logprobs=False, **kwargs
     ):
-        arguments.check_keywords(type(self).__name__, kwargs, _KEYWORDS)
+        arguments.check_keywords("Session", kwargs, _KEYWORDS)
         self.return_logprobs = bool(return_logprobs)
         check_logprob_options(
             kwargs.get("top_logprobs"),

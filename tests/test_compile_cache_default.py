@@ -22,6 +22,7 @@ def fresh_process(monkeypatch, tmp_path):
     configuration after the test; the run's own cache, initialised already, keeps serving)."""
     monkeypatch.setattr(compile_cache, "_default_tried", False)
     monkeypatch.setattr(compile_cache, "_bounded_dir", None)
+    monkeypatch.setattr(compile_cache, "_scanned", {})
     monkeypatch.setenv(compile_cache.ENV_DIR, str(tmp_path / "cache"))
     monkeypatch.delenv(compile_cache.ENV_OFF, raising=False)
     jax.config.update("jax_compilation_cache_dir", None)

@@ -100,7 +100,7 @@ def _entry_points(pair):
     return {
         "sample": lambda **kw: asps_jax.sample(target, draft, PROMPTS, **call, **kw),
         "stream": lambda **kw: next(asps_jax.stream(target, draft, PROMPTS, **call, **kw)),
-        "BatchSession": lambda **kw: asps_jax.Session(target, draft, PROMPTS, **call, **kw),
+        "Session": lambda **kw: asps_jax.Session(target, draft, PROMPTS, **call, **kw),
         "Sampler": lambda **kw: asps_jax.Sampler(target, draft, **kw),
         "Sampler call": lambda **kw: asps_jax.Sampler(target, draft)(PROMPTS, **call, **kw),
         "prepare": lambda **kw: sampler.prepare(target, draft, PROMPTS, **call, **kw),
@@ -118,7 +118,7 @@ def _entry_points(pair):
         ("sample", "temprature", "temperature"),
         ("sample", "include_stop_str_in_output", None),
         ("stream", "max_tokens", "max_new_tokens"),
-        ("BatchSession", "top_kk", "top_k"),
+        ("Session", "top_kk", "top_k"),
         ("Sampler", "temprature", "temperature"),
         ("Sampler call", "seeds", "seed"),
         ("prepare", "num_draft_token", "num_draft_tokens"),
