@@ -100,21 +100,29 @@ def repair(directory: str | os.PathLike) -> int | None:
     it is deleted rather than given a time (it is compiled again when next needed). Runs under
     the cache's own lock, without waiting for it; returns the number of entries dropped, None
     when the directory is gone or another process holds the lock (the next call tries again)."""
-    import filelock
-
+    try:
+        import fcntl  # the lock JAX's filelock.FileLock takes on POSIX: flock of the same file
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
     directory = Path(directory)
-    if not directory.is_dir():  # (the lock would create it)
+    if not directory.is_dir():  # (opening the lock file would create it)
         return None
     try:
-        with filelock.FileLock(directory / ".lockfile", timeout=0):
-            names = set(os.listdir(directory))
-            orphans = [
-                n for n in names if n.endswith(_CACHE) and n[: -len(_CACHE)] + _ATIME not in names
-            ]
-            for name in orphans:
-                (directory / name).unlink(missing_ok=True)
-    except (OSError, filelock.Timeout):
+        fd = os.open(directory / ".lockfile", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
         return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        names = set(os.listdir(directory))
+        orphans = [
+            n for n in names if n.endswith(_CACHE) and n[: -len(_CACHE)] + _ATIME not in names
+        ]
+        for name in orphans:
+            (directory / name).unlink(missing_ok=True)
+    except OSError:  # the lock is busy (another run writes), or the directory went away
+        return None
+    finally:
+        os.close(fd)  # (releases the lock)
     return len(orphans)
 
 

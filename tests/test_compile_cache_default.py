@@ -99,3 +99,13 @@ def test_an_orphan_made_during_the_run_is_dropped_at_the_next_call(pair, fresh_p
     (fresh_process / "orphan-cache").write_bytes(b"half")
     _prepare(pair)
     assert "orphan-cache" not in _entries(fresh_process)
+
+
+def test_the_repair_waits_for_no_lock_jax_holds(tmp_path):
+    """Under JAX's lock (another run writing) the orphan is left for the next look."""
+    filelock = pytest.importorskip("filelock")
+    (tmp_path / "orphan-cache").write_bytes(b"half")
+    with filelock.FileLock(tmp_path / ".lockfile"):
+        assert compile_cache.repair(tmp_path) is None
+    assert "orphan-cache" in _entries(tmp_path)
+    assert compile_cache.repair(tmp_path) == 1 and not _entries(tmp_path)
