@@ -62,6 +62,8 @@ def check_rows(n, num_prompts: int) -> int:
 
 def _seeds(seed) -> list:
     """The seeds as a list, each checked (an int in ``[0, 2**63)``)."""
+    if isinstance(seed, np.ndarray) and seed.ndim > 1:
+        raise ValueError(f"seed: give an int or one per prompt (1-D), got shape {seed.shape}")
     seeds = list(np.asarray(seed).reshape(-1).tolist()) if isinstance(seed, np.ndarray) else seed
     seeds = list(seeds) if isinstance(seeds, (list, tuple)) else [seeds]
     if isinstance(seed, np.ndarray) and seed.dtype.kind in "iu" and seed.size:
@@ -98,20 +100,18 @@ def seed_keys(key, seed, num_prompts: int):
 
 def keys_of_seeds(seeds) -> jax.Array:
     """``[jax.random.key(s) for s in seeds]`` stacked, made in one call: ``jax.random.key`` turns
-    an int into ``int64`` and then into the default integer type (the low 32 bits without x64),
-    and the default ``threefry2x32`` key of an integer is its high and low 32-bit halves; for
-    another implementation the seeds are vmapped through ``jax.random.key`` (one program)."""
+    an int into ``int64`` and then into the default integer type (its low 32 bits without x64),
+    and the default ``threefry2x32`` key of an integer is its high and low 32-bit halves (NumPy
+    here); another implementation, or a seed offset, vmaps the seeds through ``jax.random.key``."""
     wide = np.asarray([int(s) for s in seeds] if not isinstance(seeds, np.ndarray) else seeds)
     wide = wide.astype(np.int64).reshape(-1)
-    impl = jax.random.key_impl(jax.random.key(0))
-    offset = jax.config.jax_random_seed_offset
-    if str(impl) != "threefry2x32" or offset:
+    impl = jax.config.jax_default_prng_impl
+    if impl != "threefry2x32" or jax.config.jax_random_seed_offset:
         return jax.vmap(jax.random.key)(jax.numpy.asarray(wide))
+    high = (wide >> 32) & 0xFFFFFFFF
     if not jax.config.jax_enable_x64:
-        wide = wide.astype(np.int32).astype(np.int64)  # as jnp.asarray(np.int64(s)) keeps it
-    data = np.stack([(wide >> 32) & 0xFFFFFFFF, wide & 0xFFFFFFFF], axis=-1).astype(np.uint32)
-    if not jax.config.jax_enable_x64:
-        data[:, 0] = 0  # a 32-bit seed's high half is 0 (a shift by 32 of a 32-bit value)
+        high = np.zeros_like(high)  # the seed kept in 32 bits: its high half is 0
+    data = np.stack([high, wide & 0xFFFFFFFF], axis=-1).astype(np.uint32)
     return jax.random.wrap_key_data(data, impl=impl)
 
 

@@ -39,13 +39,29 @@ def _prepare(pair, prompts=PROMPTS, **kwargs):
 # --- Per-prompt seeds: one vectorised call, the same keys as before ---------------------------
 
 
-@pytest.mark.parametrize("as_array", [False, True])
-def test_seed_keys_are_jax_random_key_of_each_seed(as_array):
+@pytest.mark.parametrize(
+    "as_array, config",
+    [
+        (False, {}),
+        (True, {}),
+        (False, {"jax_enable_x64": True}),  # seeds past 32 bits keep their high half
+        (False, {"jax_default_prng_impl": "rbg"}),
+        (False, {"jax_random_seed_offset": 5}),
+    ],
+)
+def test_seed_keys_are_jax_random_key_of_each_seed(as_array, config):
     """The keys of one call equal ``jax.random.key(s)`` made seed by seed (today's keys)."""
-    seeds = np.asarray(SEEDS, np.uint64) if as_array else SEEDS
-    want = np.stack([jax.random.key_data(jax.random.key(s)) for s in SEEDS])
-    got = arguments.seed_keys(None, seeds, len(SEEDS))
-    assert np.array_equal(jax.random.key_data(got), want)
+    before = {name: getattr(jax.config, name) for name in config}
+    try:
+        for name, value in config.items():
+            jax.config.update(name, value)
+        seeds = np.asarray(SEEDS, np.uint64) if as_array else SEEDS
+        want = np.stack([jax.random.key_data(jax.random.key(s)) for s in SEEDS])
+        got = arguments.seed_keys(None, seeds, len(SEEDS))
+        assert np.array_equal(jax.random.key_data(got), want)
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
 
 
 def test_per_prompt_seeds_are_the_keys_of_the_rows(pair):
