@@ -196,7 +196,7 @@ def _samples(n, key, seed, prompts, prompt_lengths, max_new_tokens, given, vocab
 def check_logprob_options(top_logprobs, return_logprobs, vocab: int, raw_logprobs=False) -> int:
     """``top_logprobs`` as an int in ``[0, vocab]`` (None: 0), given with ``return_logprobs``
     (and so is ``raw_logprobs=True``)."""
-    if not isinstance(return_logprobs, bool):
+    if not isinstance(return_logprobs, (bool, np.bool_)):
         raise ValueError(f"return_logprobs must be True or False, got {return_logprobs!r}")
     if not isinstance(raw_logprobs, bool):
         raise ValueError(f"raw_logprobs must be True or False, got {raw_logprobs!r}")
