@@ -82,7 +82,65 @@ def enable(path: str | os.PathLike | None = None, notify=None) -> Path | None:
         # A bounded cache is an LRU one that holds a file lock around every read and write: two
         # runs sharing the directory never read an entry the other is still writing.
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+        global _bounded_dir
+        _bounded_dir = directory
+        repair(directory)
     return directory
+
+
+_bounded_dir: Path | None = None  # the size-bounded cache :func:`enable` turned on
+_CACHE, _ATIME = "-cache", "-atime"  # the suffixes of an entry's files in JAX's bounded cache
+
+
+def repair(directory: str | os.PathLike) -> int | None:
+    """Drop the orphan entries of a size-bounded cache: a program file (``KEY-cache``) without
+    its access-time file (``KEY-atime``), which a write that failed half-way (a full disk) leaves.
+    JAX's bounded cache reads every entry's access time before each write, so one orphan made
+    every later write fail, with a warning per program, for good. An orphan may be truncated, so
+    it is deleted rather than given a time (it is compiled again when next needed). Runs under
+    the cache's own lock, without waiting for it; returns the number of entries dropped, None
+    when the directory is gone or another process holds the lock (the next call tries again)."""
+    try:
+        import fcntl  # the lock JAX's filelock.FileLock takes on POSIX: flock of the same file
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    directory = Path(directory)
+    if not directory.is_dir():  # (opening the lock file would create it)
+        return None
+    try:
+        fd = os.open(directory / ".lockfile", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        names = set(os.listdir(directory))
+        orphans = [
+            n for n in names if n.endswith(_CACHE) and n[: -len(_CACHE)] + _ATIME not in names
+        ]
+        for name in orphans:
+            (directory / name).unlink(missing_ok=True)
+    except OSError:  # the lock is busy (another run writes), or the directory went away
+        return None
+    finally:
+        os.close(fd)  # (releases the lock)
+    return len(orphans)
+
+
+_scanned: dict[Path, int] = {}  # the bounded cache's directory mtime at its last repair
+
+
+def _repair_if_changed() -> None:
+    """:func:`repair` the bounded cache :func:`enable` turned on if an entry was written (or
+    dropped) there since the last look: a steady loop that compiles nothing scans nothing."""
+    if _bounded_dir is None:
+        return
+    try:
+        if os.stat(_bounded_dir).st_mtime_ns == _scanned.get(_bounded_dir):
+            return
+        if repair(_bounded_dir) is not None:
+            _scanned[_bounded_dir] = os.stat(_bounded_dir).st_mtime_ns
+    except OSError:
+        return
 
 
 _default_tried = False
@@ -93,9 +151,12 @@ def enable_default() -> Path | None:
     first call decides; later ones return None), unless ``$ASPS_JAX_NO_CACHE`` is set or the
     program already set ``jax_compilation_cache_dir`` (its own directory is left as it is). A
     directory that cannot be used is said once, as a ``RuntimeWarning``, and the run compiles as
-    usual. Returns the directory it turned on, else None."""
+    usual. Later calls (every entry point's) :func:`repair` the bounded cache :func:`enable` turned
+    on, so that a write that failed (a full disk) stops no later one. Returns the directory it
+    turned on, else None."""
     global _default_tried
     if _default_tried:
+        _repair_if_changed()  # a write that failed since (a full disk) leaves no orphan
         return None
     _default_tried = True
     import jax

@@ -279,25 +279,22 @@ search automaton explodes inside outlines-core) until the memory limit, minutes 
 
 
 def _compile(pattern: str, tokens: list[bytes | None], key: str, what: str) -> TokenDFA:
-    """outlines-core's DFA of ``pattern``, built in a child process bounded by
-    :data:`COMPILE_MEMORY_BYTES` and :data:`COMPILE_SECONDS` (:mod:`asps_jax.dfa_worker`), so
-    that no pattern can take this process down."""
+    """outlines-core's DFA of ``pattern``, built in a child process (:mod:`asps_jax.dfa_worker`)
+    bounded by :data:`COMPILE_MEMORY_BYTES` (or the caller's lower address-space limit) and
+    :data:`COMPILE_SECONDS`, so that no pattern can take this process down."""
     if importlib.util.find_spec("outlines_core") is None:  # pragma: no cover - a dependency
-        msg = f"{what}: constraints need outlines-core (pip install outlines-core)"
-        raise ValueError(msg) from None
+        raise ValueError(f"{what}: constraints need outlines-core (pip install outlines-core)")
     if all(t is None for t in tokens):
         raise ValueError(f"{what}: the tokenizer has no usable token")
-    request = pickle.dumps((pattern, tokens, MAX_TABLE_ENTRIES, COMPILE_MEMORY_BYTES))
+    # The child keeps a lower address-space limit the caller runs under (never raises it).
+    bound = min(dfa_worker.inherited_limit() or COMPILE_MEMORY_BYTES, COMPILE_MEMORY_BYTES)
+    request = pickle.dumps((pattern, tokens, MAX_TABLE_ENTRIES, bound))
     fix = "simplify the pattern (bound repetitions and string lengths, e.g. maxLength)"
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    worker = [sys.executable, str(Path(__file__).with_name("dfa_worker.py"))]
     try:
-        done = subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("dfa_worker.py"))],
-            input=request,
-            capture_output=True,
-            timeout=COMPILE_SECONDS,
-            env=env,
-        )
+        run = dict(input=request, capture_output=True, timeout=COMPILE_SECONDS, env=env)
+        done = subprocess.run(worker, **run)
     except subprocess.TimeoutExpired:
         raise ValueError(
             f"{what}: outlines-core took more than {COMPILE_SECONDS:g} s to build the "
@@ -317,12 +314,15 @@ def _compile(pattern: str, tokens: list[bytes | None], key: str, what: str) -> T
     if kind == "size":
         raise ValueError(_size_error(what, result[1], result[2]))
     stderr = done.stderr.decode(errors="replace").strip().splitlines()
+    last = _one_line(stderr[-1]) if stderr else "no message"
+    if bound < COMPILE_MEMORY_BYTES:  # the caller's limit, not the pattern, may be at fault
+        detail = "out of memory" if kind == "memory" else f"exit status {done.returncode}: {last}"
+        raise ValueError(dfa_worker.limit_error(what, bound, COMPILE_MEMORY_BYTES, detail))
     if kind == "memory" or (stderr and "memory allocation" in stderr[-1]):
         raise ValueError(
-            f"{what}: outlines-core needed more than {COMPILE_MEMORY_BYTES / (1 << 30):.1f} GiB "
-            f"to build the constraint's DFA and was stopped: {fix}"
+            f"{what}: outlines-core needed more than {bound / (1 << 30):.1f} GiB to build the "
+            f"constraint's DFA and was stopped: {fix}"
         )
-    last = _one_line(stderr[-1]) if stderr else "no message"
     raise ValueError(
         f"{what}: outlines-core failed building the constraint's DFA (exit status "
         f"{done.returncode}: {last}): {fix}"

@@ -6,7 +6,8 @@ either exhausts the memory or aborts the whole process (``memory allocation ... 
 neither can be caught in Python. :func:`asps_jax.constraints.compile_regex` therefore runs this
 file as a script in a child process (``python dfa_worker.py``; it imports nothing of asps_jax,
 so the child starts in a fraction of a second) under an address-space limit, and reads the table
-back; the parent gives one-line errors for a child that ran out of memory or time.
+back; the parent gives one-line errors for a child that ran out of memory or time. A lower
+address-space limit the caller runs under (``ulimit -v``) is inherited and kept, never raised.
 
 Protocol: a pickled ``(pattern, tokens, max_entries, memory_bytes)`` on stdin; on stdout a
 pickled ``("ok", classes int32[V], next int32[S, C], final bool[S])`` (the token-class
@@ -139,12 +140,39 @@ def build_table(pattern: str, tokens: list, max_entries: int):
 
 
 def _limit_memory(memory_bytes: int) -> None:
+    """Lower the address-space limit to ``memory_bytes``; a lower limit inherited from the
+    caller (``ulimit -v``, ``prlimit --as``, a batch scheduler's) is kept as it is: a process may
+    lower its limits, never raise them past the hard one."""
     try:
         import resource
     except ImportError:  # pragma: no cover - not POSIX: the time limit still holds
         return
-    if memory_bytes > 0:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    bound = min(v for v in (soft, hard, 1 << 63) if v != resource.RLIM_INFINITY)
+    if 0 < memory_bytes < bound:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
+
+
+def inherited_limit() -> int | None:
+    """The address-space limit (bytes) this process runs under and its children inherit (the
+    soft ``RLIMIT_AS``), None when there is none."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft in (resource.RLIM_INFINITY, -1) else soft
+
+
+def limit_error(what: str, limit: int, wanted: int, detail: str) -> str:
+    """The one-line error of a child that failed under the caller's ``limit``, lower than the
+    ``wanted`` bytes: the limit is named as what failed, not the pattern."""
+    return (
+        f"{what}: outlines-core failed building the constraint's DFA under the address-space "
+        f"limit of {limit / (1 << 30):.2f} GiB this process runs under (ulimit -v / RLIMIT_AS, "
+        f"below the {wanted / (1 << 30):.1f} GiB the builder may use; {detail}): raise that "
+        "limit, or simplify the pattern"
+    )
 
 
 def main() -> None:

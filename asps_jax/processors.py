@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asps_jax.checks import known_keywords
 from asps_jax.draws import draw_categorical
 from asps_jax.logspace import NEG_INF, log_normalize
 
@@ -46,6 +47,7 @@ def validate_sampling_args(temperature=None, top_k=None, top_p=None, min_p=None)
         raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {min_p!r}")
 
 
+@known_keywords()
 def process_logits(
     logits_V: jax.Array,
     temperature: float | jax.Array = 1.0,

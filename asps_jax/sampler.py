@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax import (
+    arguments,
     compile_cache,
     decode,
     drafters,
@@ -97,60 +98,7 @@ class SampleOutput:
 _round_up = footprint.round_up
 
 
-def _as_prompt_array(prompts, prompt_lengths, vocab_size: int):
-    """``(int32[B', P] right-padded prompts, int32[B'] lengths, B)``: the B prompts checked
-    (one-line errors), the batch padded to its bucket with rows of length 0."""
-    if isinstance(prompts, (list, tuple)) and not prompts and prompt_lengths is None:
-        raise ValueError("prompts: the list is empty; give at least one prompt")
-    if prompt_lengths is not None:
-        arr = np.asarray(prompts)
-        lengths = np.asarray(prompt_lengths, np.int64)
-        if arr.ndim != 2 or lengths.shape != (arr.shape[0],):
-            raise ValueError(
-                "prompts: with prompt_lengths, prompts must be int32[B, P] and prompt_lengths "
-                f"int32[B]; got shapes {arr.shape} and {lengths.shape}"
-            )
-        if np.any(lengths < 0) or np.any(lengths > arr.shape[1]):
-            raise ValueError(
-                f"prompt_lengths must lie in [0, {arr.shape[1]}] (the prompt array width), got "
-                f"{lengths.tolist()[:8]}"
-            )
-        rows = [arr[b, : lengths[b]].tolist() for b in range(arr.shape[0])]
-    else:
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and any(isinstance(p, str) for p in prompts)
-        ):
-            raise ValueError(
-                "prompts must be token ids, not text: encode it first, e.g. "
-                "[model.tokenizer.encode(text)]"
-            )
-        if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:
-            rows = np.asarray(prompts).tolist()
-        elif isinstance(prompts, Sequence) and all(
-            isinstance(p, Sequence | np.ndarray) for p in prompts
-        ):
-            rows = [list(np.asarray(p).reshape(-1).tolist()) for p in prompts]
-        else:
-            raise ValueError("prompts must be a list of token-id lists or an int32[B, P] array")
-    if not rows:
-        raise ValueError("prompts: at least one prompt is required")
-    for b, row in enumerate(rows):
-        if len(row) == 0:
-            raise ValueError(f"prompts[{b}] is empty: every prompt needs at least one token")
-        if any(isinstance(t, float) and t != int(t) for t in row):
-            raise ValueError(f"prompts[{b}] holds non-integer token ids")
-        bad = [t for t in row if not (0 <= int(t) < vocab_size)]
-        if bad:
-            raise ValueError(f"prompts[{b}] holds token ids outside [0, {vocab_size}): {bad[:5]}")
-    # Rows of length 0 pad the batch to a bucket (they start done): fewer shapes, fewer compiles.
-    padded_rows = _round_up(len(rows), _BATCH_BUCKET) if len(rows) > 1 else 1
-    lengths = np.zeros(padded_rows, np.int32)
-    lengths[: len(rows)] = [len(r) for r in rows]
-    width = _round_up(int(lengths.max()), _PROMPT_BUCKET)
-    out = np.zeros((padded_rows, width), np.int32)
-    for b, row in enumerate(rows):
-        out[b, : len(row)] = row
-    return out, lengths, len(rows)
+_as_prompt_array = arguments.prompt_array
 
 
 def budget_bucket(max_new_tokens: int) -> int:
@@ -200,30 +148,6 @@ def _as_keys(key) -> jax.Array:
     return key
 
 
-def _seed_keys(key, seed, num_prompts: int):
-    """The call's key from ``key`` or ``seed`` (exactly one given): a seed ``s`` is
-    ``jax.random.key(s)``, one seed per prompt one key per prompt."""
-    if (key is None) == (seed is None):
-        raise ValueError(
-            "give key= (a PRNG key, or one per prompt) or seed= (an int, or one per prompt): "
-            + ("both were given" if key is not None else "neither was given")
-        )
-    if seed is None:
-        return key
-    seeds = list(seed) if isinstance(seed, (list, tuple, np.ndarray)) else [seed]
-    for s in seeds:
-        check_int("seed", s, 0)
-        if int(s) >= 2**63:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {s!r}")
-    if not isinstance(seed, (list, tuple, np.ndarray)):
-        return jax.random.key(int(seed))
-    if len(seeds) != num_prompts:
-        raise ValueError(
-            f"seed: give one seed for the call or one per prompt ({num_prompts}), got {len(seeds)}"
-        )
-    return jnp.stack([jax.random.key(int(s)) for s in seeds])
-
-
 def _repeated(n: int, num_prompts: int, name: str, value):
     """A per-prompt argument for ``n`` samples per prompt: a list (or array) of one value per
     prompt repeated, each value ``n`` times in a row; a value for every prompt unchanged."""
@@ -250,9 +174,10 @@ def _samples(n, key, seed, prompts, prompt_lengths, max_new_tokens, given, vocab
     Returns ``(prompts, prompt_lengths, max_new_tokens, sampling arguments, key)``."""
     n = check_int("n", n, 1)
     if n == 1 and not isinstance(seed, (list, tuple, np.ndarray)):
-        return prompts, prompt_lengths, max_new_tokens, given, _seed_keys(key, seed, 1)
+        return prompts, prompt_lengths, max_new_tokens, given, arguments.seed_keys(key, seed, 1)
     rows_bp, lengths_b, num = _as_prompt_array(prompts, prompt_lengths, vocab)
-    key = _as_keys(_seed_keys(key, seed, num))
+    n = arguments.check_rows(n, num)  # before anything is repeated
+    key = _as_keys(arguments.seed_keys(key, seed, num))
     if key.shape == ():
         key = jax.vmap(lambda p: jax.random.fold_in(key, p))(jnp.arange(num))
     elif key.shape != (num,):
@@ -262,15 +187,17 @@ def _samples(n, key, seed, prompts, prompt_lengths, max_new_tokens, given, vocab
     if n > 1:
         fold = jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)), (0, None))
         key = fold(key, jnp.arange(n)).reshape(-1)
-    rows = [rows_bp[b, : lengths_b[b]].tolist() for b in range(num) for _ in range(n)]
+    rows, lengths = np.repeat(rows_bp[:num], n, axis=0), np.repeat(lengths_b[:num], n)
     budgets = _repeated(n, num, "max_new_tokens", max_new_tokens)
     given = {name: _repeated(n, num, name, value) for name, value in given.items()}
-    return rows, None, budgets, given, key
+    return rows, lengths, budgets, given, key
 
 
 def check_logprob_options(top_logprobs, return_logprobs, vocab: int, raw_logprobs=False) -> int:
     """``top_logprobs`` as an int in ``[0, vocab]`` (None: 0), given with ``return_logprobs``
     (and so is ``raw_logprobs=True``)."""
+    if not isinstance(return_logprobs, (bool, np.bool_)):
+        raise ValueError(f"return_logprobs must be True or False, got {return_logprobs!r}")
     if not isinstance(raw_logprobs, bool):
         raise ValueError(f"raw_logprobs must be True or False, got {raw_logprobs!r}")
     if raw_logprobs and not return_logprobs:
@@ -455,6 +382,7 @@ def prepare(
     at most 16 strings of 1 to 64 UTF-8 bytes; a row ends after the token whose text completes
     one (kept; :mod:`asps_jax.stopping`)."""
     compile_cache.enable_default()  # the persistent cache, as the command line has it
+    arguments.check_keywords("prepare", kwargs, arguments.call_keywords(prepare))
     given = {name: kwargs.pop(name) for name in Sampling.names() if name in kwargs}
     drafting = drafters.options(kwargs)  # the rest of kwargs: the method's options
     prompts, prompt_lengths, max_new_tokens, given, key = _samples(

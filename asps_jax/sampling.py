@@ -115,10 +115,12 @@ class Sampling:
                 ("no_repeat_ngram_size", ngram),
             )
         }
+        bias = _logit_bias_rows(self.logit_bias, batch, padded, vocab)
+        _check_min_tokens(self.min_tokens, bias, eos_ids, batch)
         params = SamplingParams.make(
             padded,
             eos_ids=eos_ids,
-            logit_bias=_logit_bias_rows(self.logit_bias, batch, padded, vocab),
+            logit_bias=bias,
             constraint=constraint,
             draft_stop=draft_stop,
             min_tokens=_per_row("min_tokens", self.min_tokens, batch, padded),
@@ -126,6 +128,25 @@ class Sampling:
             **rows,
         )
         return params, None if constraint is None else HostConstraint(*constraint, eos_ids)
+
+
+def _check_min_tokens(min_tokens, bias, eos_ids: tuple[int, ...], batch: int) -> None:
+    """Refuse ``min_tokens`` where ``logit_bias`` bans every token but the EOS id(s), which
+    ``min_tokens`` bans too: nothing could be sampled (blamed on ``min_tokens``, the ban that
+    makes the row empty, not on the bias)."""
+    eos = [e for e in eos_ids if e >= 0]
+    if min_tokens is None or bias is None or not eos or np.shape(min_tokens) not in ((), (batch,)):
+        return  # (a per-prompt list of another length: _per_row's error)
+    need = np.broadcast_to(np.asarray(min_tokens, np.float64), (batch,)) > 0
+    others = np.ones(bias.shape[1], bool)
+    others[eos] = False
+    stuck = np.flatnonzero(need & np.all(bias[:batch, others] == -np.inf, axis=1)).tolist()
+    if stuck:
+        raise ValueError(
+            f"min_tokens bans the EOS id(s) {eos} before a row has min_tokens tokens, and "
+            f"logit_bias bans every other token for prompts {stuck[:8]}: nothing could be "
+            "sampled; lower min_tokens to 0 for them or leave a token other than EOS unbanned"
+        )
 
 
 def _per_row(name: str, value, batch: int, padded: int):
@@ -239,7 +260,8 @@ _NUMERIC_CHECKS = (
     ("no_repeat_ngram_size", lambda v: _integral(v) and v >= 0,
      "an integer >= 0 (0 disables it)"),
     ("min_tokens", lambda v: _integral(v) and 0 <= v < 2**31,
-     "an integer >= 0 (0 disables it)"),
+     "an integer >= 0 and at most 2**31 - 1 (0 disables it; from max_new_tokens on it bans "
+     "EOS throughout)"),
 )  # fmt: skip
 
 
@@ -257,11 +279,7 @@ def bad_word_ids(tokenizer, word: str) -> list[list[int]]:
 
 def _is_word(w) -> bool:
     """A bad word: a string or a non-empty list of token ids."""
-    return isinstance(w, str) or (
-        isinstance(w, Sequence)
-        and bool(w)
-        and all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in w)
-    )
+    return isinstance(w, str) or (isinstance(w, Sequence) and bool(w) and all(_is_id(t) for t in w))
 
 
 def bad_words_per_prompt(bad_words) -> bool:
@@ -272,6 +290,29 @@ def bad_words_per_prompt(bad_words) -> bool:
         and bool(bad_words)
         and not any(_is_word(w) for w in bad_words)
     )
+
+
+_WORDS = "bad_words: each must be a non-empty string or a non-empty list of token ids"
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int | np.integer) and not isinstance(t, bool)
+
+
+def _bad_entry(bad_words, batch: int) -> str | None:
+    """What is wrong with the first entry of ``bad_words`` (none of them a word) that is not a
+    list of words either (an empty list only where the lists cannot be one per prompt), or None.
+    """
+    for i, entry in enumerate(bad_words):
+        if isinstance(entry, str) or not isinstance(entry, Sequence):
+            return f"{_WORDS} (or, one per prompt, a list of them); bad_words[{i}] is {entry!r}"
+        if not entry and len(bad_words) != batch:
+            return f"{_WORDS}; bad_words[{i}] is an empty list (one per prompt: {batch} lists)"
+        ids = any(_is_id(t) for t in entry)  # meant as a token-id list: its first non-id
+        for j, word in enumerate(entry):
+            if not (_is_id(word) if ids else _is_word(word)):
+                return f"{_WORDS}; bad_words[{i}][{j}] is {word!r} (a token id is an int)"
+    return None
 
 
 def _bad_words_rows(target, bad_words, batch: int, padded: int, vocab: int):
@@ -286,6 +327,9 @@ def _bad_words_rows(target, bad_words, batch: int, padded: int, vocab: int):
             f"got {bad_words!r}"
         )
     per_prompt = bad_words_per_prompt(bad_words)
+    problem = _bad_entry(bad_words, batch) if per_prompt else None
+    if problem:
+        raise ValueError(problem)
     rows = list(bad_words) if per_prompt else [bad_words] * batch
     if per_prompt and len(rows) != batch:
         raise ValueError(
@@ -293,16 +337,14 @@ def _bad_words_rows(target, bad_words, batch: int, padded: int, vocab: int):
             f"{len(rows)} lists"
         )
     seqs_per_row = []
-    for words in rows:
+    for b, words in enumerate(rows):
         if isinstance(words, str) or not isinstance(words, Sequence):
             raise ValueError(f"bad_words: each prompt's must be a list, got {words!r}")
         seqs = []
-        for word in words:
+        for j, word in enumerate(words):
             if not _is_word(word) or (isinstance(word, str) and not word.strip()):
-                raise ValueError(
-                    f"bad_words: each must be a non-empty string or a non-empty list of token "
-                    f"ids, got {word!r}"
-                )
+                where = f"bad_words[{b}][{j}]" if per_prompt else f"bad_words[{j}]"
+                raise ValueError(f"{_WORDS}; {where} is {word!r}")
             if not isinstance(word, str):
                 if not all(0 <= t < vocab for t in word):
                     raise ValueError(

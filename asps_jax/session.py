@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from asps_jax import autotune, compile_cache, decode, drafters, sharding, slots
+from asps_jax import arguments, autotune, compile_cache, decode, drafters, sharding, slots
 from asps_jax.models import Model
 from asps_jax.sampler import SampleOutput, check_logprob_options, finish, prepare
 from asps_jax.verify import registry
@@ -42,6 +42,7 @@ def sample(
     ``seed=`` an int (or one per prompt); ``n=k``: k samples per prompt, rows ``p * k + i``, each
     prompt's depending only on its key or seed and the sample's index.
     """
+    arguments.check_keywords("sample", kwargs, _KEYWORDS)
     check_logprob_options(
         kwargs.get("top_logprobs"),
         return_logprobs,
@@ -69,9 +70,13 @@ def stream(
 
     The generator's return value (``StopIteration.value``) is the :class:`SampleOutput`.
     """
+    arguments.check_keywords("stream", kwargs, _KEYWORDS)
     session = Session(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
     yield from session.steps()
     return session.result()
+
+
+_KEYWORDS = arguments.call_keywords(prepare)  # every keyword a sampling call takes
 
 
 def _resolve_auto(target, draft, prompts, key, kwargs):
@@ -142,6 +147,7 @@ class Session:
     def __init__(
         self, target, draft, prompts, *, key=None, max_new_tokens, return_logprobs=False, **kwargs
     ):
+        arguments.check_keywords("Session", kwargs, _KEYWORDS)
         self.return_logprobs = bool(return_logprobs)
         check_logprob_options(
             kwargs.get("top_logprobs"),
@@ -412,6 +418,13 @@ class Sampler:
                 f"Sampler: {', '.join(bad)} belong to each call (sampler(prompts, "
                 "max_new_tokens=..., seed=...)), not to the sampler"
             )
+        arguments.check_keywords("Sampler", options, _KEYWORDS)
+        check_logprob_options(
+            options.get("top_logprobs"),
+            options.get("return_logprobs", False),
+            target.vocab_size,
+            options.get("raw_logprobs", False),
+        )
         self.target = target
         self.draft = draft
         self.options = dict(options)
@@ -445,6 +458,7 @@ class Sampler:
 
     def __call__(self, prompts, *, max_new_tokens, **kwargs) -> SampleOutput:
         """``sample(target, draft, prompts, max_new_tokens=..., **options, **kwargs)``."""
+        arguments.check_keywords("Sampler call", kwargs, _KEYWORDS)
         compile_cache.count_compiles()
         before = compile_cache.compiles()["programs"]
         try:
@@ -469,6 +483,11 @@ def _with_params(model: Model, params, name: str) -> Model:
             f"({len(new)} leaves against {len(old)}, or other names); pass the same pytree"
         )
     for (path, a), (_, b) in zip(old, new):
+        if isinstance(b, jax.Array) and b.is_deleted():
+            raise ValueError(
+                f"update_params: {name}{jax.tree_util.keystr(path)} is a deleted array (donated "
+                "to a jitted call or .delete()d): pass arrays that are still alive"
+            )
         if np.shape(a) != np.shape(b) or _dtype(a) != _dtype(b):
             raise ValueError(
                 f"update_params: {name}{jax.tree_util.keystr(path)} is "

@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from asps_jax.checks import known_keywords
 from asps_jax.kv_cache import CACHE_AXES, KVCache
 from asps_jax.models import family_for_config
 from asps_jax.stopping import StopStrings
@@ -189,6 +190,7 @@ def is_multiprocess(mesh: Mesh | None) -> bool:
     return mesh is not None and mesh.is_multi_process
 
 
+@known_keywords()
 def make_mesh(spec: str | dict, devices=None) -> Mesh:
     """A ``("data", "model")`` mesh from ``"data=2,model=4"`` over the first D*M devices.
 

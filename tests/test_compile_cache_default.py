@@ -21,6 +21,8 @@ def fresh_process(monkeypatch, tmp_path):
     """As in a new Python process with no cache directory chosen (conftest restores JAX's
     configuration after the test; the run's own cache, initialised already, keeps serving)."""
     monkeypatch.setattr(compile_cache, "_default_tried", False)
+    monkeypatch.setattr(compile_cache, "_bounded_dir", None)
+    monkeypatch.setattr(compile_cache, "_scanned", {})
     monkeypatch.setenv(compile_cache.ENV_DIR, str(tmp_path / "cache"))
     monkeypatch.delenv(compile_cache.ENV_OFF, raising=False)
     jax.config.update("jax_compilation_cache_dir", None)
@@ -67,3 +69,43 @@ def test_an_unusable_directory_is_one_warning(pair, fresh_process, monkeypatch, 
         _prepare(pair)
     assert len(caught) == 1 and "\n" not in str(caught[0].message)
     assert not jax.config.jax_compilation_cache_dir
+
+
+def _entries(directory) -> set[str]:
+    return {p.name for p in directory.iterdir() if not p.name.startswith(".")}
+
+
+def test_an_orphan_entry_is_dropped_so_later_writes_work(tmp_path, monkeypatch):
+    """A write a full disk cut leaves a program file without its access time; JAX's bounded
+    cache then failed every later write (two warning lines per program) for good."""
+    from jax._src.lru_cache import LRUCache
+
+    monkeypatch.setattr(compile_cache, "_bounded_dir", None)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kept-cache").write_bytes(b"program")
+    (cache / "kept-atime").write_bytes((1).to_bytes(8, "little"))
+    (cache / "orphan-cache").write_bytes(b"half a progr")
+    lru = LRUCache(str(cache), max_size=1 << 20)
+    with pytest.raises(FileNotFoundError):
+        lru.put("new", b"program")  # what JAX does with the orphan there
+    assert compile_cache.enable(cache) == cache  # repairs it (conftest restores JAX's config)
+    lru.put("new", b"program")
+    assert _entries(cache) == {"kept-cache", "kept-atime", "new-cache", "new-atime"}
+
+
+def test_an_orphan_made_during_the_run_is_dropped_at_the_next_call(pair, fresh_process):
+    _prepare(pair)
+    (fresh_process / "orphan-cache").write_bytes(b"half")
+    _prepare(pair)
+    assert "orphan-cache" not in _entries(fresh_process)
+
+
+def test_the_repair_waits_for_no_lock_jax_holds(tmp_path):
+    """Under JAX's lock (another run writing) the orphan is left for the next look."""
+    filelock = pytest.importorskip("filelock")
+    (tmp_path / "orphan-cache").write_bytes(b"half")
+    with filelock.FileLock(tmp_path / ".lockfile"):
+        assert compile_cache.repair(tmp_path) is None
+    assert "orphan-cache" in _entries(tmp_path)
+    assert compile_cache.repair(tmp_path) == 1 and not _entries(tmp_path)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import outlines_core.json_schema
@@ -473,6 +476,40 @@ def test_a_pattern_that_is_not_unicode_text_names_its_flag(uncached):
     """A lone surrogate raised "'utf-8' codec can't encode ...", naming no argument."""
     with pytest.raises(ValueError, match="regex: the pattern is not valid Unicode text"):
         constraints.compile_regex("ab\ud800", BYTES)
+
+
+# A process under an address-space limit lower than the builder's own (``ulimit -v``, Slurm, a
+# container): the child inherits it and keeps it (it used to try to raise it, which the hard
+# limit forbids: every new pattern was refused as "not allowed to raise maximum limit").
+UNDER_A_LIMIT = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+from asps_jax import constraints
+constraints.COMPILE_MEMORY_BYTES = 8 << 30  # the limit is below the builder's bound on any host
+tokens = [bytes([b]) for b in range(256)]
+print(constraints.compile_regex("[a-d]{2}x", tokens).num_states)
+resource.setrlimit(resource.RLIMIT_AS, (100 << 20, 3 << 30))  # too small for the child to start
+try:
+    constraints.compile_regex("[e-h]{2}y", tokens)
+except ValueError as err:
+    print(err)
+"""
+
+
+@pytest.mark.slow
+def test_the_child_keeps_the_callers_address_space_limit(tmp_path):
+    """Under a 3 GiB limit a pattern compiles; under one too small for the child, the error names
+    the limit (not the pattern) in one line."""
+    env = dict(os.environ, ASPS_JAX_NO_CACHE="1", XDG_CACHE_HOME=str(tmp_path))
+    run = subprocess.run(
+        [sys.executable, "-c", UNDER_A_LIMIT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    states, message = run.stdout.splitlines()
+    assert states == "4"
+    assert message.startswith("regex: outlines-core failed building the constraint's DFA under ")
+    assert "address-space limit of 0.10 GiB" in message and "ulimit -v" in message
+    assert "raise that limit" in message
 
 
 # --- 5. Token classes: an exact rewrite of the dense table ------------------------------------

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from asps_jax.checks import known_keywords
 from asps_jax.models import hf_table
 
 CONFIG_FILE = "config.json"
@@ -405,6 +406,7 @@ def load_tokenizer(path: Path):
         return None
 
 
+@known_keywords()
 def load_model(name_or_path, *, dtype=None, quantize=None):
     """Load an alias, a checkpoint folder or a cached HF repo id (docs/api.md §2) as a ``Model``;
     ``quantize="int8"`` / ``"int4"`` / ``"int4:G"`` stores its matrices quantized

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import trees
+from asps_jax.checks import known_keywords
 from asps_jax.verify import registry
 from asps_jax.verify.checks import (
     check_distinct_roots,
@@ -14,6 +15,7 @@ from asps_jax.verify.checks import (
     check_dtypes,
     check_token_range,
 )
+from asps_jax.verify.options import NAMES
 from asps_jax.verify.tree import sample_tree
 from asps_jax.verify.verdict import (  # noqa: F401  (re-exported: the public result types)
     ChainVerifier,
@@ -35,6 +37,7 @@ WITHOUT_REPLACEMENT_METHODS: tuple[str, ...] = tuple(
 TREE_METHODS: tuple[str, ...] = registry.names("tree")
 
 
+@known_keywords()
 def verify_chain(
     key: jax.Array,
     draft_tokens: jax.Array,
@@ -90,6 +93,7 @@ def verify_chain(
     )
 
 
+@known_keywords(*NAMES)
 def verify_drafts(
     key: jax.Array,
     draft_tokens: jax.Array,
@@ -154,6 +158,7 @@ def verify_drafts(
     return entry.verifier(key, draft_tokens, draft_logprobs, target_logprobs, lengths, **options)
 
 
+@known_keywords(*NAMES)
 def verify_tree(
     key: jax.Array,
     tree: trees.TokenTree | trees.Tree,

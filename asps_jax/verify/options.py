@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from asps_jax.checks import check_keywords
 from asps_jax.verify.selection import PAIRWISE_RULES, RULES, RuleConfig
 from asps_jax.verify.tree_rules import ALIVE_MODES, TREE_RULES, FixedOrderRule, LevelRaceRule
 
@@ -26,6 +27,8 @@ IS_DEFAULTS = dict(
     (("rule", "level_race"), *_RACE, ("s", 5), ("alphabet", 40), ("lp_iters", 300), ("tol", 1e-5))
 )
 OPTIMAL_DEFAULTS = dict((*_RACE, ("grad_steps", 200)))
+NAMES = frozenset(("tail", "alive", *IS_DEFAULTS, *OPTIMAL_DEFAULTS))
+"""Every option some verification method takes (a keyword outside it is unknown everywhere)."""
 _BIG_VOCAB = 1 << 62  # no vocabulary given: only the check that an option exceeds it is skipped
 
 
@@ -211,6 +214,7 @@ class Options:
             checks the options alone.
         """
         options = dict(options)
+        check_keywords(self.caller, options, NAMES)  # a name no method takes: unknown
         if self.kind == "selection":
             return selection_options(tree, options)
         tail = options.pop("tail", "asps") if self.kind in ("tail", "race") else "asps"
