@@ -24,8 +24,10 @@ CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 class KVCache:
     """Keys (after RoPE) and values, stacked ``[L, B, KVH, S, H]`` or per layer: a tuple of ``L``
     arrays ``[B, KVH, S, H]`` (``init_cache(per_layer=True)``). Inside a compiled forward that
-    runs its layers one by one, layer ``i`` of a stacked cache is a copy of it on every call (XLA
-    cannot alias a slice of a buffer); separate buffers are read in place (``docs/design.md``).
+    runs its layers one by one on XLA:CPU, layer ``i`` of a stacked cache is a copy of it on every
+    call (XLA cannot alias a slice of a buffer); separate buffers are read in place. A scanned
+    forward (an accelerator's layout, ``base.scan_layout_for``) reads a stacked cache as a scan
+    input (``docs/design.md``).
     """
 
     k: jax.Array | tuple[jax.Array, ...]
@@ -109,9 +111,10 @@ ROW_LOOP_MIN_ROW_BYTES = 64 * 1024
 
 def per_layer_params(params) -> bool:
     """Parameters whose layers are separate arrays (a run layout, e.g. Llama's
-    ``prepare_params``) run the layers one by one; their cache is then one buffer per layer, read
-    in place (a layer of a stacked cache is a copy per forward: 0.5b shape, 1024 slots, 189 ->
-    135 ms CPU per one-token forward)."""
+    ``prepare_params``, one CPU device) run the layers one by one; their cache is then one buffer
+    per layer, read in place (a layer of a stacked cache is a copy per forward: 0.5b shape, 1024
+    slots, 189 -> 135 ms CPU per one-token forward). Stacked parameters (an accelerator's
+    layout) get a stacked cache."""
     return isinstance(params, dict) and isinstance(params.get("layers"), (tuple, list))
 
 

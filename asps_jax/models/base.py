@@ -219,8 +219,9 @@ def run_params(model, params=None, *, wide: bool = False):
     """:func:`prepare_params` of ``params`` (default ``model.params``; or e.g. its copy placed
     on a mesh), made once and remembered per model and ``wide`` for the last ``params`` seen.
 
-    The stored layout stays what checkpoints, sharding rules and ``param_shapes`` describe; this
-    is the copy the decoding loop runs on (e.g. Llama's per-layer weights, ``llama.py``).
+    The stored layout stays what checkpoints, sharding rules and ``param_shapes`` describe; on a
+    CPU device this is the copy the decoding loop runs on (e.g. Llama's per-layer weights,
+    ``llama.py``); on an accelerator the stored parameters themselves (:func:`scan_layout_for`).
     ``wide``: the copy for calls of two or more rows per forward (a target scoring a chain or a
     tree, a batch); one model used both ways holds both copies.
     """

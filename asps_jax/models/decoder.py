@@ -29,9 +29,12 @@ and config fields, each off by default:
   the config's ``rope_scaling`` globally).
 
 Stored layout: Llama's (``llama.py``): layers stacked on a leading ``L`` axis, projections
-``[in, out]`` with the head axes split. :func:`prepare_params` (the run layout) splits the layers
-into a tuple, so the decoding loop reads each layer's weights (and its per-layer cache) in place.
-The layers are unrolled in Python either way, so each layer's window and RoPE table is static.
+``[in, out]`` with the head axes split. On it the forward is one ``lax.scan`` (what an accelerator
+runs, ``base.scan_layout_for``): a ``bool[L]`` scan input tells a sliding layer, which takes the
+windowed mask and the local RoPE table, both made once before the scan. :func:`prepare_params`
+(the run layout, one CPU device) splits the layers into a tuple, so XLA:CPU reads each layer's
+weights (and its per-layer cache) in place; those layers are unrolled, each with its static
+window and RoPE table. Both give the same logits (``tests/test_scan_layout.py``).
 """
 
 from __future__ import annotations
@@ -377,7 +380,8 @@ def forward(
 ):
     """``(logits float32[B, T, V], new_kv)``; ``new_kv.k/v [L, B, T, KVH, H]`` (k after RoPE).
 
-    ``params`` in the stored (stacked) or the run layout (:func:`prepare_params`); same logits.
+    ``params`` in the stored (stacked) layout runs the layers as one ``lax.scan``, in the run
+    layout (:func:`prepare_params`) unrolled; same logits.
     ``features``: also return the residual stream entering those layers (``llama.forward``).
     """
     check_inputs(config, tokens, positions, mask, cache)

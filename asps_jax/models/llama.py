@@ -9,11 +9,12 @@ Layout choices:
   projections ``[in, out]`` (``x @ W``) with the head axes split out, e.g. ``wq [L, E, NH, H]``;
   HF's ``nn.Linear`` stores ``[out, in]`` and computes ``x @ W.T``, so every HF projection is
   transposed once at load (``HF_TENSORS``, kind ``"linear"``, hf_table.py). On this layout the
-  forward is one ``lax.scan`` (one compiled layer);
-* run (:func:`prepare_params`, what the decoding loop uses): per-layer weights, the layers
-  unrolled, in one of two orientations chosen by how many rows a call multiplies: ``[out, in]``
-  for one row (a matrix-vector product: the draft, AR at batch 1), ``[in, out]`` for two or more
-  (the target scoring a chain or tree, a batch); same logits, the fast path on CPU;
+  forward is one ``lax.scan`` (one compiled layer): what the decoding loop runs on an
+  accelerator (``base.scan_layout_for``);
+* run (:func:`prepare_params`, what the decoding loop uses on one CPU device): per-layer weights,
+  the layers unrolled, in one of two orientations chosen by how many rows a call multiplies:
+  ``[out, in]`` for one row (a matrix-vector product: the draft, AR at batch 1), ``[in, out]`` for
+  two or more (the target scoring a chain or tree, a batch); same logits, the fast path on CPU;
 * RoPE in HF's split-half layout (``rope.py``), so q/k weights need no permutation.
 """
 
@@ -249,7 +250,8 @@ def prepare_params(config: LlamaConfig, params: dict, wide: bool = False) -> dic
     norm and head are the stored arrays themselves (the head's ``[E, V]`` reads as fast as
     ``[V, E]``, within 2%, at both benchmark shapes).
 
-    Made once where parameters are loaded or placed (``base.run_params``), never per forward:
+    Made once where parameters are loaded or placed (``base.run_params``), never per forward, and
+    only for a CPU device (an accelerator runs the stored layout, ``base.scan_layout_for``):
     * per layer: inside a compiled forward, slicing layer ``i`` out of a stacked ``[L, ...]``
       parameter is a copy of its weights on every call (XLA cannot alias a slice of an input
       buffer), which doubled the bytes a one-token forward moves;
