@@ -193,9 +193,14 @@ def commit(
 
         def write(cache_a, block_a):  # [L', B, KVH, S, H] <- [L', B, T, KVH, H]
             picked = _picked(block_a, nodes, cache_a.dtype)
-            rows, heads = jnp.arange(B)[:, None, None], jnp.arange(KVH)[None, :, None]
-            # Scattered at (b, every head, slots[b, j]) for every layer at once.
-            return cache_a.at[:, rows, heads, slots_BP[:, None, :]].set(picked, mode="drop")
+            layers = jnp.arange(cache_a.shape[0])[:, None, None, None]
+            rows, heads = jnp.arange(B)[None, :, None, None], jnp.arange(KVH)[None, None, :, None]
+            # Scattered at (every layer, b, every head, slots[b, j]): the layer is an index of
+            # the scatter, not a window dimension, which XLA:TPU made copy the whole stacked
+            # cache out and back on every commit (a llama-7B cache of 320 slots: 326 MiB moved
+            # at batch 1 and 5.1 GiB at batch 8 to write 2.5 / 20 MiB; now 9 / 50 MiB).
+            at = (layers, rows, heads, slots_BP[None, :, None, :])
+            return cache_a.at[at].set(picked, mode="drop")
 
     return KVCache(
         k=map_layers(write, cache.k, new_kv.k),
