@@ -275,10 +275,15 @@ def prepare_params(config: LlamaConfig, params: dict, wide: bool = False) -> dic
     return {**params, "layers": per_layer}
 
 
-def _layer(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, run, cos, sin, mask, scale):
+def _layer(
+    c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, run, cos, sin, mask, scale, heads=False
+):
     """One decoder layer; ``p`` holds that layer's parameters, ``[out, in]`` matrices when
     ``run`` (the one-row run layout), else ``[in, out]`` with the head axes split (the stored
-    layout's slice, also the wide run layout)."""
+    layout's slice, also the wide run layout). ``heads`` (the scan over the stored layout): the
+    attention projections contract with their head axes split (``bte,enh->btnh``), as the
+    ``decoder.py`` families do: merging a tiled ``[E, NH, H]`` slice into ``[E, NH * H]`` made
+    XLA:TPU re-lay out an attention matrix of every layer at batch 8."""
     B, T = x_BTE.shape[:2]
     NH, KVH, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
 
@@ -286,6 +291,10 @@ def _layer(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, run, cos, sin, m
         w = p[name]
         if run:
             return einsum("bti,oi->bto", h_BTI, w)
+        if heads and name in ("wq", "wk", "wv"):
+            return einsum("bte,enh->btnh", h_BTI, w).reshape(B, T, -1)
+        if heads and name == "wo":
+            return einsum("btnh,nhe->bte", h_BTI.reshape(B, T, NH, H), w)
         inputs = h_BTI.shape[-1]
         return einsum("bti,io->bto", h_BTI, merge(w, (inputs, math.prod(w.shape) // inputs)))
 
@@ -348,7 +357,7 @@ def forward(
 
         def body(x_BTE, xs):
             p, cache_k, cache_v = xs
-            return _layer(c, p, x_BTE, cache_k, cache_v, run=False, **kw)
+            return _layer(c, p, x_BTE, cache_k, cache_v, run=False, heads=True, **kw)
 
         xs = (layers, None, None) if cache is None else (layers, *cache.stacked())
         x, (new_k, new_v), streams = scan_layers(body, x, xs, features)
