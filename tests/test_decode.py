@@ -18,6 +18,8 @@ from scipy import stats as sps_stats
 
 import asps_jax
 from asps_jax import decode
+from asps_jax.models import base
+from asps_jax.models.base import run_params
 from asps_jax.sampler import METHODS, NonFiniteLogitsError
 from asps_jax.verify.api import CHAIN_METHODS
 from asps_jax.verify.registry import REGISTRY
@@ -292,6 +294,31 @@ def test_one_row_layout_keeps_the_law_and_the_greedy_output(pair, monkeypatch):
     out, tokens = _sample_law(target, draft, "asps", seed=101, max_new_tokens=2, greedy=True)
     assert len(chosen) == 1 and chosen[0] >= LAW_ROWS  # the call's (padded) batch
     _assert_two_token_law(hf_target, out, "asps, one-row layout")
+    for b, prompt in enumerate(GREEDY_PROMPTS):
+        want = _hf_greedy(hf_target, prompt, MAX_NEW)
+        for d in range(len(GREEDY_DRAFT_TEMPERATURES)):
+            assert tokens[d, b].tolist() == want, prompt
+
+
+@pytest.mark.slow
+@pytest.mark.optimized  # the law run outweighs its compile (tests/conftest.py)
+def test_scan_layout_keeps_the_law_and_the_greedy_output(pair, monkeypatch):
+    """The layout an accelerator runs (``base.scan_layout_for``: the stored stacked layers in one
+    ``lax.scan``, a stacked cache), forced on CPU: ASpS keeps transformers' two-token law, and
+    its greedy rows are transformers' greedy output, as on the unrolled run layout above."""
+    hf_target, target, draft = pair
+    placed = []
+
+    def spy(model, params=None, *, wide=False):
+        out = run_params(model, params, wide=wide)
+        placed.append(out)
+        return out
+
+    monkeypatch.setenv(base.LAYOUT_ENV, "scan")
+    monkeypatch.setattr(asps_jax.sampler, "run_params", spy)
+    out, tokens = _sample_law(target, draft, "asps", seed=102, max_new_tokens=2, greedy=True)
+    assert [p["layers"] for p in placed] == [target.params["layers"], draft.params["layers"]]
+    _assert_two_token_law(hf_target, out, "asps, scan layout")
     for b, prompt in enumerate(GREEDY_PROMPTS):
         want = _hf_greedy(hf_target, prompt, MAX_NEW)
         for d in range(len(GREEDY_DRAFT_TEMPERATURES)):

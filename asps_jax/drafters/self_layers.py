@@ -4,8 +4,9 @@ as the draft model, drafting from the target's own KV cache.
 The draft model (:func:`self_draft`) is a :class:`SelfDraft`: the target's config cut to ``L``
 layers (``config.first_layers``, :class:`~asps_jax.models.base.FirstLayers`) and the target's
 run-layout parameters with their first ``L`` layers (:func:`truncate_params`). In the per-layer
-run layout (Llama and the ``decoder.py`` families) those are the target's own buffers, nothing is
-copied; in a stacked layout (GPT-2, OPT, GPT-Neo) the first ``L`` layers are a copy
+run layout (Llama and the ``decoder.py`` families on one CPU device) those are the target's own
+buffers, nothing is copied; in a stacked layout (GPT-2, OPT, GPT-Neo, and every family on an
+accelerator, ``base.scan_layout_for``) the first ``L`` layers are a copy
 (``L / num_layers`` of the layer weights), the embedding, final norm and head are shared either
 way. Its law is a proper law computed from the committed text and the chain's own tokens, so every
 verification method stays exact with it, as with any draft model.

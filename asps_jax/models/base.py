@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import os
 import weakref
 from typing import Any, Protocol, runtime_checkable
 
@@ -173,12 +174,41 @@ def forward_for(config, features: tuple[int, ...] = ()):
     return functools.partial(family.forward, config, features=tuple(features))
 
 
+# Test / benchmark override of :func:`scan_layout_for`: "scan" or "unrolled" (unset: the devices).
+LAYOUT_ENV = "ASPS_JAX_LAYOUT"
+LAYOUTS = ("scan", "unrolled")
+
+
+def scan_layout_for(params) -> bool:
+    """Whether the layers of ``params`` run as one ``lax.scan`` over the stored stacked layout
+    (True) rather than unrolled over a family's per-layer run layout (False), decided from the
+    devices the parameters live on, so from the devices the call runs on (never from the host
+    process's default backend): an accelerator scans (one compiled layer, weights and cache read
+    in place, per-layer fields as scan inputs), XLA:CPU unrolls (``docs/design.md``, models).
+    Parameters with no placement (NumPy arrays, shapes without a sharding) run on the default
+    device. The environment variable ``ASPS_JAX_LAYOUT`` (``scan`` / ``unrolled``) forces a
+    layout: tests and benchmarks use it to run the scan path on CPU."""
+    forced = os.environ.get(LAYOUT_ENV, "")
+    if forced:
+        if forced not in LAYOUTS:
+            raise ValueError(f"{LAYOUT_ENV}={forced!r}: must be one of {LAYOUTS} or unset")
+        return forced == "scan"
+    for leaf in jax.tree.leaves(params):
+        sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+        if sharding is not None:
+            return any(d.platform != "cpu" for d in sharding.device_set)
+    return jax.devices()[0].platform != "cpu"
+
+
 def prepare_params(config, params, wide: bool = False):
-    """``params`` in the family's run layout (its ``prepare_params``; unchanged if it has none).
-    ``wide``: for calls that multiply two or more rows per forward (a family may lay its
-    matrices out differently for those; Llama does)."""
+    """``params`` in the layout the decoding loop runs: on a CPU device the family's run layout
+    (its ``prepare_params``; unchanged if it has none), on an accelerator the stored stacked
+    layout itself (:func:`scan_layout_for`). ``wide``: for calls that multiply two or more rows
+    per forward (a family may lay its matrices out differently for those; Llama does)."""
     prepare = getattr(family_for_config(config), "prepare_params", None)
-    return params if prepare is None else prepare(config, params, wide)
+    if prepare is None or scan_layout_for(params):
+        return params
+    return prepare(config, params, wide)
 
 
 # Run-layout copies, per model and orientation (weak keys: dropping the Model frees its copies).
@@ -189,8 +219,9 @@ def run_params(model, params=None, *, wide: bool = False):
     """:func:`prepare_params` of ``params`` (default ``model.params``; or e.g. its copy placed
     on a mesh), made once and remembered per model and ``wide`` for the last ``params`` seen.
 
-    The stored layout stays what checkpoints, sharding rules and ``param_shapes`` describe; this
-    is the copy the decoding loop runs on (e.g. Llama's per-layer weights, ``llama.py``).
+    The stored layout stays what checkpoints, sharding rules and ``param_shapes`` describe; on a
+    CPU device this is the copy the decoding loop runs on (e.g. Llama's per-layer weights,
+    ``llama.py``); on an accelerator the stored parameters themselves (:func:`scan_layout_for`).
     ``wide``: the copy for calls of two or more rows per forward (a target scoring a chain or a
     tree, a batch); one model used both ways holds both copies.
     """

@@ -29,9 +29,12 @@ and config fields, each off by default:
   the config's ``rope_scaling`` globally).
 
 Stored layout: Llama's (``llama.py``): layers stacked on a leading ``L`` axis, projections
-``[in, out]`` with the head axes split. :func:`prepare_params` (the run layout) splits the layers
-into a tuple, so the decoding loop reads each layer's weights (and its per-layer cache) in place.
-The layers are unrolled in Python either way, so each layer's window and RoPE table is static.
+``[in, out]`` with the head axes split. On it the forward is one ``lax.scan`` (what an accelerator
+runs, ``base.scan_layout_for``): a ``bool[L]`` scan input tells a sliding layer, which takes the
+windowed mask and the local RoPE table, both made once before the scan. :func:`prepare_params`
+(the run layout, one CPU device) splits the layers into a tuple, so XLA:CPU reads each layer's
+weights (and its per-layer cache) in place; those layers are unrolled, each with its static
+window and RoPE table. Both give the same logits (``tests/test_scan_layout.py``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from asps_jax.models.layers import (
     project_qkv,
     rms_norm,
     rms_norm_offset,
+    scan_layers,
     soft_cap,
     split_layers,
     window_mask,
@@ -376,7 +380,8 @@ def forward(
 ):
     """``(logits float32[B, T, V], new_kv)``; ``new_kv.k/v [L, B, T, KVH, H]`` (k after RoPE).
 
-    ``params`` in the stored (stacked) or the run layout (:func:`prepare_params`); same logits.
+    ``params`` in the stored (stacked) layout runs the layers as one ``lax.scan``, in the run
+    layout (:func:`prepare_params`) unrolled; same logits.
     ``features``: also return the residual stream entering those layers (``llama.forward``).
     """
     check_inputs(config, tokens, positions, mask, cache)
@@ -392,13 +397,24 @@ def forward(
     if c.GEMMA:  # sqrt(E) rounded to the embedding's dtype, as transformers does
         x = x * jnp.asarray(c.hidden_size**0.5, x.dtype)
     layers = params["layers"]
-    run = isinstance(layers, (tuple, list))
-    if run and len(layers) != c.num_hidden_layers:
-        raise ValueError(f"params has {len(layers)} layers, config {c.num_hidden_layers}")
+    if isinstance(layers, (tuple, list)):
+        if len(layers) != c.num_hidden_layers:
+            raise ValueError(f"params has {len(layers)} layers, config {c.num_hidden_layers}")
+        x, new_kv, streams = _unrolled(c, layers, x, cache, tables, mask, positions)
+    else:
+        x, new_kv, streams = _scanned(c, layers, x, cache, tables, mask, positions, features)
+    streams.append(x)
+    x = (rms_norm_offset if c.GEMMA else rms_norm)(x, params["final_norm"], c.rms_norm_eps)
+    logits = soft_cap(output_logits(x, params, c.tie_word_embeddings), c.final_logit_softcapping)
+    return with_features(logits, new_kv, streams, features)
+
+
+def _unrolled(c: DecoderConfig, layers, x, cache, tables, mask, positions):
+    """The per-layer run layout: the layers unrolled, each with its static window and RoPE
+    table. ``(x, new_kv, streams)``, ``streams`` the residual stream entering each layer."""
     ks, vs, streams = [], [], []
-    for i in range(c.num_hidden_layers):
+    for i, p in enumerate(layers):
         streams.append(x)
-        p = layers[i] if run else {name: a[i] for name, a in layers.items()}
         kv = (None, None) if cache is None else cache.layer(i)
         window = c.window(i)
         layer_mask = mask if window is None else window_mask(mask, positions, window)
@@ -406,7 +422,33 @@ def forward(
         x, (k, v) = _layer(c, p, x, *kv, cos=cos, sin=sin, mask=layer_mask)
         ks.append(k)
         vs.append(v)
-    streams.append(x)
-    x = (rms_norm_offset if c.GEMMA else rms_norm)(x, params["final_norm"], c.rms_norm_eps)
-    logits = soft_cap(output_logits(x, params, c.tie_word_embeddings), c.final_logit_softcapping)
-    return with_features(logits, KVBlock(k=jnp.stack(ks), v=jnp.stack(vs)), streams, features)
+    return x, KVBlock(k=jnp.stack(ks), v=jnp.stack(vs)), streams
+
+
+def _scanned(c: DecoderConfig, layers: dict, x, cache, tables, mask, positions, features):
+    """The stored stacked layout as one ``lax.scan``: a layer's differences (sliding or full,
+    local or global RoPE) are a scan input ``sliding bool[L]`` selecting between the two masks
+    and the two RoPE tables, all computed once outside the loop (a select copies the chosen
+    values exactly, so the logits are those of :func:`_unrolled`). ``(x, new_kv, streams)``."""
+    sliding_L = [c.is_sliding(i) for i in range(c.num_hidden_layers)]
+    full_cos, full_sin = tables[c.rope_theta, c.rope_scaling]
+    local_cos, local_sin = full_cos, full_sin
+    local_mask = mask
+    if any(sliding_L):
+        local_cos, local_sin = tables[c.rope(sliding_L.index(True))]
+        if c.sliding_window is not None:
+            local_mask = window_mask(mask, positions, c.sliding_window)
+
+    def body(x_BTE, xs):
+        p, sliding, cache_k, cache_v = xs
+        pick = functools.partial(jnp.where, sliding)
+        layer_mask = mask if local_mask is mask else pick(local_mask, mask)
+        cos, sin = (full_cos, full_sin)
+        if local_cos is not full_cos:
+            cos, sin = pick(local_cos, full_cos), pick(local_sin, full_sin)
+        return _layer(c, p, x_BTE, cache_k, cache_v, cos=cos, sin=sin, mask=layer_mask)
+
+    caches = (None, None) if cache is None else cache.stacked()
+    xs = (layers, jnp.asarray(sliding_L, bool), *caches)
+    x, (new_k, new_v), streams = scan_layers(body, x, xs, features)
+    return x, KVBlock(k=new_k, v=new_v), streams

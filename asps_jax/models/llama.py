@@ -9,11 +9,12 @@ Layout choices:
   projections ``[in, out]`` (``x @ W``) with the head axes split out, e.g. ``wq [L, E, NH, H]``;
   HF's ``nn.Linear`` stores ``[out, in]`` and computes ``x @ W.T``, so every HF projection is
   transposed once at load (``HF_TENSORS``, kind ``"linear"``, hf_table.py). On this layout the
-  forward is one ``lax.scan`` (one compiled layer);
-* run (:func:`prepare_params`, what the decoding loop uses): per-layer weights, the layers
-  unrolled, in one of two orientations chosen by how many rows a call multiplies: ``[out, in]``
-  for one row (a matrix-vector product: the draft, AR at batch 1), ``[in, out]`` for two or more
-  (the target scoring a chain or tree, a batch); same logits, the fast path on CPU;
+  forward is one ``lax.scan`` (one compiled layer): what the decoding loop runs on an
+  accelerator (``base.scan_layout_for``);
+* run (:func:`prepare_params`, what the decoding loop uses on one CPU device): per-layer weights,
+  the layers unrolled, in one of two orientations chosen by how many rows a call multiplies:
+  ``[out, in]`` for one row (a matrix-vector product: the draft, AR at batch 1), ``[in, out]`` for
+  two or more (the target scoring a chain or tree, a batch); same logits, the fast path on CPU;
 * RoPE in HF's split-half layout (``rope.py``), so q/k weights need no permutation.
 """
 
@@ -249,7 +250,8 @@ def prepare_params(config: LlamaConfig, params: dict, wide: bool = False) -> dic
     norm and head are the stored arrays themselves (the head's ``[E, V]`` reads as fast as
     ``[V, E]``, within 2%, at both benchmark shapes).
 
-    Made once where parameters are loaded or placed (``base.run_params``), never per forward:
+    Made once where parameters are loaded or placed (``base.run_params``), never per forward, and
+    only for a CPU device (an accelerator runs the stored layout, ``base.scan_layout_for``):
     * per layer: inside a compiled forward, slicing layer ``i`` out of a stacked ``[L, ...]``
       parameter is a copy of its weights on every call (XLA cannot alias a slice of an input
       buffer), which doubled the bytes a one-token forward moves;
@@ -273,10 +275,15 @@ def prepare_params(config: LlamaConfig, params: dict, wide: bool = False) -> dic
     return {**params, "layers": per_layer}
 
 
-def _layer(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, run, cos, sin, mask, scale):
+def _layer(
+    c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, run, cos, sin, mask, scale, heads=False
+):
     """One decoder layer; ``p`` holds that layer's parameters, ``[out, in]`` matrices when
     ``run`` (the one-row run layout), else ``[in, out]`` with the head axes split (the stored
-    layout's slice, also the wide run layout)."""
+    layout's slice, also the wide run layout). ``heads`` (the scan over the stored layout): the
+    attention projections contract with their head axes split (``bte,enh->btnh``), as the
+    ``decoder.py`` families do: merging a tiled ``[E, NH, H]`` slice into ``[E, NH * H]`` made
+    XLA:TPU re-lay out an attention matrix of every layer at batch 8."""
     B, T = x_BTE.shape[:2]
     NH, KVH, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
 
@@ -284,6 +291,10 @@ def _layer(c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, run, cos, sin, m
         w = p[name]
         if run:
             return einsum("bti,oi->bto", h_BTI, w)
+        if heads and name in ("wq", "wk", "wv"):
+            return einsum("bte,enh->btnh", h_BTI, w).reshape(B, T, -1)
+        if heads and name == "wo":
+            return einsum("btnh,nhe->bte", h_BTI.reshape(B, T, NH, H), w)
         inputs = h_BTI.shape[-1]
         return einsum("bti,io->bto", h_BTI, merge(w, (inputs, math.prod(w.shape) // inputs)))
 
@@ -346,7 +357,7 @@ def forward(
 
         def body(x_BTE, xs):
             p, cache_k, cache_v = xs
-            return _layer(c, p, x_BTE, cache_k, cache_v, run=False, **kw)
+            return _layer(c, p, x_BTE, cache_k, cache_v, run=False, heads=True, **kw)
 
         xs = (layers, None, None) if cache is None else (layers, *cache.stacked())
         x, (new_k, new_v), streams = scan_layers(body, x, xs, features)
