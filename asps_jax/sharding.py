@@ -254,9 +254,25 @@ def param_specs(config, mesh: Mesh, rules: ShardingRules = ShardingRules()):
 
 
 def shard_params(params, config, mesh: Mesh, rules: ShardingRules = ShardingRules()):
-    """``device_put`` every parameter with its ``NamedSharding`` on ``mesh``."""
-    specs = param_specs(config, mesh, rules)
-    return jax.tree.map(lambda x, s: put(x, NamedSharding(mesh, s)), params, specs)
+    """``device_put`` every parameter with its ``NamedSharding`` on ``mesh``, by the logical axes
+    of the family's ``param_shapes`` and the array's own shape. A parameter that is a pytree of
+    arrays of its rank (a quantized matrix: integer values and scales, ``models/quant.py``) has
+    each array placed by the same axes: a scale's size-1 or group axis that the mesh axis does
+    not divide stays whole, one that it divides is split with its values' blocks."""
+    shapes = family_for_config(config).param_shapes(config)
+    mesh_shape = dict(mesh.shape)
+
+    def is_leaf(x):
+        return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
+
+    def place(axes, a):
+        if a.ndim != len(axes):  # e.g. a quantized matrix's scalar field: whole everywhere
+            return put(a, NamedSharding(mesh, P()))
+        return put(a, NamedSharding(mesh, rules.partition_spec(axes, a.shape, mesh_shape)))
+
+    return jax.tree.map(
+        lambda s, x: jax.tree.map(lambda a: place(s[1], a), x), shapes, params, is_leaf=is_leaf
+    )
 
 
 # Models whose parameters were already placed: a second sample() call on the same mesh reuses
@@ -270,7 +286,15 @@ def place_model_params(model, mesh: Mesh, rules: ShardingRules = ShardingRules()
     key = (id(model.params), mesh, rules)
     cached = _PLACED.get(model)
     if cached is None or cached[0] != key:
-        cached = (key, shard_params(model.params, model.config, mesh, rules))
+        # A view of another model's parameters (draft="self:L", the target's first layers):
+        # that model's placed parameters, viewed the same way.
+        view = getattr(model, "view_of_placed", None)
+        placed = (
+            shard_params(model.params, model.config, mesh, rules)
+            if view is None
+            else view(lambda source: place_model_params(source, mesh, rules))
+        )
+        cached = (key, placed)
         _PLACED[model] = cached
     return cached[1]
 
