@@ -31,7 +31,17 @@ import asps_jax  # noqa: E402
 from asps_jax import sharding  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_sharding import CASES, CLI_ARGS, MESHES, PROMPTS, sample_kwargs  # noqa: E402
+from test_sharding import (  # noqa: E402
+    CASES,
+    CLI_ARGS,
+    DRAFTER_MESH,
+    DRAFTERS,
+    MESHES,
+    PROMPTS,
+    drafter_arg,
+    drafter_kwargs,
+    sample_kwargs,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,6 +75,7 @@ def main(ckpt: str) -> dict:
     explicit = jax.make_mesh((8, 1), ("data", "model"))
     out = asps_jax.sample(target, draft, PROMPTS, mesh=explicit, **sample_kwargs("asps"))
     report["explicit/asps"] = np.asarray(out.tokens).tolist()
+    report.update(drafter_report(Path(ckpt), target, draft))
     # The command line on the bundled checkpoints, streaming through Session.
     sys.path.insert(0, str(ROOT / "scripts"))
     import sample as cli
@@ -73,6 +84,36 @@ def main(ckpt: str) -> dict:
     with contextlib.redirect_stdout(stdout):
         report["cli_code"] = cli.main(CLI_ARGS + ["--mesh", "data=2,model=4"])
     report["cli"] = json.loads(stdout.getvalue())
+    return report
+
+
+def drafter_report(root: Path, target, draft) -> dict:
+    """Every other drafter and continuous batching on ``DRAFTER_MESH``: tokens, and how their
+    parameters were placed."""
+    from asps_jax.drafters import draft_model
+
+    report = {}
+    mesh = sharding.make_mesh(DRAFTER_MESH)
+    for name in DRAFTERS:
+        drafter = drafter_arg(name, root, draft)
+        out = asps_jax.sample(target, drafter, PROMPTS, mesh=mesh, **drafter_kwargs(name))
+        report[f"drafters/{name}"] = np.asarray(out.tokens).tolist()
+
+    def placed(name):
+        model = draft_model(target, drafter_arg(name, root, draft))
+        return sharding.place_model_params(model, mesh)
+
+    mine, quantized, learned = map(placed, ("self:1", "quant:int8", "eagle3"))
+    up, down = quantized["layers"]["w_up"], quantized["layers"]["w_down"]
+    report["drafter_specs"] = {
+        "self/wq": _spec(mine["layers"]["wq"]),
+        "self/w_down": _spec(mine["layers"]["w_down"]),
+        "quant/w_up": _spec(up.qvalue),
+        "quant/w_up.scale": _spec(up.scale),
+        "quant/w_down": _spec(down.qvalue),
+        "quant/w_down.scale": _spec(down.scale),
+        **{f"head/{w}": _spec(learned[w]) for w in ("wq", "w_down", "lm_head", "embed", "fc")},
+    }
     return report
 
 

@@ -29,6 +29,7 @@ from test_cli import cli
 
 import asps_jax
 from asps_jax import sampler, sharding, stopping
+from asps_jax.drafters import head
 from asps_jax.kv_cache import KVCache
 from asps_jax.models import LlamaConfig, llama
 from asps_jax.processors import SamplingParams
@@ -45,6 +46,45 @@ PROMPTS = [[1, 5, 3], [4, 7, 9, 1, 0, 11, 6], [2]]
 CLI_ARGS = ["--method", "specinfer", "--num-drafts", "2", "--num-draft-tokens", "2"]
 CLI_ARGS += ["--max-new-tokens", "8", "--batch-size", "2", "--seed", "3", "--prompt", "ROMEO:"]
 CLI_ARGS += ["--stop", "e", "--json"]
+
+
+# Every other drafter, and continuous batching, on one mesh: the one-device law holds for each.
+DRAFTER_MESH = "data=2,model=4"
+DRAFTERS = ("self:1", "quant:int8", "eagle3", "slots")
+HEAD_VOCAB = [0, 1, 2, 4, 5, 7, 9, 11]  # the head's draft vocabulary (8: split by model=4)
+
+
+def drafter_kwargs(name: str) -> dict:
+    """Row 0 greedy (T = 0), rows 1 and 2 sampled (T = 1, one of them with top-p): one call,
+    one compiled program per drafter; ``slots``: the draft model through 2 slots."""
+    kwargs = dict(sample_kwargs("asps"), temperature=[0.0, 1.0, 1.0])
+    return dict(kwargs, batch_size=2) if name == "slots" else kwargs
+
+
+def drafter_arg(name: str, root, draft):
+    """``draft=`` of a :data:`DRAFTERS` case (the head saved by the fixture under ``root``)."""
+    if name == "eagle3":
+        return head.PREFIX + str(root / "head")
+    return draft if name == "slots" else name
+
+
+def write_head(root, target) -> None:
+    """A random EAGLE-3 head on ``target``'s features, saved where :func:`drafter_arg` reads it."""
+    config = head.HeadConfig.for_target(target.config, len(HEAD_VOCAB))
+    params = head.init_params(config, jax.random.key(5), target.params["embed"], HEAD_VOCAB, 0.5)
+    head.save_head(root / "head", config, params)
+
+
+def drafter_runs(root, target, draft) -> dict:
+    """Each :data:`DRAFTERS` case's tokens on one device."""
+    return {
+        name: np.asarray(
+            asps_jax.sample(
+                target, drafter_arg(name, root, draft), PROMPTS, **drafter_kwargs(name)
+            ).tokens
+        ).tolist()
+        for name in DRAFTERS
+    }
 
 
 def sample_kwargs(method: str) -> dict:
@@ -93,6 +133,8 @@ def runs(tmp_path_factory):
     """(single-device tokens and CLI output, the 8-device worker's report)."""
     root = tmp_path_factory.mktemp("ckpt")
     _write_llama(root / "draft", 1, noise_from=_write_llama(root / "target", 0))
+    target = asps_jax.load_model(str(root / "target"))
+    write_head(root, target)
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
     env["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=8")
     worker = subprocess.Popen(
@@ -104,6 +146,7 @@ def runs(tmp_path_factory):
     )
     try:
         local = single_device_runs(root, CLI_ARGS)
+        local["drafters"] = drafter_runs(root, target, asps_jax.load_model(str(root / "draft")))
         out, err = worker.communicate(timeout=600)
     finally:
         worker.kill()
@@ -156,6 +199,39 @@ def test_cli_mesh_flag_gives_the_same_tokens(runs):
     lengths = [len(r) for r in local["cli"]["tokens"]]
     stopped = ["e" in t for t in local["cli"]["texts"]]
     assert all(hit or n == 8 for hit, n in zip(stopped, lengths)) and any(stopped), lengths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_every_drafter_and_slots_give_the_one_device_tokens_on_a_mesh(runs, name):
+    """self:L, quant:int8, a learned head and continuous batching on data=2,model=4: the greedy
+    row's tokens and the sampled rows' draws for the same keys are the one device's."""
+    local, report = runs
+    ours = local["drafters"][name]
+    assert report[f"drafters/{name}"] == ours
+    assert len({tuple(r) for r in ours}) == len(PROMPTS) and len({t for r in ours for t in r}) >= 4
+
+
+@pytest.mark.slow
+def test_drafters_parameters_are_split_along_model(runs):
+    """On data=2,model=4 the drafters' weights are split like the target's: the self-draft's
+    are the target's placed ones (its first layer), a quantized matrix's integer values and
+    per-channel scales by the same axes (a scale's input axis of size 1 whole), the head's
+    projections by heads / MLP width and its head and embedding by the vocabulary."""
+    _, report = runs
+    assert report["drafter_specs"] == {
+        "self/wq": [None, None, "model", None],
+        "self/w_down": [None, "model", None],
+        "quant/w_up": [None, None, "model"],
+        "quant/w_up.scale": [None, None, "model"],
+        "quant/w_down": [None, "model", None],
+        "quant/w_down.scale": [None, None, None],
+        "head/wq": ["model", None],
+        "head/w_down": [None, "model"],
+        "head/lm_head": ["model", None],
+        "head/embed": ["model", None],
+        "head/fc": [None, None],
+    }
 
 
 # --- rules ------------------------------------------------------------------------------------
