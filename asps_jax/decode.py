@@ -357,7 +357,8 @@ def _prefill(
                 dec, draft_params, draft, prompts_BP, committed_B, **_features(features)
             )
     fresh = _fresh_rows(dec, prompts_BP, prompt_lengths_B, committed_B, row_keys_B, budget_B)
-    return DecodeState(target_cache=t_cache, draft=draft, stop=stop, **fresh)
+    state = DecodeState(target_cache=t_cache, draft=draft, stop=stop, **fresh)
+    return sharding.constrain_state(state, dec.mesh)  # the loop's carry: one layout per chip
 
 
 def _feature_layers(dec: Decoder) -> tuple[int, ...]:

@@ -36,10 +36,12 @@ from test_sharding import (  # noqa: E402
     CLI_ARGS,
     DRAFTER_MESH,
     DRAFTERS,
+    MEMORY_CASES,
     MESHES,
     PROMPTS,
     drafter_arg,
     drafter_kwargs,
+    memory_models,
     sample_kwargs,
 )
 
@@ -76,6 +78,7 @@ def main(ckpt: str) -> dict:
     out = asps_jax.sample(target, draft, PROMPTS, mesh=explicit, **sample_kwargs("asps"))
     report["explicit/asps"] = np.asarray(out.tokens).tolist()
     report.update(drafter_report(Path(ckpt), target, draft))
+    report.update(chip_report(Path(ckpt), target, draft))
     # The command line on the bundled checkpoints, streaming through Session.
     sys.path.insert(0, str(ROOT / "scripts"))
     import sample as cli
@@ -114,6 +117,40 @@ def drafter_report(root: Path, target, draft) -> dict:
         "quant/w_down.scale": _spec(down.scale),
         **{f"head/{w}": _spec(learned[w]) for w in ("wq", "w_down", "lm_head", "embed", "fc")},
     }
+    return report
+
+
+def chip_report(root: Path, target, draft) -> dict:
+    """Per chip: the weights each chip holds (placed, against ``sharding.chip_bytes``) and the
+    compiled per-chip peak of a whole sampling program (``memory_analysis``) against the plan's
+    per-chip estimate, on the meshes of ``test_sharding.MEMORY_CASES``."""
+    from asps_jax import decode, plan, sampler
+    from asps_jax.drafters import draft_model
+
+    report = {}
+    mesh = sharding.make_mesh(DRAFTER_MESH)
+    for name, model in (("target", target), ("quant", draft_model(target, "quant:int8"))):
+        placed = sharding.place_model_params(model, mesh)
+        held = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(placed))
+        expected = sharding.chip_bytes(model.params, model.config, dict(mesh.shape))
+        report[f"chip_bytes/{name}"] = [held, expected]
+    big, small = memory_models()
+    for spec, method, batch in MEMORY_CASES:
+        mesh = sharding.make_mesh(spec)
+        drafter = small if method != "ar" else None
+        kwargs = dict(max_new_tokens=16, method=method, num_draft_tokens=2 if drafter else None)
+        call = sampler.prepare(
+            big, drafter, [[1] * 9] * batch, key=jax.random.key(0), mesh=mesh, **kwargs
+        )
+        compiled = decode.generate.lower(call.decoder, **call.inputs.kwargs()).compile()
+        shape = dict(batch=batch, prompt_len=9, max_new_tokens=16, num_drafts=1)
+        shape["num_draft_tokens"] = call.decoder.spec.num_draft_tokens
+        parts = plan.check_memory(big, drafter, method=method, mesh=mesh, **shape)
+        weights = plan.weights(mesh, big, drafter)
+        even = sum(plan.check_memory(big, drafter, method=method, **shape).values())
+        even = (even + plan.weights(None, big, drafter)) // mesh.size
+        peak = compiled.memory_analysis().peak_memory_in_bytes
+        report[f"memory/{spec}/{method}"] = [peak, sum(parts.values()) + weights, even]
     return report
 
 

@@ -28,7 +28,7 @@ from subprocess_env import xla_flags
 from test_cli import cli
 
 import asps_jax
-from asps_jax import sampler, sharding, stopping
+from asps_jax import footprint, sampler, sharding, stopping
 from asps_jax.drafters import head
 from asps_jax.kv_cache import KVCache
 from asps_jax.models import LlamaConfig, llama
@@ -85,6 +85,23 @@ def drafter_runs(root, target, draft) -> dict:
         ).tolist()
         for name in DRAFTERS
     }
+
+
+# The per-chip memory plan against the compiler's per-chip peak of whole sampling programs:
+# (mesh, method, batch). On model=8 the 4 KV heads are not split: each chip holds its rows' whole
+# cache, which an even split of the one-device total (the plan before) undercounts.
+MEMORY_CASES = (("data=2,model=4", "asps", 16), ("data=1,model=8", "ar", 16))
+
+
+def memory_models():
+    """A target and a draft large enough that their buffers outweigh a program's fixed costs
+    (random float32 weights: 2.4 MB and 0.8 MB)."""
+
+    def model(name, seed, *sizes):
+        config = LlamaConfig(*sizes, max_position_embeddings=128)
+        return asps_jax.Model(name, "", config, llama.init_params(config, jax.random.key(seed)))
+
+    return model("big", 0, 1024, 256, 512, 2, 8, 4), model("small", 1, 1024, 128, 256, 1, 4, 4)
 
 
 def sample_kwargs(method: str) -> dict:
@@ -232,6 +249,56 @@ def test_drafters_parameters_are_split_along_model(runs):
         "head/embed": ["model", None],
         "head/fc": [None, None],
     }
+
+
+@pytest.mark.slow
+def test_per_chip_weights_are_what_each_chip_holds(runs):
+    """sharding.chip_bytes (the plan's weights per chip) is what device 0 holds once the target
+    and a quantized copy are placed on data=2,model=4: split arrays' shares, replicated ones
+    (2 KV heads on model=4, norms, a scale's size-1 axis) whole."""
+    _, report = runs
+    for name in ("target", "quant"):
+        held, planned = report[f"chip_bytes/{name}"]
+        assert held == planned, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: f"{c[0]}/{c[1]}")
+def test_per_chip_plan_bounds_the_compiled_per_chip_peak(runs, case):
+    """The plan's per-chip estimate (weights per chip plus one chip's share of the buffers) is an
+    upper bound of XLA's per-chip peak of the compiled sampling program (``memory_analysis``),
+    within a factor 5; on model=8, whose 4 KV heads stay whole on every chip, the even split
+    of the one-device estimate that the plan used before falls below the compiled peak."""
+    _, report = runs
+    peak, estimate, even = report[f"memory/{case[0]}/{case[1]}"]
+    assert peak <= estimate <= 5 * peak, (peak, estimate)
+    if case[0] == "data=1,model=8":
+        assert even < peak, (even, peak)
+
+
+def test_per_chip_memory_check_names_the_mesh(monkeypatch):
+    """An 8B Llama shape (abstract weights, bf16) on model=4 chips of 16 GiB: a call that fits the
+    four chips' sum, evenly split, is refused per chip in one line that names --mesh."""
+    config = LlamaConfig(128256, 4096, 14336, 32, 32, 8, max_position_embeddings=8192)
+    shapes = jax.eval_shape(lambda: llama.init_params(config, jax.random.key(0), jnp.bfloat16))
+    model = asps_jax.Model("llama-8b-shape", "", config, shapes)
+    mesh = AbstractMesh((1, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    monkeypatch.setattr(asps_jax.plan, "_device_memory_bytes", lambda mesh: 16 << 30)
+    shape = dict(prompt_len=512, max_new_tokens=512, num_draft_tokens=1, num_drafts=1)
+    weights = asps_jax.plan.weights(mesh, model)
+    norms = 2 * (2 * 32 * 4096 + 4096)  # bf16 norm scales: whole on every chip
+    assert weights == (footprint.weight_bytes(model) - norms) // 4 + norms  # 3.7 of 15 GiB
+    parts = asps_jax.plan.check_memory(model, None, batch=32, method="ar", mesh=mesh, **shape)
+    assert sum(parts.values()) + weights < 16 << 30
+    one_device = footprint.estimate(config, None, method="ar", batch=64, target_itemsize=2, **shape)
+    even = (sum(one_device.values()) + footprint.weight_bytes(model)) / 4
+    assert even < 16 << 30  # the even split of the one-device total would let it through
+    with pytest.raises(ValueError, match="per chip on mesh data=1,model=4") as err:
+        asps_jax.plan.check_memory(model, None, batch=64, method="ar", mesh=mesh, **shape)
+    message = str(err.value)
+    assert (
+        "\n" not in message and "(mesh, --mesh)" in message and "one chip has 16.0 GiB" in message
+    )
 
 
 # --- rules ------------------------------------------------------------------------------------
