@@ -3,7 +3,9 @@
 :func:`estimate` adds up, in bytes, what one call of :func:`asps_jax.sample` holds at its peak,
 before anything is built: no tree, no array, no trace. It is the one size check of the library
 (``sample`` / ``stream`` / ``Session``) and of ``scripts/sample.py``; :func:`check` turns it
-into a one-line error that names the argument to lower.
+into a one-line error that names the argument to lower. On a mesh it is one chip's (:class:`Chips`:
+its rows, its share of the target cache's KV heads and of the attention scores' heads), checked
+with the weights that chip holds against one chip's memory (``plan.py``).
 
 The parts, for ``B`` rows (padded to the batch bucket), ``S`` cache slots, ``N`` tree nodes
 (``1 + K*n`` for K chains of n tokens, ``1 + w_1 + w_1 w_2 + ...`` for a branching tree), ``R``
