@@ -342,9 +342,7 @@ def _prefill(
         jax.tree.leaves(target_params)[0].dtype,
         per_layer=kv_cache.per_layer_params(target_params),
     )
-    draft = None
-    if dec.drafter is not None:
-        draft = dec.drafter.init(dec, draft_params, batch)
+    draft = None if dec.drafter is None else dec.drafter.init(dec, draft_params, batch)
     if run_forward:
         forward = forward_for(dec.target_config, _feature_layers(dec))
         # With n samples per prompt (rows p * n + i hold prompt p): one forward per prompt.

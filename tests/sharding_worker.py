@@ -98,8 +98,15 @@ def drafter_report(root: Path, target, draft) -> dict:
     report = {}
     mesh = sharding.make_mesh(DRAFTER_MESH)
     for name in DRAFTERS:
-        drafter = drafter_arg(name, root, draft)
-        out = asps_jax.sample(target, drafter, PROMPTS, mesh=mesh, **drafter_kwargs(name))
+        drafter, kwargs = drafter_arg(name, root, draft), drafter_kwargs(name)
+        if name == "slots":  # step by step (the slots' state placed between compiled steps)
+            session = asps_jax.Session(target, drafter, PROMPTS, mesh=mesh, **kwargs)
+            session.compile()
+            pairs = list(session.steps())
+            out = session.result()
+            report["drafters/slots/pairs"] = len(pairs)
+        else:
+            out = asps_jax.sample(target, drafter, PROMPTS, mesh=mesh, **kwargs)
         report[f"drafters/{name}"] = np.asarray(out.tokens).tolist()
 
     def placed(name):
