@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import weakref
 from pathlib import Path
 
@@ -302,7 +301,7 @@ def target_logits(params: dict, logits_BTD, vocab_size: int) -> jax.Array:
 
 
 # The family the models' helpers look up (``models.base.family_for_config``): no run layout.
-HeadConfig.FAMILY = types.SimpleNamespace(forward=forward, param_shapes=head_axes.param_shapes)
+HeadConfig.FAMILY = head_axes.family(forward, param_shapes)
 
 
 # --- The drafter ------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ activations; the head's cache and pending entries are a decode state's (split by
 
 from __future__ import annotations
 
+import types
+
 AXES = {
     "fc": (None, "embed"),
     "input_norm": ("embed",),
@@ -30,12 +32,16 @@ AXES = {
 }
 
 
-def param_shapes(c) -> dict:
-    """``{name: (shape, logical axes)}`` of a head of config ``c`` (a ``HeadConfig``), the
-    embedding and the vocabulary map included (what ``sharding.shard_params`` reads)."""
-    from asps_jax.drafters.head import param_shapes as shapes_of  # head imports this module
+def family(forward, shapes_of):
+    """The namespace ``models.base.family_for_config`` finds for a head's config: its
+    ``forward``, and ``param_shapes(c)``, ``{name: (shape, logical axes)}`` of every parameter
+    (``shapes_of(c)``: the learned ones' shapes) with the embedding and the vocabulary map, which
+    ``sharding.shard_params`` reads. No run layout (no ``prepare_params``)."""
 
-    shapes = dict(
-        shapes_of(c), embed=(c.vocab_size, c.target_hidden_size), d2t=(c.draft_vocab_size,)
-    )
-    return {name: (shape, AXES[name]) for name, shape in shapes.items()}
+    def param_shapes(c) -> dict:
+        shapes = dict(
+            shapes_of(c), embed=(c.vocab_size, c.target_hidden_size), d2t=(c.draft_vocab_size,)
+        )
+        return {name: (shape, AXES[name]) for name, shape in shapes.items()}
+
+    return types.SimpleNamespace(forward=forward, param_shapes=param_shapes)
