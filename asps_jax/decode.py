@@ -342,9 +342,7 @@ def _prefill(
         jax.tree.leaves(target_params)[0].dtype,
         per_layer=kv_cache.per_layer_params(target_params),
     )
-    draft = None
-    if dec.drafter is not None:
-        draft = dec.drafter.init(dec, draft_params, batch)
+    draft = None if dec.drafter is None else dec.drafter.init(dec, draft_params, batch)
     if run_forward:
         forward = forward_for(dec.target_config, _feature_layers(dec))
         # With n samples per prompt (rows p * n + i hold prompt p): one forward per prompt.
@@ -357,7 +355,8 @@ def _prefill(
                 dec, draft_params, draft, prompts_BP, committed_B, **_features(features)
             )
     fresh = _fresh_rows(dec, prompts_BP, prompt_lengths_B, committed_B, row_keys_B, budget_B)
-    return DecodeState(target_cache=t_cache, draft=draft, stop=stop, **fresh)
+    state = DecodeState(target_cache=t_cache, draft=draft, stop=stop, **fresh)
+    return sharding.constrain_state(state, dec.mesh)  # the loop's carry: one layout per chip
 
 
 def _feature_layers(dec: Decoder) -> tuple[int, ...]:

@@ -3,7 +3,9 @@
 :func:`estimate` adds up, in bytes, what one call of :func:`asps_jax.sample` holds at its peak,
 before anything is built: no tree, no array, no trace. It is the one size check of the library
 (``sample`` / ``stream`` / ``Session``) and of ``scripts/sample.py``; :func:`check` turns it
-into a one-line error that names the argument to lower.
+into a one-line error that names the argument to lower. On a mesh it is one chip's (:class:`Chips`:
+its rows, its share of the target cache's KV heads and of the attention scores' heads), checked
+with the weights that chip holds against one chip's memory (``plan.py``).
 
 The parts, for ``B`` rows (padded to the batch bucket), ``S`` cache slots, ``N`` tree nodes
 (``1 + K*n`` for K chains of n tokens, ``1 + w_1 + w_1 w_2 + ...`` for a branching tree), ``R``
@@ -77,11 +79,12 @@ def model_sizes(config) -> dict:
     )
 
 
-def forward_bytes(m: dict, rows: int, tokens: int, slots: int, itemsize: int) -> int:
+def forward_bytes(m: dict, rows: int, tokens: int, slots: int, itemsize: int, heads=1) -> int:
     """One forward of ``tokens`` queries per row over ``slots`` cached keys: attention scores
-    (float32: scores, masked, softmax), the mask, activations and the new keys / values."""
+    (float32: scores, masked, softmax), the mask, activations and the new keys / values.
+    ``heads``: the chips the attention heads are split over (one chip's scores)."""
     keys = slots + tokens
-    scores = 3 * F32 * rows * m["heads"] * tokens * keys
+    scores = 3 * F32 * rows * -(-m["heads"] // heads) * tokens * keys
     mask = 2 * rows * tokens * keys
     activations = F32 * rows * tokens * m["width"]
     new_kv = itemsize * rows * tokens * m["kv_slot"]
@@ -103,6 +106,20 @@ class Shape:
     history: int
     vocab: int
     draft_itemsize: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Chips:
+    """How a mesh splits a call's buffers, for the estimate of *one* chip's (``plan.py``):
+    ``data`` the chips the rows are split over, ``kv`` those the target's KV heads are split over
+    (1 where the model axis does not divide them: the cache is whole on every chip of a row's
+    group), ``heads`` those its attention heads are. Everything else a chip holds whole: the
+    vocabulary of every law (the draws read whole rows), the activations' model width, the
+    draft's caches (split by rows only), the host's tree tables."""
+
+    data: int = 1
+    kv: int = 1
+    heads: int = 1
 
 
 def rollout_law_bytes(sizes: Shape) -> int:
@@ -175,8 +192,11 @@ def estimate(
     target_itemsize: int = 4,
     draft_itemsize: int = 4,
     num_prompts: int | None = None,
+    chips: Chips | None = None,
 ) -> dict[str, int]:
-    """Bytes per part (see the module docstring) of one sampling call, from its shapes alone.
+    """Bytes per part (see the module docstring) of one sampling call, from its shapes alone;
+    with ``chips`` (a mesh), what one chip holds: its share of the rows, of the target cache's
+    KV heads and of the attention scores' heads (:class:`Chips`).
 
     ``drafter``: the call's :class:`~asps_jax.drafters.Drafter` (None for ``method="ar"``),
     whose own buffers are its :meth:`~asps_jax.drafters.Drafter.footprint`; ``method`` the
@@ -189,7 +209,9 @@ def estimate(
     """
     method = _method(method)
     drafting = method is not None and drafter is not None
+    chips = Chips() if chips is None else chips
     rows = round_up(batch, _BATCH_BUCKET) if batch > 1 else 1
+    rows = -(-rows // chips.data)  # one chip's rows (the batch is padded to split evenly)
     t = model_sizes(target_config)
     vocab = t["vocab"]
     prompt = round_up(prompt_len, _PROMPT_BUCKET)
@@ -202,7 +224,7 @@ def estimate(
     scratch = drafter.cache_slots(n, k) if drafting else 0
     slots = round_up(prompt + max_new_tokens + n + 2 + scratch, _CACHE_BUCKET)
     parts = {
-        "kv caches": rows * slots * t["kv_slot"] * target_itemsize,
+        "kv caches": rows * slots * -(-t["kv_slot"] // chips.kv) * target_itemsize,
         "outputs": 2 * F32 * rows * (max_new_tokens + n + 1)
         + (
             0
@@ -213,8 +235,8 @@ def estimate(
         "tree tables": 0,
         "tree masks": 0,
         "target forward": max(
-            forward_bytes(t, rows, nodes, slots, target_itemsize),
-            forward_bytes(t, rows, prompt, slots, target_itemsize),
+            forward_bytes(t, rows, nodes, slots, target_itemsize, chips.heads),
+            forward_bytes(t, rows, prompt, slots, target_itemsize, chips.heads),
         ),
         "step laws": 4 * F32 * rows * nodes * vocab,  # target logits, processed laws, usable
         "draft rollout": 0,
@@ -277,11 +299,14 @@ def check(
     *,
     available: int,
     weights: int = 0,
+    mesh: str | None = None,
     **shape,
 ) -> dict[str, int]:
     """Raise a one-line ``ValueError`` when :func:`estimate` (plus ``weights`` bytes already
     resident) exceeds ``available`` bytes; it names the biggest parts and the argument whose
-    halving saves the most. Returns the estimate's parts otherwise."""
+    halving saves the most. Returns the estimate's parts otherwise. ``mesh``: the mesh's spec
+    (``"data=2,model=4"``) when ``available`` and ``weights`` are one chip's and ``shape`` has
+    its :class:`Chips`: the error then speaks of one chip and names the mesh too."""
     shape.setdefault("widths", ())
     shape.setdefault("options", None)
     parts = estimate(target_config, drafter, **shape)
@@ -303,9 +328,15 @@ def check(
         what += f", {nodes} tree nodes"
         if drafter.replicated:
             what += f", {replicas} draft replicas per row"
+    if mesh is None:
+        raise ValueError(
+            f"this call needs about {_gib(need)} ({what}; {detail}) but the device has "
+            f"{_gib(available)}: lower {' or '.join(lower) or 'the model size'}"
+        )
     raise ValueError(
-        f"this call needs about {_gib(need)} ({what}; {detail}) but the device has "
-        f"{_gib(available)}: lower {' or '.join(lower) or 'the model size'}"
+        f"this call needs about {_gib(need)} per chip on mesh {mesh} ({what}; weights "
+        f"{_gib(weights)} per chip, {detail}) but one chip has {_gib(available)}: lower "
+        f"{' or '.join(lower + ['the weights per chip with a larger model axis (mesh, --mesh)'])}"
     )
 
 

@@ -16,7 +16,7 @@ import os
 import jax
 import numpy as np
 
-from asps_jax import decode, drafters, footprint
+from asps_jax import decode, drafters, footprint, sharding
 from asps_jax.checks import check_int
 from asps_jax.verify import registry
 from asps_jax.verify.registry import REGISTRY
@@ -181,29 +181,62 @@ def check_fits(target, drafter, model, spec, lengths_b, budgets, mesh, slot_coun
 
 
 def _device_memory_bytes(mesh) -> int:
-    """Memory the call may use: the devices' reported limit, else the host's physical memory."""
+    """Memory of *one* device (a chip of the mesh): its reported limit, else the host's physical
+    memory shared by this process's devices of the mesh (CPU devices share the host's)."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     # The first of this process's devices: another process's device reports nothing here.
-    local = next(
-        (d for d in devices if d.process_index == jax.process_index()), jax.local_devices()[0]
-    )
+    mine = [d for d in devices if d.process_index == jax.process_index()]
+    local = mine[0] if mine else jax.local_devices()[0]
     stats = local.memory_stats() if hasattr(local, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]) * len(devices)
+        return int(stats["bytes_limit"])
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(len(mine), 1)
     except (ValueError, OSError, AttributeError):
         return 1 << 62  # unknown: never refuse
 
 
+def chips(target_config, mesh, rules=None) -> footprint.Chips | None:
+    """How ``mesh`` splits a call's buffers per chip (:class:`asps_jax.footprint.Chips`), by the
+    sharding rules the loop's inputs are placed with; None without a mesh."""
+    if mesh is None:
+        return None
+    rules = sharding.ShardingRules() if rules is None else rules
+    shape = dict(mesh.shape)
+    c = target_config
+    heads = getattr(c, "num_attention_heads", None) or c.num_key_value_heads
+
+    def split(axis: str, size: int) -> int:
+        (name,) = rules.partition_spec((axis,), (size,), shape)
+        return 1 if name is None else shape[name]
+
+    rows = shape.get(rules.batch, 1) if rules.batch else 1
+    return footprint.Chips(rows, split("kv_heads", c.num_key_value_heads), split("heads", heads))
+
+
+def weights(mesh, *models) -> int:
+    """The models' weight bytes: all of them on one device, one chip's share on a mesh
+    (:func:`asps_jax.sharding.chip_bytes`: a replicated tensor counts whole on every chip)."""
+    if mesh is None:
+        return footprint.weight_bytes(*models)
+    shape = dict(mesh.shape)
+    return sum(sharding.chip_bytes(m.params, m.config, shape) for m in models if m is not None)
+
+
 def _memory(target, drafter, model, spec, mesh, *, batch, prompt_len, num_prompts=None):
-    """:func:`asps_jax.footprint.check` of a resolved call (its drafter, draft model, spec)."""
+    """:func:`asps_jax.footprint.check` of a resolved call (its drafter, draft model, spec): on a
+    mesh, what one chip holds (its weights and its share of the buffers) against one chip."""
     dtypes = [jax.tree.leaves(m.params)[0].dtype for m in (target, model) if m is not None]
+    label = None
+    if mesh is not None:
+        label = ",".join(f"{a}={n}" for a, n in dict(mesh.shape).items())
     return footprint.check(
         target.config,
         drafter,
         available=_device_memory_bytes(mesh),
-        weights=footprint.weight_bytes(target, drafters.own_weights(model)),
+        weights=weights(mesh, target, drafters.own_weights(model)),
+        mesh=label,
+        chips=chips(target.config, mesh),
         method=spec.method,
         batch=batch,
         prompt_len=prompt_len,

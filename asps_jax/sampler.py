@@ -432,11 +432,6 @@ def _check_call(target, max_new_tokens, batch_size, mesh, stop):
         check_int("max_new_tokens", max_new_tokens, 1)
     if batch_size is not None:
         batch_size = check_int("batch_size", batch_size, 1)
-        if mesh is not None:
-            raise ValueError(
-                "batch_size: continuous batching runs on one device for now; omit batch_size "
-                "(or mesh)"
-            )
     stop_bytes = stopping.validate_stop(stop)
     if stop_bytes and getattr(target, "tokenizer", None) is None:
         raise ValueError(

@@ -52,7 +52,7 @@ def sample(
     compile_cache.enable_default()  # before the calibration of num_draft_tokens="auto" compiles
     calibration = _resolve_auto(target, draft, prompts, key, kwargs)
     call = prepare(target, draft, prompts, key=key, max_new_tokens=max_new_tokens, **kwargs)
-    mesh = None if call.slots is not None else call.decoder.mesh
+    mesh = call.decoder.mesh
     width = call.output_width()
     out = finish(
         call.run(), call.decoder.spec, call.batch, return_logprobs, mesh, width, call.constraint
@@ -287,11 +287,18 @@ class SlotSession(Session):
         self._slots = call.slot_kwargs()  # the keyword arguments of slots.start
         self._slot_fns = (None, None)
         self.prompts_done = 0
+        self._mesh = self.decoder.mesh  # checked by prepare
+
+    def _place(self, s):
+        """On a mesh, give the slots' state the one layout the compiled step expects."""
+        return s if self._mesh is None else sharding.shard_state(s, self._mesh)
 
     def _compile(self) -> None:
         a = self._slots
         first = slots.start.lower(self.decoder, **a).compile()
         shape = jax.eval_shape(lambda: slots.start(self.decoder, **a))
+        if self._mesh is not None:
+            shape = sharding.sharded_shapes(shape, self._mesh)
         step = slots.advance.lower(self.decoder, **self._params, prompts=a["prompts"], s=shape)
         self._slot_fns = (first, step.compile())
 
@@ -310,15 +317,15 @@ class SlotSession(Session):
         self.prompts_done = self.prompts_started = 0
         self.step_end = False
         with _sigint_recorded() as interrupt:
-            s = first(**first_args)
+            s = self._place(first(**first_args))
         if interrupt.is_set():
             raise KeyboardInterrupt
         seen = np.zeros(self.batch_size, np.int64)
         while True:
             with _sigint_recorded() as interrupt:
-                s = step(**self._params, prompts=a["prompts"], s=s)
+                s = self._place(step(**self._params, prompts=a["prompts"], s=s))
                 self._state = s
-                view = _SlotView.read(s, self.batch_size)
+                view = _SlotView.read(s, self.batch_size, self._mesh)
             if interrupt.is_set():
                 raise KeyboardInterrupt
             pairs = view.pairs(finished, seen)
@@ -350,14 +357,20 @@ class _SlotView:
     batch: int
 
     @classmethod
-    def read(cls, s, batch: int) -> _SlotView:
+    def read(cls, s, batch: int, mesh=None) -> _SlotView:
+        """The view of slot state ``s`` (on a multi-process mesh, gathered whole first)."""
+        st, res = s.state, s.results
+        host = sharding.to_local(
+            (s.prompt, s.next, st.num_generated, st.tokens, res.num_generated, res.tokens), mesh
+        )
+        prompt, started, generated, tokens, res_len, res_tokens = map(np.asarray, host)
         return cls(
-            prompt=np.asarray(s.prompt),
-            started=int(s.next),
-            generated=np.asarray(s.state.num_generated),
-            tokens=np.asarray(s.state.tokens),
-            res_len=np.asarray(s.results.num_generated)[:batch],
-            res_tokens=np.asarray(s.results.tokens),
+            prompt=prompt,
+            started=int(started),
+            generated=generated,
+            tokens=tokens,
+            res_len=res_len[:batch],
+            res_tokens=res_tokens,
             batch=batch,
         )
 

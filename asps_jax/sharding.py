@@ -255,10 +255,56 @@ def param_specs(config, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     )
 
 
+def _param_spec(axes: tuple, shape: tuple, mesh_shape, rules: ShardingRules) -> P:
+    """The ``PartitionSpec`` of one parameter array named ``axes`` (whole where the rank
+    differs: e.g. a quantized matrix's scalar field)."""
+    if len(shape) != len(axes):
+        return P()
+    return rules.partition_spec(axes, shape, mesh_shape)
+
+
+def _map_params(fn, params, config):
+    """``fn(axes, array)`` for every array of ``params``, by the logical axes of the family's
+    ``param_shapes``. A parameter that is a pytree of arrays of its rank (a quantized matrix:
+    integer values and scales, ``models/quant.py``) has each array mapped with the same axes: a
+    scale's size-1 or group axis that a mesh axis does not divide stays whole, one that it divides
+    is split with its values' blocks."""
+    shapes = family_for_config(config).param_shapes(config)
+
+    def is_leaf(x):
+        return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
+
+    return jax.tree.map(
+        lambda s, x: jax.tree.map(lambda a: fn(s[1], a), x), shapes, params, is_leaf=is_leaf
+    )
+
+
 def shard_params(params, config, mesh: Mesh, rules: ShardingRules = ShardingRules()):
-    """``device_put`` every parameter with its ``NamedSharding`` on ``mesh``."""
-    specs = param_specs(config, mesh, rules)
-    return jax.tree.map(lambda x, s: put(x, NamedSharding(mesh, s)), params, specs)
+    """``device_put`` every parameter with its ``NamedSharding`` on ``mesh``, by its logical
+    axes and its own shape (:func:`_map_params`)."""
+    mesh_shape = dict(mesh.shape)
+
+    def place(axes, a):
+        return put(a, NamedSharding(mesh, _param_spec(axes, a.shape, mesh_shape, rules)))
+
+    return _map_params(place, params, config)
+
+
+def chip_bytes(params, config, mesh_shape, rules: ShardingRules = ShardingRules()) -> int:
+    """The bytes of ``params`` that *each* chip holds once :func:`shard_params` placed them on a
+    mesh of ``mesh_shape`` (``{axis: size}``): a split array's share, a replicated one (the
+    embedding or a norm whose axes no rule splits, KV heads the model axis does not divide) whole.
+    ``params`` may be arrays or ``jax.ShapeDtypeStruct`` values."""
+    sizes = []
+
+    def count(axes, a):
+        spec = _param_spec(axes, tuple(a.shape), mesh_shape, rules)
+        split = math.prod(mesh_shape[n] for n in spec if n is not None)
+        sizes.append(-(-math.prod(a.shape) // split) * np.dtype(a.dtype).itemsize)
+        return a
+
+    _map_params(count, params, config)
+    return sum(sizes)
 
 
 # Models whose parameters were already placed: a second sample() call on the same mesh reuses
@@ -272,7 +318,15 @@ def place_model_params(model, mesh: Mesh, rules: ShardingRules = ShardingRules()
     key = (id(model.params), mesh, rules)
     cached = _PLACED.get(model)
     if cached is None or cached[0] != key:
-        cached = (key, shard_params(model.params, model.config, mesh, rules))
+        # A view of another model's parameters (draft="self:L", the target's first layers):
+        # that model's placed parameters, viewed the same way.
+        view = getattr(model, "view_of_placed", None)
+        placed = (
+            shard_params(model.params, model.config, mesh, rules)
+            if view is None
+            else view(lambda source: place_model_params(source, mesh, rules))
+        )
+        cached = (key, placed)
         _PLACED[model] = cached
     return cached[1]
 
@@ -360,6 +414,16 @@ def constrain(x, axes: tuple, mesh: Mesh | None, rules: ShardingRules = Sharding
         return x
     spec = rules.partition_spec(tuple(axes), x.shape, dict(mesh.shape))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def constrain_state(state, mesh: Mesh | None, rules: ShardingRules = ShardingRules()):
+    """A decode state laid out by :func:`state_shardings` inside a jitted program (the identity
+    without a mesh). At the end of prefill: the loop's carry (and a step's input) then splits
+    its caches by rows and KV heads on every chip, where propagation alone left the new caches
+    whole on each chip (the compiled per-chip peak, ``plan.py``)."""
+    if mesh is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, rules))
 
 
 def shard_state(state, mesh: Mesh, rules: ShardingRules = ShardingRules()):

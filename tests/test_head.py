@@ -743,12 +743,11 @@ def test_a_non_finite_head_raises_as_a_draft_model_does(tiny, tmp_path, tensor):
 
 
 def test_bad_use_of_a_head_is_a_one_line_error(tiny):
-    """'eagle3:' without a path, draft_stop (a draft model's option), a mesh, and a target that
-    is not a decoder (no hidden states to read)."""
+    """'eagle3:' without a path, draft_stop (a draft model's option), and a target that is not a
+    decoder (no hidden states to read)."""
     calls = [
         (dict(draft="eagle3:"), r"draft='eagle3:': give the head's folder"),
         (dict(draft_stop="confidence:0.5"), r"draft_stop: the confidence stop is an option of"),
-        (dict(mesh=asps_jax.make_mesh("data=1")), r"a learned head does not run on a mesh yet"),
     ]
     for kw, match in calls:
         kw = {"draft": tiny.spec, **kw}

@@ -331,14 +331,6 @@ def test_bad_requests_name_what_is_wrong(llama, tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="weight-only"):
         asps_jax.load_model(str(tmp_path / "nothing here"), quantize="int16")
-    mesh = jax.make_mesh((1, 1), ("data", "model"))
-    for model, draft in ((target, "quant:int8"), (quant.quantize_model(target, "int8"), None)):
-        with pytest.raises(ValueError, match="do not run on a mesh yet") as err:
-            asps_jax.sample(
-                model, draft, [PROMPT], seed=0, max_new_tokens=2, mesh=mesh,
-                method="asps" if draft else "ar",
-            )  # fmt: skip
-        assert "\n" not in str(err.value)
 
 
 def test_cli_flag_checks_the_spec():

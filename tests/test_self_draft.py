@@ -115,15 +115,6 @@ def test_bad_self_draft_is_a_one_line_error(models, spec, match):
     assert "\n" not in str(err.value)
 
 
-def test_self_draft_on_a_mesh_is_refused(models):
-    mesh = asps_jax.make_mesh("data=1")
-    with pytest.raises(ValueError, match=r"draft='self:L' does not run on a mesh") as err:
-        asps_jax.sample(
-            models[2], "self:1", [PROMPT], key=jax.random.key(0), max_new_tokens=2, mesh=mesh
-        )
-    assert "\n" not in str(err.value)
-
-
 def test_a_model_that_cannot_be_cut_is_refused():
     def forward(params, tokens, positions, mask, cache):
         raise AssertionError("never called")

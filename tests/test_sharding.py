@@ -28,7 +28,8 @@ from subprocess_env import xla_flags
 from test_cli import cli
 
 import asps_jax
-from asps_jax import sampler, sharding, stopping
+from asps_jax import footprint, sampler, sharding, stopping
+from asps_jax.drafters import head
 from asps_jax.kv_cache import KVCache
 from asps_jax.models import LlamaConfig, llama
 from asps_jax.processors import SamplingParams
@@ -45,6 +46,62 @@ PROMPTS = [[1, 5, 3], [4, 7, 9, 1, 0, 11, 6], [2]]
 CLI_ARGS = ["--method", "specinfer", "--num-drafts", "2", "--num-draft-tokens", "2"]
 CLI_ARGS += ["--max-new-tokens", "8", "--batch-size", "2", "--seed", "3", "--prompt", "ROMEO:"]
 CLI_ARGS += ["--stop", "e", "--json"]
+
+
+# Every other drafter, and continuous batching, on one mesh: the one-device law holds for each.
+DRAFTER_MESH = "data=2,model=4"
+DRAFTERS = ("self:1", "quant:int8", "eagle3", "slots")
+HEAD_VOCAB = [0, 1, 2, 4, 5, 7, 9, 11]  # the head's draft vocabulary (8: split by model=4)
+
+
+def drafter_kwargs(name: str) -> dict:
+    """Row 0 greedy (T = 0), rows 1 and 2 sampled (T = 1, one of them with top-p): one call,
+    one compiled program per drafter; ``slots``: the draft model through 2 slots."""
+    kwargs = dict(sample_kwargs("asps"), temperature=[0.0, 1.0, 1.0])
+    return dict(kwargs, batch_size=2) if name == "slots" else kwargs
+
+
+def drafter_arg(name: str, root, draft):
+    """``draft=`` of a :data:`DRAFTERS` case (the head saved by the fixture under ``root``)."""
+    if name == "eagle3":
+        return head.PREFIX + str(root / "head")
+    return draft if name == "slots" else name
+
+
+def write_head(root, target) -> None:
+    """A random EAGLE-3 head on ``target``'s features, saved where :func:`drafter_arg` reads it."""
+    config = head.HeadConfig.for_target(target.config, len(HEAD_VOCAB))
+    params = head.init_params(config, jax.random.key(5), target.params["embed"], HEAD_VOCAB, 0.5)
+    head.save_head(root / "head", config, params)
+
+
+def drafter_runs(root, target, draft) -> dict:
+    """Each :data:`DRAFTERS` case's tokens on one device."""
+    return {
+        name: np.asarray(
+            asps_jax.sample(
+                target, drafter_arg(name, root, draft), PROMPTS, **drafter_kwargs(name)
+            ).tokens
+        ).tolist()
+        for name in DRAFTERS
+    }
+
+
+# The per-chip memory plan against the compiler's per-chip peak of whole sampling programs:
+# (mesh, method, batch). On model=8 the 4 KV heads are not split: each chip holds its rows' whole
+# cache, which an even split of the one-device total (the plan before) undercounts.
+MEMORY_CASES = (("data=2,model=4", "asps", 16), ("data=1,model=8", "ar", 16))
+
+
+def memory_models():
+    """A target and a draft large enough that their buffers outweigh a program's fixed costs
+    (random float32 weights: 2.4 MB and 0.8 MB)."""
+
+    def model(name, seed, *sizes):
+        config = LlamaConfig(*sizes, max_position_embeddings=128)
+        return asps_jax.Model(name, "", config, llama.init_params(config, jax.random.key(seed)))
+
+    return model("big", 0, 1024, 256, 512, 2, 8, 4), model("small", 1, 1024, 128, 256, 1, 4, 4)
 
 
 def sample_kwargs(method: str) -> dict:
@@ -93,6 +150,8 @@ def runs(tmp_path_factory):
     """(single-device tokens and CLI output, the 8-device worker's report)."""
     root = tmp_path_factory.mktemp("ckpt")
     _write_llama(root / "draft", 1, noise_from=_write_llama(root / "target", 0))
+    target = asps_jax.load_model(str(root / "target"))
+    write_head(root, target)
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
     env["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=8")
     worker = subprocess.Popen(
@@ -104,6 +163,7 @@ def runs(tmp_path_factory):
     )
     try:
         local = single_device_runs(root, CLI_ARGS)
+        local["drafters"] = drafter_runs(root, target, asps_jax.load_model(str(root / "draft")))
         out, err = worker.communicate(timeout=600)
     finally:
         worker.kill()
@@ -156,6 +216,92 @@ def test_cli_mesh_flag_gives_the_same_tokens(runs):
     lengths = [len(r) for r in local["cli"]["tokens"]]
     stopped = ["e" in t for t in local["cli"]["texts"]]
     assert all(hit or n == 8 for hit, n in zip(stopped, lengths)) and any(stopped), lengths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_every_drafter_and_slots_give_the_one_device_tokens_on_a_mesh(runs, name):
+    """self:L, quant:int8, a learned head and continuous batching (streamed step by step through
+    a Session on the mesh, sampled in one call on one device) on data=2,model=4: the greedy row's
+    tokens and the sampled rows' draws for the same keys are the one device's."""
+    local, report = runs
+    ours = local["drafters"][name]
+    assert report[f"drafters/{name}"] == ours
+    if name == "slots":
+        assert report["drafters/slots/pairs"] >= len(PROMPTS)
+    assert len({tuple(r) for r in ours}) == len(PROMPTS) and len({t for r in ours for t in r}) >= 4
+
+
+@pytest.mark.slow
+def test_drafters_parameters_are_split_along_model(runs):
+    """On data=2,model=4 the drafters' weights are split like the target's: the self-draft's
+    are the target's placed ones (its first layer), a quantized matrix's integer values and
+    per-channel scales by the same axes (a scale's input axis of size 1 whole), the head's
+    projections by heads / MLP width and its head and embedding by the vocabulary."""
+    _, report = runs
+    assert report["drafter_specs"] == {
+        "self/wq": [None, None, "model", None],
+        "self/w_down": [None, "model", None],
+        "quant/w_up": [None, None, "model"],
+        "quant/w_up.scale": [None, None, "model"],
+        "quant/w_down": [None, "model", None],
+        "quant/w_down.scale": [None, None, None],
+        "head/wq": ["model", None],
+        "head/w_down": [None, "model"],
+        "head/lm_head": ["model", None],
+        "head/embed": ["model", None],
+        "head/fc": [None, None],
+    }
+
+
+@pytest.mark.slow
+def test_per_chip_weights_are_what_each_chip_holds(runs):
+    """sharding.chip_bytes (the plan's weights per chip) is what device 0 holds once the target
+    and a quantized copy are placed on data=2,model=4: split arrays' shares, replicated ones
+    (2 KV heads on model=4, norms, a scale's size-1 axis) whole."""
+    _, report = runs
+    for name in ("target", "quant"):
+        held, planned = report[f"chip_bytes/{name}"]
+        assert held == planned, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: f"{c[0]}/{c[1]}")
+def test_per_chip_plan_bounds_the_compiled_per_chip_peak(runs, case):
+    """The plan's per-chip estimate (weights per chip plus one chip's share of the buffers) is an
+    upper bound of XLA's per-chip peak of the compiled sampling program (``memory_analysis``),
+    within a factor 5; on model=8, whose 4 KV heads stay whole on every chip, the even split
+    of the one-device estimate that the plan used before falls below the compiled peak."""
+    _, report = runs
+    peak, estimate, even = report[f"memory/{case[0]}/{case[1]}"]
+    assert peak <= estimate <= 5 * peak, (peak, estimate)
+    if case[0] == "data=1,model=8":
+        assert even < peak, (even, peak)
+
+
+def test_per_chip_memory_check_names_the_mesh(monkeypatch):
+    """An 8B Llama shape (abstract weights, bf16) on model=4 chips of 16 GiB: a call that fits the
+    four chips' sum, evenly split, is refused per chip in one line that names --mesh."""
+    config = LlamaConfig(128256, 4096, 14336, 32, 32, 8, max_position_embeddings=8192)
+    shapes = jax.eval_shape(lambda: llama.init_params(config, jax.random.key(0), jnp.bfloat16))
+    model = asps_jax.Model("llama-8b-shape", "", config, shapes)
+    mesh = AbstractMesh((1, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    monkeypatch.setattr(asps_jax.plan, "_device_memory_bytes", lambda mesh: 16 << 30)
+    shape = dict(prompt_len=512, max_new_tokens=512, num_draft_tokens=1, num_drafts=1)
+    weights = asps_jax.plan.weights(mesh, model)
+    norms = 2 * (2 * 32 * 4096 + 4096)  # bf16 norm scales: whole on every chip
+    assert weights == (footprint.weight_bytes(model) - norms) // 4 + norms  # 3.7 of 15 GiB
+    parts = asps_jax.plan.check_memory(model, None, batch=32, method="ar", mesh=mesh, **shape)
+    assert sum(parts.values()) + weights < 16 << 30
+    one_device = footprint.estimate(config, None, method="ar", batch=64, target_itemsize=2, **shape)
+    even = (sum(one_device.values()) + footprint.weight_bytes(model)) / 4
+    assert even < 16 << 30  # the even split of the one-device total would let it through
+    with pytest.raises(ValueError, match="per chip on mesh data=1,model=4") as err:
+        asps_jax.plan.check_memory(model, None, batch=64, method="ar", mesh=mesh, **shape)
+    message = str(err.value)
+    assert (
+        "\n" not in message and "(mesh, --mesh)" in message and "one chip has 16.0 GiB" in message
+    )
 
 
 # --- rules ------------------------------------------------------------------------------------

@@ -107,10 +107,9 @@ class PromptRun:
             key=jax.random.key(args.seed),
             max_new_tokens=self.budgets,
             batch_size=self.slots,
+            mesh=mesh,
             **sampling_kwargs(args),
         )
-        if mesh is not None:
-            raise ValueError("--prompts: continuous batching runs on one device; drop --mesh")
         try:
             self.session = Session(target, draft, encoded, **kwargs)
         except ValueError as err:

@@ -194,11 +194,6 @@ def resolve(
     from asps_jax.models.vocab import align_vocabularies, check_compatible
 
     model = draft_model(target, draft)
-    if mesh is not None and any(quant.is_quantized(m.params) for m in (target, model) if m):
-        raise ValueError(
-            "quantize: quantized weights do not run on a mesh yet (their scales have no "
-            "sharding rule); pass mesh=None or float weights"
-        )
     context = target.config.max_position_embeddings
     ngram, cap, tau = _options(draft, uses_draft, context, lookup_ngram, lookup_max, draft_stop)
     if tau is not None and widths:

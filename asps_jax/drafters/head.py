@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import weakref
 from pathlib import Path
 
@@ -52,6 +51,7 @@ import numpy as np
 
 from asps_jax import footprint, kv_cache, scoring
 from asps_jax.drafters import head_checks
+from asps_jax.drafters import head_axes
 from asps_jax.drafters.base import Drafter, Proposal
 from asps_jax.drafters.model import rollout_proposal
 from asps_jax.models import loader
@@ -274,7 +274,7 @@ def target_logits(params: dict, logits_BTD, vocab_size: int) -> jax.Array:
 
 
 # The family the models' helpers look up (``models.base.family_for_config``): no run layout.
-HeadConfig.FAMILY = types.SimpleNamespace(forward=forward)
+HeadConfig.FAMILY = head_axes.family(forward, param_shapes)
 
 
 # --- The drafter ------------------------------------------------------------------------------
@@ -639,8 +639,6 @@ def head_for(target, spec: str) -> Head:
 
 def drafter(head: Head, target, *, mesh=None, confidence_stop: bool = False) -> EagleHead:
     """The drafter of a loaded head, checked against ``target``."""
-    if mesh is not None:
-        raise ValueError(f"draft={head.name!r}: a learned head does not run on a mesh yet")
     if confidence_stop:
         raise ValueError("draft_stop: the confidence stop is an option of a draft model's rollout")
     check_matches(head.config, target, f"draft={head.name!r}")

@@ -53,6 +53,12 @@ class SelfDraft(Model):
     the target's cut to ``num_layers`` layers and whose params are views of the target's."""
 
     num_layers: int = 0
+    source: weakref.ref | None = None  # the target (weak: the target keys its drafts)
+
+    def view_of_placed(self, place):
+        """Its parameters on a mesh: the target's as ``place(target)`` placed them, cut to the
+        first layers the same way (:func:`asps_jax.sharding.place_model_params`)."""
+        return truncate_params(place(self.source()), self.num_layers)
 
 
 def parse_layers(spec: str, num_layers: int) -> int:
@@ -115,6 +121,7 @@ def self_draft(target: Model, spec: str) -> SelfDraft:
             params=prepare_params(config, truncate_params(target.params, layers)),
             tokenizer=target.tokenizer,
             num_layers=layers,
+            source=weakref.ref(target),
         )
     return per_target[layers]
 
@@ -129,8 +136,6 @@ def can_share_cache(config) -> bool:
 def drafter(model: SelfDraft, *, mesh=None, confidence_stop: bool = False):
     """The drafter of a self-draft: :class:`SharedLayers` when its layers can read the target's
     cache, else a :class:`~asps_jax.drafters.model.ModelDraft` of its own cache."""
-    if mesh is not None:
-        raise ValueError("draft='self:L' does not run on a mesh yet; pass mesh=None")
     if not can_share_cache(model.config):
         return ModelDraft(model.config, confidence_stop=confidence_stop)
     if confidence_stop:
