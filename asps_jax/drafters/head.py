@@ -50,8 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax import footprint, kv_cache, scoring
-from asps_jax.drafters import head_checks
-from asps_jax.drafters import head_axes
+from asps_jax.drafters import head_axes, head_checks
 from asps_jax.drafters.base import Drafter, Proposal
 from asps_jax.drafters.model import rollout_proposal
 from asps_jax.models import loader
