@@ -192,13 +192,17 @@ def run_params(model, params=None, *, wide: bool = False):
     The stored layout stays what checkpoints, sharding rules and ``param_shapes`` describe; this
     is the copy the decoding loop runs on (e.g. Llama's per-layer weights, ``llama.py``).
     ``wide``: the copy for calls of two or more rows per forward (a target scoring a chain or a
-    tree, a batch); one model used both ways holds both copies.
+    tree, a batch); one model used both ways holds both copies. Abstract parameters
+    (``jax.ShapeDtypeStruct``, to lower a call without weights: ``scripts/bench_tpu.py``) give
+    the run layout's shapes.
     """
     params = model.params if params is None else params
     per_model = _RUN_PARAMS.setdefault(model, {})
     cached = per_model.get(wide)
     if cached is None or cached[0] is not params:
-        cached = (params, prepare_params(model.config, params, wide))
+        prepare = functools.partial(prepare_params, model.config, wide=wide)
+        abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params))
+        cached = (params, jax.eval_shape(prepare, params) if abstract else prepare(params))
         per_model[wide] = cached
     return cached[1]
 
