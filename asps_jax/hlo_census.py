@@ -10,7 +10,8 @@ larger branch of a ``conditional``; a ``call``) is charged the bytes it reads pl
 where
 
 * a fusion operand that the fused computation only slices (``slice``, ``dynamic-slice``,
-  ``gather``) is charged the slices, not the operand;
+  ``gather``) is charged the slices, not the operand, and so is an async ``slice-start`` (a
+  TPU's prefetch of a weight's slice into VMEM);
 * an in-place update (a ``dynamic-update-slice`` or ``scatter`` at the root of a fusion, or
   alone) is charged the update, not the buffer it updates;
 * an array in an on-chip memory space (a TPU layout's ``S(n)``, n > 0: VMEM, SMEM) costs nothing,
@@ -199,11 +200,15 @@ def _bytes(comps: dict, comp: dict[str, Instr], ins: Instr) -> float:
         return 2 * shape_bytes(update.shape, True) if update else 0.0
     if op in SLICING_OPS:
         return 2 * shape_bytes(ins.shape, True)
+    if op.endswith("-start"):  # ((operands), result, context...): the result is the 2nd array
+        arrays = ["".join((a[0], f"[{a[1]}]", a[2])) for a in _ARRAY.findall(ins.shape)]
+        result = arrays[1] if ins.shape.startswith("(") and len(arrays) > 1 else arrays[0]
+        if op in ("slice-start", "dynamic-slice-start"):  # reads only the slice
+            return shape_bytes(result) + shape_bytes(result, True)
+    else:
+        result = ins.shape
     read = sum(shape_bytes(comp[o].shape, True) for o in ins.operands if o in comp)
-    if op.endswith("-start"):  # (operand, result, context...): the result is the second array
-        arrays = _ARRAY.findall(ins.shape)
-        return read + (shape_bytes("".join(f"{a[0]}[{a[1]}]{a[2]}" for a in arrays[1:2]), True))
-    return read + shape_bytes(ins.shape, True)
+    return read + shape_bytes(result, True)
 
 
 @dataclasses.dataclass

@@ -7,7 +7,9 @@
 Text streams to stdout as it is produced (row 0 of the batch), never splitting a character; the
 statistics block follows. Compiled programs are cached on disk (asps_jax.compile_cache), so a
 second run with the same shapes starts in seconds. Errors in the arguments or the environment exit
-with a one-line explanation; third-party notices that do not apply here are silenced.
+with a one-line explanation; third-party notices that do not apply here are silenced. With
+JAX_PLATFORMS unset on a machine without an accelerator, JAX starts the CPU backend alone (an
+installed libtpu, e.g. for scripts/bench_tpu.py, is not started where there is no TPU).
 
 Several processes (multi-host: one process per host of a TPU pod slice, or several CPU
 processes) run the same command with the same prompts and seed, each with ``--distributed`` (JAX
@@ -131,6 +133,19 @@ def silence_notices() -> None:
             logger.addFilter(_DropNotices(prefixes))
 
 
+def _choose_platforms() -> None:
+    """JAX_PLATFORMS unset on a machine without an accelerator: the CPU alone
+    (``asps_jax.platform.default_platforms``), so that an installed libtpu is not started (and
+    does not fill stderr with its warnings) where there is no TPU. Before JAX starts a backend."""
+    from asps_jax import platform
+
+    chosen = platform.default_platforms()
+    if chosen is not None:
+        import jax
+
+        jax.config.update("jax_platforms", chosen)
+
+
 def main(argv=None) -> int:
     """Run the command; returns the exit status. Ctrl-C is recorded from the first instruction to
     the last and acted on at the next boundary (exit status 130)."""
@@ -147,6 +162,7 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     silence_notices()
+    _choose_platforms()
     _stop_if_interrupted("starting")
     from asps_jax.cli.args import build_parser, check
 
