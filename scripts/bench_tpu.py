@@ -109,15 +109,19 @@ def abstract_model(name: str, dtype: str) -> base.Model:
         arch = {"max_position_embeddings": 4096, **card["architecture"]}
         family = base.family_for_type(arch["model_type"])
         config = family.config_from_hf(arch)
-    dt = np.dtype(DTYPES[dtype]) if dtype != "bf16" else jax.numpy.bfloat16
+    params = abstract_params(config, dtype)
+    return base.Model(name=name, path=str(path), config=config, params=params, tokenizer=tokenizer)
+
+
+def abstract_params(config, dtype: str = "bf16"):
+    """A model's stored parameters (``param_shapes``) as ``ShapeDtypeStruct`` in ``dtype``."""
+    dt = jax.numpy.dtype(DTYPES[dtype])
 
     def is_leaf(x):
         return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
 
-    params = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s[0], dt), family.param_shapes(config), is_leaf=is_leaf
-    )
-    return base.Model(name=name, path=str(path), config=config, params=params, tokenizer=tokenizer)
+    shapes = base.family_for_config(config).param_shapes(config)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s[0], dt), shapes, is_leaf=is_leaf)
 
 
 def _with(shapes, shardings):
@@ -135,7 +139,9 @@ def _run_shardings(model, mesh, wide: bool):
     return fn.lower(_with(model.params, stored)).compile().output_shardings
 
 
-def abstract_call(target, draft, args, kwargs, devices, mesh):
+def abstract_call(
+    target, draft, kwargs, devices, mesh, *, rows, prompt_tokens, max_new_tokens, n=1
+):
     """The static decoder and its step's abstract arguments (parameters, sampling, the state
     after ``prefill``) with their shardings on the topology's chips.
 
@@ -144,14 +150,13 @@ def abstract_call(target, draft, args, kwargs, devices, mesh):
     topology's mesh and every input the layout a placed call gives it (parameters: the shardings
     XLA gives their run-layout copy; rows along ``data``; the state by ``state_shardings``)."""
     rng = np.random.default_rng(0)
-    rows = args.batch_size
     data = dict(mesh.shape).get("data", 1) if mesh is not None else 1
     if rows % data:
         raise ValueError(f"--batch-size {rows} does not split over data={data}")
-    prompts = rng.integers(1, target.vocab_size, (rows, args.prompt_tokens)).tolist()
+    prompts = rng.integers(1, target.vocab_size, (rows, prompt_tokens)).tolist()
     call = sampler.prepare(
-        target, draft, prompts, key=jax.random.key(0), max_new_tokens=args.max_new_tokens,
-        n=args.n, **kwargs,
+        target, draft, prompts, key=jax.random.key(0), max_new_tokens=max_new_tokens, n=n,
+        **kwargs,
     )  # fmt: skip
     inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), call.inputs)
     decoder = call.decoder
@@ -171,9 +176,7 @@ def abstract_call(target, draft, args, kwargs, devices, mesh):
     dps = None
     if inputs.draft_params is not None:
         if not isinstance(draft, base.Model):
-            raise ValueError(
-                f"--draft {args.draft}: this bench places only a draft model on a mesh"
-            )
+            raise ValueError(f"--draft {draft}: this bench places only a draft model on a mesh")
         dps = _run_shardings(draft, mesh, wide["draft_params"])
     shardings = (tp, dps, placed.sampling, sharding.state_shardings(state, mesh))
     return decoder, _with(step_args, shardings)
@@ -191,16 +194,24 @@ def weight_bytes(params, shardings=None) -> float:
     return float(total)
 
 
+def compile_step(decoder, step_args, options=None):
+    """``(compiled Decoder.step, compile CPU-seconds)`` for the devices ``step_args`` are on."""
+    lowered = decode.spec_step.lower(decoder, *step_args)
+    cpu = time.process_time()
+    compiled = lowered.compile(options) if options else lowered.compile()
+    return compiled, time.process_time() - cpu
+
+
 def compile_program(name, decoder, step_args, hbm_bytes, hlo_dir=None) -> dict:
     """Lower and compile ``Decoder.step`` for the topology; the row of figures."""
     row = {"program": name, "decoder": decoder.spec.name}
-    cpu, wall = time.process_time(), time.perf_counter()
+    wall = time.perf_counter()
     try:
-        compiled = decode.spec_step.lower(decoder, *step_args).compile()
+        compiled, cpu_s = compile_step(decoder, step_args)
     except Exception as err:  # noqa: BLE001 - the figure is "does not compile", and why
         row.update(compiles=False, error=" ".join(str(err).split())[:300])
         return row
-    row.update(compile_cpu_s=time.process_time() - cpu, compile_wall_s=time.perf_counter() - wall)
+    row.update(compile_cpu_s=cpu_s, compile_wall_s=time.perf_counter() - wall)
     text = compiled.as_text()
     if hlo_dir:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)
@@ -272,8 +283,10 @@ def run(args, parser) -> list[dict]:
         call = kwargs if program == "step" else {**kwargs, **_ar(kwargs)}
         try:
             decoder, step_args = abstract_call(
-                target, None if program == "ar" else draft, args, call, devices, mesh
-            )
+                target, None if program == "ar" else draft, call, devices, mesh,
+                rows=args.batch_size, prompt_tokens=args.prompt_tokens,
+                max_new_tokens=args.max_new_tokens, n=args.n,
+            )  # fmt: skip
         except ValueError as err:
             rows.append(dict(program=program, compiles=False, error=" ".join(str(err).split())))
         else:
