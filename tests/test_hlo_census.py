@@ -1,6 +1,8 @@
 """asps_jax/hlo_census.py on a hand-written optimized-HLO module (the figures by hand, below), and
 asps_jax/platform.py: the platform a call runs on, and the CLI's choice of JAX backends."""
 
+# ruff: noqa: E501  (HLO lines are as long as XLA prints them)
+
 from __future__ import annotations
 
 import jax
