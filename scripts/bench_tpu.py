@@ -267,13 +267,13 @@ def topology_devices(name: str):
 
 
 def run(args, parser) -> list[dict]:
-    devices = topology_devices(args.topology)
-    hbm = HBM_GIB.get(args.topology.split(":")[0], 16) * GIB
-    mesh = None if args.mesh is None else sharding.make_mesh(args.mesh, devices)
     target = abstract_model(args.target, args.dtype)
     draft = args.draft
     if args.method != "ar" and not draft.startswith(DRAFTERS):
         draft = abstract_model(args.draft, args.dtype)
+    devices = topology_devices(args.topology)
+    hbm = HBM_GIB.get(args.topology.split(":")[0], 16) * GIB
+    mesh = None if args.mesh is None else sharding.make_mesh(args.mesh, devices)
     kwargs = sampling_kwargs(args)
     where = f"{args.topology}" + (f" mesh {args.mesh}" if args.mesh else " one chip")
     print(f"# {args.target} ({args.dtype}) on {where}; batch {args.batch_size}, prompt "

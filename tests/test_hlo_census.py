@@ -5,6 +5,11 @@ asps_jax/platform.py: the platform a call runs on, and the CLI's choice of JAX b
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
+from pathlib import Path
+
 import jax
 import pytest
 from jax.sharding import NamedSharding
@@ -142,3 +147,30 @@ def test_the_cli_starts_the_cpu_alone_where_there_is_no_accelerator(monkeypatch)
     assert platform.default_platforms() == "cpu"
     monkeypatch.setattr(platform, "_tpu_chips", lambda: 4)
     assert platform.default_platforms() is None
+
+
+@pytest.fixture
+def bench_tpu(monkeypatch):
+    """``scripts/bench_tpu.py`` as a module, its environment and path undone after the test."""
+    for name in ("TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD", "ASPS_JAX_NO_CACHE"):
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    monkeypatch.delitem(sys.modules, "bench_tpu", raising=False)
+    return importlib.import_module("bench_tpu")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--programs", "step,loop"], "--programs: unknown program 'loop'"),
+        (["--target", "no-such-model"], "--target/--draft 'no-such-model': no model card"),
+        (["--quantize", "int8"], "--prompts, --quantize and --draft-quantize are not compiled"),
+    ],
+)
+def test_bench_tpu_refuses_bad_input_in_one_line(bench_tpu, capsys, argv, message):
+    try:
+        status = bench_tpu.main(argv)
+    except SystemExit as stop:
+        status = stop.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err and err.count("\n") == 1, err

@@ -139,3 +139,9 @@ def test_a_small_llama_step_on_model_2_stays_within_its_bounds(bench):
 
 def _dims(shape: str) -> list[int]:
     return [int(d) for d in shape[shape.index("[") + 1 : -1].split(",") if d]
+
+
+def test_a_topology_libtpu_refuses_is_a_one_line_error(bench, capsys):
+    assert bench[0].main(["--method", "ar", "--topology", "v5e:1x1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bench_tpu.py: error: --topology v5e:1x1: ") and err.count("\n") == 1
