@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from asps_jax import platform
+from asps_jax import platforms
 
 # Logical axis names of the cache arrays (for mesh sharding rules). Heads before slots: attention
 # reads each (row, head) as one contiguous [S, H] matrix, so the forward never transposes (copies)
@@ -124,12 +124,12 @@ def row_loop_for(mesh, *arrays) -> bool | None:
     H200 a 7B step grew by about 0.9 ms per row with the loop, 2 caches x 32 layers x B
     iterations: docs/benchmarks.md, the accelerator benchmark).
 
-    The platform is the one the call runs on (:func:`asps_jax.platform.of` of ``mesh`` and
+    The platform is the one the call runs on (:func:`asps_jax.platforms.of` of ``mesh`` and
     ``arrays``, e.g. the decode state or the parameters being traced), not the host process's
     default: a TPU program compiled from a CPU process has no row loop."""
     if mesh is not None:
         return False
-    return None if platform.of(None, *arrays) == "cpu" else False
+    return None if platforms.of(None, *arrays) == "cpu" else False
 
 
 def commit(

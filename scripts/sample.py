@@ -135,11 +135,11 @@ def silence_notices() -> None:
 
 def _choose_platforms() -> None:
     """JAX_PLATFORMS unset on a machine without an accelerator: the CPU alone
-    (``asps_jax.platform.default_platforms``), so that an installed libtpu is not started (and
+    (``asps_jax.platforms.default_platforms``), so that an installed libtpu is not started (and
     does not fill stderr with its warnings) where there is no TPU. Before JAX starts a backend."""
-    from asps_jax import platform
+    from asps_jax import platforms
 
-    chosen = platform.default_platforms()
+    chosen = platforms.default_platforms()
     if chosen is not None:
         import jax
 

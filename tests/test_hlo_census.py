@@ -1,5 +1,5 @@
 """asps_jax/hlo_census.py on a hand-written optimized-HLO module (the figures by hand, below), and
-asps_jax/platform.py: the platform a call runs on, and the CLI's choice of JAX backends."""
+asps_jax/platforms.py: the platform a call runs on, and the CLI's choice of JAX backends."""
 
 # ruff: noqa: E501  (HLO lines are as long as XLA prints them)
 
@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from asps_jax import hlo_census, kv_cache, platform
+from asps_jax import hlo_census, kv_cache, platforms
 
 # A loop of 4 trips (its count only in the condition: i < 4 from i = 0) whose body prefetches a
 # 64x128 bf16 slice of a 4x64x128 weight (slice-start: 16 KiB read from HBM into VMEM, S(1)),
@@ -123,30 +123,30 @@ def test_census_refuses_text_without_an_entry():
 
 
 def test_the_platform_is_the_devices_not_the_host(monkeypatch):
-    """``platform.of``: the mesh's devices, else the arrays' (placed, abstract, or traced with a
+    """``platforms.of``: the mesh's devices, else the arrays' (placed, abstract, or traced with a
     NamedSharding), else the default backend; ``row_loop_for`` follows it."""
     cpu = jax.devices("cpu")[0]
     mesh = jax.sharding.Mesh([cpu], ("model",))
     placed = jax.device_put(1.0, NamedSharding(mesh, P()))
-    assert platform.of(mesh) == platform.of(None, placed) == platform.of() == "cpu"
+    assert platforms.of(mesh) == platforms.of(None, placed) == platforms.of() == "cpu"
     seen = []
-    jax.jit(lambda x: seen.append(platform.of(None, x)) or x).lower(placed)
+    jax.jit(lambda x: seen.append(platforms.of(None, x)) or x).lower(placed)
     assert seen == ["cpu"] and kv_cache.row_loop_for(None, placed) is None
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # a host whose default is a TPU
-    assert platform.of(None, placed) == "cpu" and kv_cache.row_loop_for(None, placed) is None
+    assert platforms.of(None, placed) == "cpu" and kv_cache.row_loop_for(None, placed) is None
     assert kv_cache.row_loop_for(None) is False and kv_cache.row_loop_for(mesh, placed) is False
 
 
 def test_the_cli_starts_the_cpu_alone_where_there_is_no_accelerator(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "")
-    assert platform.default_platforms() is None  # the user's choice, even an empty one
+    assert platforms.default_platforms() is None  # the user's choice, even an empty one
     monkeypatch.delenv("JAX_PLATFORMS")
-    monkeypatch.setattr(platform, "_tpu_chips", lambda: 0)
-    monkeypatch.setattr(platform.glob, "glob", lambda pattern: [])
-    monkeypatch.setattr(platform.os.path, "exists", lambda path: False)
-    assert platform.default_platforms() == "cpu"
-    monkeypatch.setattr(platform, "_tpu_chips", lambda: 4)
-    assert platform.default_platforms() is None
+    monkeypatch.setattr(platforms, "_tpu_chips", lambda: 0)
+    monkeypatch.setattr(platforms.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(platforms.os.path, "exists", lambda path: False)
+    assert platforms.default_platforms() == "cpu"
+    monkeypatch.setattr(platforms, "_tpu_chips", lambda: 4)
+    assert platforms.default_platforms() is None
 
 
 @pytest.fixture

@@ -251,11 +251,11 @@ def quantize_model(model, spec):
     if not isinstance(model, Model):
         raise ValueError(f"quantize: expected a Model, got {type(model).__name__}")
     scheme = parse(spec)
-    return dataclasses.replace(
-        model,
-        name=f"{model.name}[{scheme.name}]",
-        params=quantize_params(model.config, model.params, scheme),
-    )
+    quantize = functools.partial(quantize_params, model.config, spec=scheme)
+    # Abstract parameters (ShapeDtypeStruct, scripts/bench_tpu.py) give the quantized shapes.
+    abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(model.params))
+    params = jax.eval_shape(quantize, model.params) if abstract else quantize(model.params)
+    return dataclasses.replace(model, name=f"{model.name}[{scheme.name}]", params=params)
 
 
 # One quantized copy per (target, scheme) while the target lives (its params do not change: a

@@ -6,6 +6,9 @@ KV-cache commit's row loop, ``kv_cache.row_loop_for``) read :func:`of`.
 
 And :func:`default_platforms`: which JAX backends a command line should start where the user chose
 none (``JAX_PLATFORMS`` unset).
+
+(Not ``platform.py``: ``dfa_worker.py`` runs as a script from this folder, where such a file would
+shadow the standard library's ``platform`` module.)
 """
 
 from __future__ import annotations
