@@ -268,8 +268,8 @@ def topology_devices(name: str):
 
 def run(args, parser) -> list[dict]:
     target = abstract_model(args.target, args.dtype)
-    draft = args.draft
-    if args.method != "ar" and not draft.startswith(DRAFTERS):
+    draft = None if args.method == "ar" else args.draft
+    if draft is not None and not draft.startswith(DRAFTERS):
         draft = abstract_model(args.draft, args.dtype)
     devices = topology_devices(args.topology)
     hbm = HBM_GIB.get(args.topology.split(":")[0], 16) * GIB
