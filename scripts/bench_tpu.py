@@ -23,6 +23,11 @@ belong in an accelerator program); the per-chip peak memory of the compiled prog
 (``memory_analysis()``: arguments + outputs + temporaries - aliased) against the chip's HBM; the
 optimized HLO's size (lines, fusions); and the compile's CPU-seconds.
 
+Drafters: a draft model's card, ``lookup`` and ``quant:`` (its shapes from the abstract
+weights) lower; ``self:L`` and ``eagle3:`` read the weights' values and do not (a one-line "does
+not compile"; ``tests/test_tpu.py`` compiles them from the bundled weights). On a mesh only a draft
+model is placed.
+
 The figures are compiler estimates for a TPU nobody ran here: they compare programs (before and
 after a change) and bound them in tests; step times need a TPU.
 """
