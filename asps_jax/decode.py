@@ -540,9 +540,8 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
         num_B = (active_B & ~failed_B).astype(jnp.int32)
     with jax.named_scope("commit"):
         nodes_B1 = jnp.zeros((batch, 1), jnp.int32)
-        t_cache = kv_cache.commit(
-            state.target_cache, new_kv, nodes_B1, num_B, row_loop=kv_cache.row_loop_for(dec.mesh)
-        )
+        t_cache, row_loop = state.target_cache, kv_cache.row_loop_for(dec.mesh, state)
+        t_cache = kv_cache.commit(t_cache, new_kv, nodes_B1, num_B, row_loop=row_loop)
         num_B, hit = _first_eos_length(next_B[:, None], num_B, sampling.eos_ids)
         num_B, ended_B = constraints.dead_slots(sampling, state.history, next_B[:, None], num_B)
         # One token: a stop string it completes is kept with it (num stays).
@@ -664,7 +663,7 @@ def _commit(
     draft tokens) into the target cache, and the drafter's state after it (``Drafter.commit``:
     replica ``chain_B`` drew the accepted path; ``Drafter.take``: the path's target features and
     the emitted tokens ``tokens_BT``, for a drafter that reads features)."""
-    row_loop = kv_cache.row_loop_for(dec.mesh)
+    row_loop = kv_cache.row_loop_for(dec.mesh, state)
     new_kv, features_BNF = new_kv if isinstance(new_kv, tuple) else (new_kv, None)
     t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=row_loop)
     draft = dec.drafter.commit(dec, state.draft, drafts.state, chain_B, num_B)

@@ -19,7 +19,10 @@ probability is within ``3 max(1, V w_i / sum(w)) 2^-BITS`` of ``w_i / sum(w)`` (
 40 nats below the top of a small vocabulary is drawn with relative error below ``2^-40``, and a
 token of weight 0 is never drawn. One pass over V (no sort, no V-sized random bits);
 :func:`categorical_table` and :func:`index_from_digits` are the pure
-bits -> token map the tests enumerate.
+bits -> token map the tests enumerate. A draw runs the same map without the table
+(:func:`weight_blocks`, :func:`index_from_blocks`): block totals summed from digits made on the
+fly, and the digits of the one block the search enters, so it holds 4 bytes per vocabulary entry
+(the scaled weights) instead of 24, and a vocabulary split over chips exchanges block totals.
 
 The scale ``2^-e`` changes only where ``sum(w)`` crosses ``4/3 * 2^k``, never near the sum 1 of a
 normalised law or of the verifiers' (K+1)-way choice. Between those points the map from random
@@ -53,15 +56,25 @@ def _pow2(exponent: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.left_shift(biased, 23), jnp.float32)
 
 
-def _digits(weights_V: jax.Array) -> jax.Array:
-    """``int32[NUM_DIGITS, V]``: base-2^20 digits (most significant first) of
-    ``W_i = floor(w_i 2^(BITS - e))``, ``2^e`` a power of two with ``sum(w) <= 2^(e-1)``."""
+def _scaled(weights_V: jax.Array) -> jax.Array:
+    """float32 ``w_i 2^(DIGIT_BITS - e)`` (exact), ``2^e`` a power of two with ``sum(w) <=
+    2^(e-1)``: the weights on the scale of their leading digit; non-finite or negative as 0."""
     w = jnp.asarray(weights_V, jnp.float32)
     w = jnp.where(jnp.isfinite(w) & (w > 0), w, 0.0)
     # 3 sum / 4 < 2^e, so T = sum(W) < 2^BITS * 2 / 3 (room for rounding) and T >= 2^BITS / 3.
     # The scale changes where sum = 4/3 * 2^k, far from the sum 1 of a normalised law.
     _, exponent = jnp.frexp(jnp.sum(w) * 0.75)
-    x = w * _pow2(DIGIT_BITS - exponent.astype(jnp.int32) - 1)
+    return w * _pow2(DIGIT_BITS - exponent.astype(jnp.int32) - 1)
+
+
+def _digits(weights_V: jax.Array) -> jax.Array:
+    """``int32[NUM_DIGITS, V]``: base-2^20 digits (most significant first) of
+    ``W_i = floor(w_i 2^(BITS - e))``, ``2^e`` a power of two with ``sum(w) <= 2^(e-1)``."""
+    return _split(_scaled(weights_V))
+
+
+def _split(x: jax.Array) -> jax.Array:
+    """``int32[NUM_DIGITS, ...]``: the base-2^20 digits of ``floor(x 2^(BITS - DIGIT_BITS))``."""
     out = []
     for _ in range(NUM_DIGITS):
         digit = jnp.floor(x)  # x - floor(x) and the power-of-two scaling are exact in float32
@@ -126,9 +139,50 @@ def uniform_digits(key: jax.Array) -> jax.Array:
     return jnp.right_shift(bits, 32 - DIGIT_BITS).astype(jnp.int32)
 
 
+def block_width(vocab: int) -> int:
+    """Tokens per block of :func:`_draw_one`'s search: the widest ``w <= BLOCK`` that splits the
+    vocabulary into blocks evenly over 8 shards (``8 w`` divides ``V``: Llama-3's 128256 -> 96,
+    Llama-2's 32000 -> 125), so that on a vocabulary-sharded mesh each chip sums its own blocks;
+    else ``min(BLOCK, V)``. The token drawn does not depend on it (module docstring)."""
+    for w in range(min(BLOCK, vocab), 0, -1):
+        if vocab % (8 * w) == 0 and vocab // w <= MAX_VOCAB // BLOCK:
+            return w
+    return min(BLOCK, vocab)
+
+
+def weight_blocks(weights_V: jax.Array):
+    """``(x [nb, width], block_cum [NUM_DIGITS, nb])``: the scaled weights (:func:`_scaled`) in
+    blocks of :func:`block_width` tokens (zero-padded) and the canonical digits of the inclusive
+    cumulative sums of the block totals, each total a sum of the digits of its block's weights
+    made as they are summed: :func:`categorical_table` without its per-token digits."""
+    x = _scaled(weights_V)
+    vocab = x.shape[-1]
+    if vocab > MAX_VOCAB:
+        raise ValueError(f"draws: vocabulary V={vocab} is larger than {MAX_VOCAB}")
+    width = block_width(vocab)
+    num_blocks = -(-vocab // width)
+    x_NW = jnp.pad(x, (0, num_blocks * width - vocab)).reshape(num_blocks, width)
+    return x_NW, _canonical(jnp.cumsum(_canonical(jnp.sum(_split(x_NW), axis=-1)), axis=-1))
+
+
+def index_from_blocks(blocks, r_D: jax.Array) -> jax.Array:
+    """:func:`index_from_digits` on :func:`weight_blocks`: the same token for every ``R`` (the
+    cumulative sums are the table's; ``block_width`` only regroups them). The chosen block's
+    weights are picked by a masked sum over the blocks (exact: one term is not 0) and only its
+    digits are made, so on a mesh that splits the vocabulary the chips exchange block totals and
+    one block's weights, never a table."""
+    x_NW, block_cum = blocks
+    block = jnp.sum(_less_equal(block_cum, r_D[:, None], strict=False), dtype=jnp.int32)
+    before = jnp.where(block > 0, block_cum[:, jnp.maximum(block - 1, 0)], 0)
+    row_W = jnp.sum(jnp.where(jnp.arange(x_NW.shape[0])[:, None] == block, x_NW, 0.0), axis=0)
+    local = _canonical(jnp.cumsum(_split(row_W), axis=-1) + before[:, None])
+    inside = jnp.sum(_less_equal(local, r_D[:, None], strict=False), dtype=jnp.int32)
+    return block * x_NW.shape[1] + inside
+
+
 def _draw_one(key: jax.Array, weights_V: jax.Array) -> jax.Array:
-    table = categorical_table(weights_V)
-    total = table[1][:, -1]
+    blocks = weight_blocks(weights_V)
+    total = blocks[1][:, -1]
     has_mass = jnp.any(total > 0)
 
     def redraw(state):
@@ -139,7 +193,7 @@ def _draw_one(key: jax.Array, weights_V: jax.Array) -> jax.Array:
         return has_mass & ~_less_equal(state[1], total, strict=True)
 
     _, r = jax.lax.while_loop(rejected, redraw, (0, uniform_digits(jax.random.fold_in(key, 0))))
-    return jnp.where(has_mass, index_from_digits(table, r), 0).astype(jnp.int32)
+    return jnp.where(has_mass, index_from_blocks(blocks, r), 0).astype(jnp.int32)
 
 
 def draw_from_weights(key: jax.Array, weights: jax.Array) -> jax.Array:

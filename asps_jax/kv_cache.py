@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from asps_jax import platforms
+
 # Logical axis names of the cache arrays (for mesh sharding rules). Heads before slots: attention
 # reads each (row, head) as one contiguous [S, H] matrix, so the forward never transposes (copies)
 # the cache, and the commit can update it in place inside the decode loop.
@@ -118,13 +120,19 @@ def per_layer_params(params) -> bool:
     return isinstance(params, dict) and isinstance(params.get("layers"), (tuple, list))
 
 
-def row_loop_for(mesh) -> bool | None:
+def row_loop_for(mesh, *arrays) -> bool | None:
     """:func:`commit`'s ``row_loop`` for a decoding loop: its own choice (None) on one CPU device;
     the batch scatter (False) on a mesh, where a loop over rows would gather the split batch axis,
     and on an accelerator, which scatters in place and pays for each iteration of a loop (on an
     H200 a 7B step grew by about 0.9 ms per row with the loop, 2 caches x 32 layers x B
-    iterations: docs/benchmarks.md, the accelerator benchmark)."""
-    return None if mesh is None and jax.default_backend() == "cpu" else False
+    iterations: docs/benchmarks.md, the accelerator benchmark).
+
+    The platform is the one the call runs on (:func:`asps_jax.platforms.of` of ``mesh`` and
+    ``arrays``, e.g. the decode state or the parameters being traced), not the host process's
+    default: a TPU program compiled from a CPU process has no row loop."""
+    if mesh is not None:
+        return False
+    return None if platforms.of(None, *arrays) == "cpu" else False
 
 
 def commit(

@@ -41,7 +41,15 @@ _RNG = np.random.default_rng(9)
 LONG_LOGITS = np.concatenate([_RNG.normal(0, 3, 291), FAR_LOGITS]).astype(np.float32)
 
 
-@pytest.mark.parametrize("logits", [FAR_LOGITS, LONG_LOGITS], ids=["one_block", "three_blocks"])
+# 320 tokens: a draw's blocks are 40 wide (block_width), the table's 128.
+BLOCKS_LOGITS = np.concatenate([_RNG.normal(0, 3, 311), FAR_LOGITS]).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "logits",
+    [FAR_LOGITS, LONG_LOGITS, BLOCKS_LOGITS],
+    ids=["one_block", "three_blocks", "other_blocks"],
+)
 def test_far_tail_token_measure_is_its_probability(logits):
     """Deterministic proof on exact rationals: the R values mapping to token y are exactly
     [cum_{y-1}, cum_y), so after rejection of R >= T its law is W_y / T; for tokens 25..40 nats
@@ -52,12 +60,16 @@ def test_far_tail_token_measure_is_its_probability(logits):
     digits, block_cum = (np.asarray(a) for a in table)
     vocab = len(logits)
     assert digits.shape[1:] == ((1, vocab) if vocab <= draws.BLOCK else (3, draws.BLOCK))
+    assert draws.block_width(vocab) == {9: 9, 300: 128, 320: 40}[vocab]
     int_w = [_int(digits[:, i // digits.shape[2], i % digits.shape[2]]) for i in range(vocab)]
     total = _int(block_cum[:, -1])
     assert total == sum(int_w) and 0 < total < 1 << draws.BITS
     exact_w = [Fraction(float(w)) for w in np.asarray(weights)]
     exact_total = sum(exact_w)
     index = jax.jit(draws.index_from_digits)
+    blocks = jax.jit(draws.weight_blocks)(weights)  # what a draw runs: no table, other blocks
+    by_blocks = jax.jit(draws.index_from_blocks)
+    assert _int(blocks[1][:, -1]) == total
     cum = 0
     for y in range(vocab):
         law = Fraction(int_w[y], total)
@@ -66,10 +78,11 @@ def test_far_tail_token_measure_is_its_probability(logits):
         if y - (vocab - len(FAR_LOGITS)) in FAR_TOKENS:
             assert law > 0 and abs(law / target - 1) < Fraction(1, 1 << 40), (y, float(law))
         if int_w[y]:  # the first and the last R of the interval map to y, the next R does not
-            assert int(index(table, _to_digits(cum))) == y
-            assert int(index(table, _to_digits(cum + int_w[y] - 1))) == y
-            if cum + int_w[y] < total:
-                assert int(index(table, _to_digits(cum + int_w[y]))) != y
+            for f, t in ((index, table), (by_blocks, blocks)):
+                assert int(f(t, _to_digits(cum))) == y
+                assert int(f(t, _to_digits(cum + int_w[y] - 1))) == y
+                if cum + int_w[y] < total:
+                    assert int(f(t, _to_digits(cum + int_w[y]))) != y
         cum += int_w[y]
     assert int_w[vocab - 2] == 0  # -inf: never drawn
 

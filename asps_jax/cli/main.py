@@ -7,7 +7,9 @@ its checks and the flags as library arguments (:mod:`asps_jax.cli.flags` the fla
 Text streams to stdout as it is produced (row 0 of the batch), never splitting a character; the
 statistics block follows. Compiled programs are cached on disk (asps_jax.compile_cache), so a
 second run with the same shapes starts in seconds. Errors in the arguments or the environment exit
-with a one-line explanation; third-party notices that do not apply here are silenced.
+with a one-line explanation; third-party notices that do not apply here are silenced. With
+JAX_PLATFORMS unset on a machine without an accelerator, JAX starts the CPU backend alone (an
+installed libtpu, e.g. for scripts/bench_tpu.py, is not started where there is no TPU).
 
 Several processes (multi-host: one process per host of a TPU pod slice, or several CPU
 processes) run the same command with the same prompts and seed, each with ``--distributed`` (JAX
@@ -136,8 +138,22 @@ def main(argv=None) -> int:
             return INTERRUPTED
 
 
+def _choose_platforms() -> None:
+    """JAX_PLATFORMS unset on a machine without an accelerator: the CPU alone
+    (``asps_jax.platforms.default_platforms``), so that an installed libtpu is not started (and
+    does not fill stderr with its warnings) where there is no TPU. Before JAX starts a backend."""
+    from asps_jax import platforms
+
+    chosen = platforms.default_platforms()
+    if chosen is not None:
+        import jax
+
+        jax.config.update("jax_platforms", chosen)
+
+
 def _main(argv) -> int:
     silence_notices()
+    _choose_platforms()
     _stop_if_interrupted("starting")
     from asps_jax.cli.args import build_parser, check
 

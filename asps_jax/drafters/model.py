@@ -130,7 +130,7 @@ def own_feed(forward, params, mesh, rows: int):
     """The rollout's feed with the draft's own cache (batch R = ``rows``): one token per row, its
     keys / values committed; ``feed(cache, token_R, depth) -> (cache, logits float32[R, 1, V])``
     (its constant masks made once, outside the rollout's loop)."""
-    row_loop = kv_cache.row_loop_for(mesh)
+    row_loop = kv_cache.row_loop_for(mesh, params)
     valid_R1, nodes_R1 = jnp.ones((rows, 1), bool), jnp.zeros((rows, 1), jnp.int32)
     ones_R = jnp.ones((rows,), jnp.int32)
 

@@ -180,7 +180,7 @@ class SharedLayers(ModelDraft):
         return None
 
     def propose(self, dec, params, sampling, state) -> Proposal:
-        layers, row_loop = self.config.num_hidden_layers, kv_cache.row_loop_for(dec.mesh)
+        layers, row_loop = self.config.num_hidden_layers, kv_cache.row_loop_for(dec.mesh, state)
         forward = forward_for(self.config)
 
         def feed(cache, token_R, depth):

@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
+from asps_jax import platforms
 from asps_jax.kv_cache import KVBlock
 
 
@@ -193,20 +194,18 @@ def scan_layout_for(params) -> bool:
         if forced not in LAYOUTS:
             raise ValueError(f"{LAYOUT_ENV}={forced!r}: must be one of {LAYOUTS} or unset")
         return forced == "scan"
-    for leaf in jax.tree.leaves(params):
-        sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
-        if sharding is not None:
-            return any(d.platform != "cpu" for d in sharding.device_set)
-    return jax.devices()[0].platform != "cpu"
+    return platforms.of(None, params) != "cpu"
 
 
-def prepare_params(config, params, wide: bool = False):
+def prepare_params(config, params, wide: bool = False, scan: bool | None = None):
     """``params`` in the layout the decoding loop runs: on a CPU device the family's run layout
     (its ``prepare_params``; unchanged if it has none), on an accelerator the stored stacked
-    layout itself (:func:`scan_layout_for`). ``wide``: for calls that multiply two or more rows
-    per forward (a family may lay its matrices out differently for those; Llama does)."""
+    layout itself (``scan``, default :func:`scan_layout_for`). ``wide``: for calls that multiply
+    two or more rows per forward (a family may lay its matrices out differently for those; Llama
+    does)."""
     prepare = getattr(family_for_config(config), "prepare_params", None)
-    if prepare is None or scan_layout_for(params):
+    scan = scan_layout_for(params) if scan is None else scan
+    if prepare is None or scan:
         return params
     return prepare(config, params, wide)
 
@@ -223,13 +222,19 @@ def run_params(model, params=None, *, wide: bool = False):
     CPU device this is the copy the decoding loop runs on (e.g. Llama's per-layer weights,
     ``llama.py``); on an accelerator the stored parameters themselves (:func:`scan_layout_for`).
     ``wide``: the copy for calls of two or more rows per forward (a target scoring a chain or a
-    tree, a batch); one model used both ways holds both copies.
+    tree, a batch); one model used both ways holds both copies. Abstract parameters
+    (``jax.ShapeDtypeStruct``, to lower a call without weights: ``scripts/bench_tpu.py``) give
+    the run layout's shapes.
     """
     params = model.params if params is None else params
     per_model = _RUN_PARAMS.setdefault(model, {})
     cached = per_model.get(wide)
     if cached is None or cached[0] is not params:
-        cached = (params, prepare_params(model.config, params, wide))
+        # The layout is chosen from the parameters' placement before ``eval_shape`` traces them.
+        scan = scan_layout_for(params)
+        prepare = functools.partial(prepare_params, model.config, wide=wide, scan=scan)
+        abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params))
+        cached = (params, jax.eval_shape(prepare, params) if abstract else prepare(params))
         per_model[wide] = cached
     return cached[1]
 

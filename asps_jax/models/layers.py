@@ -116,17 +116,20 @@ def attention(
     pass through :func:`soft_cap` before masking (Gemma 2).
 
     A new token whose key or value is not finite (a NaN embedding, an overflow) makes NaN exactly
-    the queries that see it: its key and value become 0 and its visible scores NaN, so the queries
-    it is masked from (earlier tokens, sibling tree branches) are not poisoned by ``0 * NaN``.
+    the queries that see it: per KV head, its key and value become 0 and its visible scores NaN,
+    so the queries it is masked from (earlier tokens, sibling tree branches) are not poisoned by
+    ``0 * NaN``, and a query that sees it is NaN in that head's group, hence everywhere after the
+    output projection. Per head, not per token: the check reads only ``head_dim``, which no mesh
+    splits (a check across KV heads was an all-reduce per layer on a ``model`` mesh).
     Cache slots are finite (``kv_cache.commit`` stores non-finite entries as 0; a row that met
     one stops, see ``decode``).
     """
     B, T, NH, H = q_BTNH.shape
     KVH = k_BTKH.shape[2]
     dtype = q_BTNH.dtype
-    bad_BT = ~jnp.all(jnp.isfinite(k_BTKH) & jnp.isfinite(v_BTKH), axis=(2, 3))
-    k_BTKH = jnp.where(bad_BT[:, :, None, None], jnp.zeros((), k_BTKH.dtype), k_BTKH)
-    v_BTKH = jnp.where(bad_BT[:, :, None, None], jnp.zeros((), v_BTKH.dtype), v_BTKH)
+    bad_BTK = ~jnp.all(jnp.isfinite(k_BTKH) & jnp.isfinite(v_BTKH), axis=3)
+    k_BTKH = jnp.where(bad_BTK[..., None], jnp.zeros((), k_BTKH.dtype), k_BTKH)
+    v_BTKH = jnp.where(bad_BTK[..., None], jnp.zeros((), v_BTKH.dtype), v_BTKH)
     q_BTKGH = q_BTNH.reshape(B, T, KVH, NH // KVH, H)
     # The cache and the new tokens are attended separately and only the (small) scores are
     # concatenated: concatenating keys/values would copy the whole cache every step.
@@ -143,8 +146,10 @@ def attention(
     )  # [B, KVH, G, T, S+T]
     scores = soft_cap(scores * scale, softcap)
     scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    bad_BS = jnp.concatenate([jnp.zeros((B, scores.shape[-1] - T), bool), bad_BT], axis=1)
-    scores = jnp.where(mask_BTS[:, None, None] & bad_BS[:, None, None, None], jnp.nan, scores)
+    bad_BKS = jnp.concatenate(
+        [jnp.zeros((B, KVH, scores.shape[-1] - T), bool), jnp.swapaxes(bad_BTK, 1, 2)], axis=2
+    )
+    scores = jnp.where(mask_BTS[:, None, None] & bad_BKS[:, :, None, None], jnp.nan, scores)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out, start = 0, 0
     for _, values, kv in parts:
