@@ -14,6 +14,7 @@ when started again with the same ``--out``. Sample with it: ``--draft eagle3:OUT
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import shlex
@@ -115,12 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out tail of the corpus")
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and batches")
+    p.add_argument(
+        "--kind",
+        choices=("eagle3", "block"),
+        default="eagle3",
+        help="an EAGLE-3 head, or a parallel block drafter (--draft block:OUT)",
+    )
+    p.add_argument("--block-size", type=int, default=8, help="block: positions per forward")
+    p.add_argument("--block-layers", type=int, default=1, help="block: its decoder layers")
+    p.add_argument("--anchors", type=int, default=64, help="block: blocks trained per window")
     return p
 
 
 def check_args(p, args) -> None:
     """One-line errors naming the flag (argparse exits with status 2)."""
-    for flag in ("steps", "batch_size", "seq_len", "ttt_steps", "save_every"):
+    for flag in ("steps", "batch_size", "seq_len", "ttt_steps", "save_every", "block_size",
+                 "block_layers", "anchors"):  # fmt: skip
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.seq_len < 4:
@@ -145,11 +156,13 @@ def main(argv: list[str] | None = None) -> int:
             layers = tuple(int(x) for x in args.feature_layers.split(","))
         except ValueError:
             sys.exit(f"--feature-layers {args.feature_layers!r}: give layer ids, e.g. 2,16,29")
-    out = Path(args.out or REPO_ROOT / "models" / f"{Path(args.target).name}-eagle3")
+    out = Path(args.out or REPO_ROOT / "models" / f"{Path(args.target).name}-{args.kind}")
     docs, data_info = read_corpus(args)
     ids = tokenize(target.tokenizer, docs)
     n_val = int(len(ids) * args.val_fraction)
     train_ids, val_ids = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
+    if args.kind == "block":
+        return train_block(args, argv, target, train_ids, val_ids, data_info, layers, out, started)
     vocab = target.config.vocab_size
     config = train.TrainConfig(
         steps=args.steps,
@@ -252,6 +265,42 @@ def main(argv: list[str] | None = None) -> int:
     log["total_wall_time_s"] = round(time.perf_counter() - started, 1)
     save(step)
     print(f"wrote {out} (step {step}); sample with --draft eagle3:{out}")
+    return 0
+
+
+def train_block(args, argv, target, train_ids, val_ids, data_info, layers, out, started) -> int:
+    """``--kind block``: the block drafter's resumable training (drafters/block_train.py)."""
+    from asps_jax.drafters import block_model, block_train
+
+    config = block_train.BlockTrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, learning_rate=args.lr,
+        warmup=args.warmup, anchors=args.anchors,
+    )  # fmt: skip
+    if args.seq_len <= args.block_size:
+        sys.exit(f"--seq-len {args.seq_len} must exceed --block-size {args.block_size}")
+    try:
+        vocab = target.config.vocab_size
+        d2t = train.vocab_map(train_ids, vocab, args.draft_vocab or vocab)
+        make = functools.partial(
+            block_model.BlockConfig.for_target,
+            target.config,
+            layers=layers,
+            block_size=args.block_size,
+            num_layers=args.block_layers,
+        )
+        block_model.check_matches(make(draft_vocab_size=len(d2t)), target, "--feature-layers")
+        step = block_train.fit(
+            target, run_params(target), train_ids, val_ids, out, config,
+            make_config=lambda n: make(draft_vocab_size=n), d2t=d2t, seed=args.seed,
+            save_every=args.save_every,
+            info=dict(target=args.target, data=data_info, command="python " + shlex.join(
+                ["scripts/train_drafter.py", *(argv or sys.argv[1:])]),
+                tokens={"train": int(len(train_ids)), "val": int(len(val_ids))}),
+        )  # fmt: skip
+    except ValueError as e:
+        sys.exit(str(e))
+    print(f"wrote {out} (step {step}, {time.perf_counter() - started:.0f} s); sample with "
+          f"--draft block:{out}")  # fmt: skip
     return 0
 
 
