@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from pathlib import Path
 
 import jax
@@ -302,6 +303,10 @@ def forward(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, tokens_BA
     out = rms_norm(x[:, :, 1:], params["norm"], eps)
     logits = jnp.einsum("bane,ve->banv", out, params["lm_head"], preferred_element_type=jnp.float32)
     return logits.astype(jnp.float32)
+
+
+# The family the models' helpers look up (``models.base.family_for_config``): no run layout.
+BlockConfig.FAMILY = types.SimpleNamespace(forward=forward)
 
 
 # --- Checkpoints ------------------------------------------------------------------------------
