@@ -52,11 +52,13 @@ class BlockState:
         positions written.
       features: float[B, n + 1, F], the pending entries' target features (F = 3 * E_t).
       count: int32[B], the pending entries (written at the next proposal).
+      last: float[B, F], the features of the last position written (zeros before any).
     """
 
     cache: kv_cache.KVCache
     features: jax.Array
     count: jax.Array
+    last: jax.Array
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -72,6 +74,13 @@ def _pick(keep_B, new, old):
     shape = [1] * new.ndim
     shape[axis] = keep_B.shape[0]
     return jnp.where(keep_B.reshape(shape), new, old)
+
+
+def _last(features_BTF, count_B, old_BF):
+    """The features of entry ``count - 1`` of each row (``old`` where ``count`` is 0)."""
+    at = jnp.maximum(count_B - 1, 0)[:, None, None]
+    new = jnp.take_along_axis(features_BTF, at, axis=1)[:, 0].astype(old_BF.dtype)
+    return jnp.where((count_B > 0)[:, None], new, old_BF)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +135,7 @@ class BlockDrafter(Drafter):
             cache=kv_cache.init_cache(c, batch, dec.cache_len, params["wk"].dtype),
             features=jnp.zeros((batch, n + 1, width), params["fc"].dtype),
             count=jnp.zeros((batch,), jnp.int32),
+            last=jnp.zeros((batch, width), params["fc"].dtype),
         )
 
     def init(self, dec, params, batch: int):
@@ -144,8 +154,11 @@ class BlockDrafter(Drafter):
         """The prompt's committed positions into the cache (the root, at position
         ``committed``, is the first proposal's bonus token)."""
         state = self._empty(dec, params, prompts_BP.shape[0])
-        cache = self._write(dec, params, state.cache, features, committed_B.astype(jnp.int32))
-        return dataclasses.replace(state, cache=cache)
+        committed_B = committed_B.astype(jnp.int32)
+        cache = self._write(dec, params, state.cache, features, committed_B)
+        return dataclasses.replace(
+            state, cache=cache, last=_last(features, committed_B, state.last)
+        )
 
     def refill(self, dec, params, state, take_B, prompts_BP, committed_B, features=None):
         fresh = self.prefill(dec, params, state, prompts_BP, committed_B, features)
@@ -159,23 +172,28 @@ class BlockDrafter(Drafter):
             cache=cache,
             features=_pick(take_B, fresh.features, state.features),
             count=jnp.where(take_B, fresh.count, state.count),
+            last=_pick(take_B, fresh.last, state.last),
         )
 
     def block_logits(self, dec, params, own, root_B):
-        """``(cache, logits float32[B, n, V])``: the pending entries written, then the block of
+        """``(state, logits float32[B, n, V])``: the pending entries written, then the block of
         ``root_B`` (each row's bonus token) over them, placed on the target's vocabulary."""
         c, n = self.config, dec.spec.num_draft_tokens
         cache = self._write(dec, params, own.cache, own.features, own.count)
+        last = _last(own.features, own.count, own.last)
         S = cache.max_len
         valid_B1S = (jnp.arange(S, dtype=jnp.int32)[None, :] < cache.lengths[:, None])[:, None]
+        last_B1E = bm.context(c, params, last[:, None])
         logits = bm.forward(
-            c, params, cache.k, cache.v, valid_B1S, root_B[:, None], cache.lengths[:, None]
-        )
-        return cache, target_logits(params, logits[:, 0, :n], c.vocab_size)
+            c, params, cache.k, cache.v, valid_B1S, last_B1E, root_B[:, None],
+            cache.lengths[:, None],
+        )  # fmt: skip
+        after = BlockState(cache, own.features, jnp.zeros_like(own.count), last)
+        return after, target_logits(params, logits[:, 0, :n], c.vocab_size)
 
     def propose(self, dec, params, sampling, state) -> Proposal:
         k = dec.spec.tree.num_chains
-        cache, laws_BnV = self.block_logits(dec, params, state.draft, state.root.astype(jnp.int32))
+        after, laws_BnV = self.block_logits(dec, params, state.draft, state.root.astype(jnp.int32))
         laws_RnV = jnp.repeat(laws_BnV, k, axis=0)
 
         def feed(carry, token_R, depth):  # no forward: depth's logits of the one block
@@ -191,7 +209,6 @@ class BlockDrafter(Drafter):
         first_empty = jnp.where(jnp.any(empty, -1), jnp.argmax(empty, -1), empty.shape[-1])
         drawn["usable_BK"] = jnp.minimum(drawn["usable_BK"], first_empty.astype(jnp.int32))
         drawn["ok_BKD"] = drawn["ok_BKD"] | empty
-        after = dataclasses.replace(state.draft, cache=cache, count=jnp.zeros_like(cache.lengths))
         return Proposal(**drawn, state=after)
 
     def commit(self, dec, before, after, winner_B, num_B):

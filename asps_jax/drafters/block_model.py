@@ -8,7 +8,9 @@ high ones), fused by ``fc`` and normalised (``hidden_norm``) into one vector per
 decoder layer projects it into keys and values of its own (RoPE at the position), so the context
 is a KV cache of the drafter's over the committed prefix and is never run through the layers. The
 *block* is ``N + 1`` entries at positions ``p .. p + N``: the embedding of the bonus token x_p
-(the last emitted one, not yet seen by the target) and N learned mask embeddings. A few Llama
+(the last emitted one, not yet seen by the target) and N learned mask embeddings, each plus the
+context vector of the last committed position ``p - 1`` (zeros when nothing is committed). A few
+Llama
 decoder layers run over the block; each entry attends to every context slot before ``p`` and to
 every entry of the block (bidirectional within the block). Entry ``i >= 1``'s output, through
 ``norm`` and ``lm_head`` over a draft vocabulary of ``V_d <= V`` tokens (``d2t`` maps each to its
@@ -227,13 +229,19 @@ def trainable(params: dict) -> dict:
 # --- Forward ----------------------------------------------------------------------------------
 
 
+def context(c: BlockConfig, params: dict, features_BSF) -> jax.Array:
+    """The context vectors ``[B, S, E]``: the target's features ``[B, S, F]`` fused by ``fc`` and
+    normalised (``hidden_norm``)."""
+    dtype = params["wk"].dtype
+    fused = jnp.einsum("bsf,ef->bse", features_BSF.astype(dtype), params["fc"])
+    return rms_norm(fused, params["hidden_norm"], c.rms_norm_eps)
+
+
 def context_kv(c: BlockConfig, params: dict, features_BSF, positions_BS) -> kv_cache.KVBlock:
     """Every layer's keys / values of the context at ``positions_BS`` from the target's features
     ``[B, S, F]``: ``KVBlock`` of ``[L, B, S, KVH, H]`` (what the drafter's cache stores)."""
     B, S = positions_BS.shape
-    dtype = params["wk"].dtype
-    fused = jnp.einsum("bsf,ef->bse", features_BSF.astype(dtype), params["fc"])
-    ctx = rms_norm(fused, params["hidden_norm"], c.rms_norm_eps)
+    ctx = context(c, params, features_BSF)
     cos, sin = rope_tables(
         c.rope_theta, c.head_dim, c.rope_scaling, c.max_position_embeddings, positions_BS
     )
@@ -265,11 +273,13 @@ def _attend(q, k, v, ctx_k, ctx_v, ctx_valid_BAS, scale: float):
     return out.astype(q.dtype).reshape(B, A, T, NH * H)
 
 
-def forward(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, tokens_BA, positions_BA):
+def forward(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, last_BAE, tokens_BA,
+            positions_BA):  # fmt: skip
     """The draft logits ``float32[B, A, N, V_d]`` of A blocks per row: block a starts with token
-    ``tokens_BA[:, a]`` at position ``positions_BA[:, a]`` and sees the context slots where
-    ``ctx_valid_BAS`` (``ctx_k/v [L, B, KVH, S, H]``: the cache layout); entry i of its N draws
-    the token at position ``positions + 1 + i``."""
+    ``tokens_BA[:, a]`` at position ``positions_BA[:, a]``, sees the context slots where
+    ``ctx_valid_BAS`` (``ctx_k/v [L, B, KVH, S, H]``: the cache layout), and every entry adds
+    ``last_BAE[:, a]``, the context vector of the last committed position (zeros if none); entry
+    i of its N draws the token at position ``positions + 1 + i``."""
     B, A = tokens_BA.shape
     N, E, H = c.block_size, c.hidden_size, c.head_dim
     NH, KVH, eps = c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps
@@ -277,8 +287,9 @@ def forward(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, tokens_BA
     first = params["embed"][tokens_BA].astype(dtype)[:, :, None]
     masks = jnp.broadcast_to(params["mask_embed"].astype(dtype), (B, A, N, E))
     x = jnp.concatenate([first, masks], axis=2)  # [B, A, T = N + 1, E]
+    x = x + last_BAE.astype(dtype)[:, :, None, :]
     T = N + 1
-    positions = positions_BA[:, :, None] + jnp.arange(T, dtype=jnp.int32)
+    positions = positions_BA[:, :, None] + jnp.arange(T, dtype=jnp.int32)[None, None, :]
     cos, sin = rope_tables(
         c.rope_theta, H, c.rope_scaling, c.max_position_embeddings, positions.reshape(B, A * T)
     )

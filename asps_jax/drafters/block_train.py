@@ -62,8 +62,13 @@ def block_loss(c, config, learned, fixed, target_config, target_params, tokens_B
     ctx_k, ctx_v = jnp.swapaxes(ctx.k, 2, 3), jnp.swapaxes(ctx.v, 2, 3)  # [L, B, KVH, T, H]
     valid_BAS = jnp.arange(T)[None, None, :] < anchors_BA[:, :, None]
     first_BA = jnp.take_along_axis(tokens_BT, anchors_BA, axis=1)
-    logits_BAND = bm.forward(c, params, ctx_k, ctx_v, valid_BAS, first_BA, anchors_BA)
-    at = (anchors_BA[:, :, None] + jnp.arange(N)).reshape(B, A * N)  # the law of x[p + 1 + i]
+    last_BAE = jnp.take_along_axis(
+        bm.context(c, params, features_BTF), anchors_BA[..., None] - 1, 1
+    )
+    logits_BAND = bm.forward(c, params, ctx_k, ctx_v, valid_BAS, last_BAE, first_BA, anchors_BA)
+    at = (anchors_BA[:, :, None] + jnp.arange(N)[None, None, :]).reshape(
+        B, A * N
+    )  # the law of x[p + 1 + i]
     teacher = jnp.take_along_axis(logits_BTV, at[:, :, None], axis=1)[..., params["d2t"]]
     teacher = jax.nn.log_softmax(teacher.reshape(B, A, N, -1), axis=-1)
     log_q = jax.nn.log_softmax(logits_BAND, axis=-1)
