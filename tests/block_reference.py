@@ -2,14 +2,14 @@
 ``model.safetensors``, read with ``safetensors.numpy``) and the target's features from transformers
 (``output_hidden_states``), independent of ``asps_jax``.
 
-After a text of m + 1 tokens (m committed, the root last) the context is, at each committed
-position t < m, ``c_t = rms(fc @ f_t) * hidden_norm`` (``f_t`` the target's streams entering the
-feature layers at t, concatenated); layer l's context keys are ``rope(wk_l @ c_t, t)`` and values
-``wv_l @ c_t``. The block is the root's embedding and the N mask embeddings at positions
-m .. m + N, each plus ``c_{m-1}`` (nothing when m = 0); each of its entries attends to every
-context key and every block entry, through a Llama layer (pre-norm attention, then SiLU-gated
-MLP), per layer. Entry i >= 1's output through ``norm`` and ``lm_head`` gives the draft logits of
-the token at position m + i, placed on the target's vocabulary at ``d2t`` (probability 0
+After a text of m + 1 tokens (m committed, the root last) the context is, at each committed position
+t < m, ``c_t = rms(fc @ f_t) * hidden_norm`` (``f_t`` the target's streams entering the feature
+layers at t, concatenated); layer l's context keys are ``rope(wk_l @ c_t, t)`` and values ``wv_l @
+c_t``. The block is the root's embedding and the N mask embeddings at positions m .. m + N, each
+normalised (``rms(.) * embed_norm``) plus ``c_{m-1}`` (nothing when m = 0); each of its entries
+attends to every context key and every block entry, through a Llama layer (pre-norm attention, then
+SiLU-gated MLP), per layer. Entry i >= 1's output through ``norm`` and ``lm_head`` gives the draft
+logits of the token at position m + i, placed on the target's vocabulary at ``d2t`` (probability 0
 elsewhere).
 """
 
@@ -61,7 +61,7 @@ class Block:
         m = len(features)
         ctx = [rms(t["fc.weight"] @ f, t["hidden_norm.weight"], eps) for f in features]
         x = np.concatenate([self.embed[root][None], t["mask_embedding"]])
-        x = x + (ctx[-1] if m else 0.0)  # every entry adds the last committed position's
+        x = rms(x, t["embed_norm.weight"], eps) + (ctx[-1] if m else 0.0)
         for w in self.layers:
             keys = [rope((w["wk"] @ a).reshape(kvh, H), s, theta) for s, a in enumerate(ctx)]
             values = [(w["wv"] @ a).reshape(kvh, H) for a in ctx]

@@ -5,23 +5,22 @@ Inputs (DFlash-style; Chen et al. 2025, "DFlash: block diffusion for flash specu
 and P-EAGLE's parallel drafting): the *context* is the target's residual streams entering three of
 its layers at every committed position (``BlockConfig.feature_layers``, EAGLE-3's low / middle /
 high ones), fused by ``fc`` and normalised (``hidden_norm``) into one vector per position; each
-decoder layer projects it into keys and values of its own (RoPE at the position), so the context
-is a KV cache of the drafter's over the committed prefix and is never run through the layers. The
-*block* is ``N + 1`` entries at positions ``p .. p + N``: the embedding of the bonus token x_p
-(the last emitted one, not yet seen by the target) and N learned mask embeddings, each plus the
-context vector of the last committed position ``p - 1`` (zeros when nothing is committed). A few
-Llama
-decoder layers run over the block; each entry attends to every context slot before ``p`` and to
-every entry of the block (bidirectional within the block). Entry ``i >= 1``'s output, through
-``norm`` and ``lm_head`` over a draft vocabulary of ``V_d <= V`` tokens (``d2t`` maps each to its
-target id), is the draft law of the token at position ``p + i``. That law depends on the committed
-text only, not on the tokens drawn at the block's earlier positions.
+decoder layer projects it into keys and values of its own (RoPE at the position), so the context is
+a KV cache of the drafter's over the committed prefix and is never run through the layers. The
+*block* is ``N + 1`` entries at positions ``p .. p + N``: the embedding of the bonus token x_p (the
+last emitted one, not yet seen by the target) and N learned mask embeddings, each normalised
+(``embed_norm``) plus the context vector of the last committed position ``p - 1`` (zeros when
+nothing is committed). A few Llama decoder layers run over the block; each entry attends to every
+context slot before ``p`` and to every entry of the block (bidirectional within the block). Entry
+``i >= 1``'s output, through ``norm`` and ``lm_head`` over a draft vocabulary of ``V_d <= V`` tokens
+(``d2t`` maps each to its target id), is the draft law of the token at position ``p + i``. That law
+depends on the committed text only, not on the tokens drawn at the block's earlier positions.
 
 Checkpoints: ``config.json`` (``"architectures": ["AspsBlockDrafter"]``, the Llama sizes, and
 ``block_config``: ``block_size``, ``target_layer_ids``) and ``model.safetensors`` (``fc``,
-``hidden_norm``, ``mask_embedding``, ``layers.{i}.*`` in Hugging Face's Llama names, ``norm``,
-``lm_head``, ``d2t`` offsets as EAGLE-3 writes them, ``t2d``; optionally ``embed_tokens``, else
-the target's embedding). docs/algorithms.md says how it differs from the DFlash and P-EAGLE
+``hidden_norm``, ``embed_norm``, ``mask_embedding``, ``layers.{i}.*`` in Hugging Face's Llama names,
+``norm``, ``lm_head``, ``d2t`` offsets as EAGLE-3 writes them, ``t2d``; optionally ``embed_tokens``,
+else the target's embedding). docs/algorithms.md says how it differs from the DFlash and P-EAGLE
 layouts.
 """
 
@@ -179,6 +178,7 @@ LAYER_TENSORS = {  # ours (stacked over layers) -> Hugging Face's Llama name und
 TENSORS = {
     "fc": "fc.weight",
     "hidden_norm": "hidden_norm.weight",
+    "embed_norm": "embed_norm.weight",
     "mask_embed": "mask_embedding",
     "norm": "norm.weight",
     "lm_head": "lm_head.weight",
@@ -192,6 +192,7 @@ def param_shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
     return {
         "fc": (E, len(c.feature_layers) * c.target_hidden_size),
         "hidden_norm": (E,),
+        "embed_norm": (E,),
         "mask_embed": (c.block_size, E),
         "input_norm": (L, E),
         "wq": (L, q, E),
@@ -287,7 +288,7 @@ def forward(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, last_BAE,
     first = params["embed"][tokens_BA].astype(dtype)[:, :, None]
     masks = jnp.broadcast_to(params["mask_embed"].astype(dtype), (B, A, N, E))
     x = jnp.concatenate([first, masks], axis=2)  # [B, A, T = N + 1, E]
-    x = x + last_BAE.astype(dtype)[:, :, None, :]
+    x = rms_norm(x, params["embed_norm"], eps) + last_BAE.astype(dtype)[:, :, None, :]
     T = N + 1
     positions = positions_BA[:, :, None] + jnp.arange(T, dtype=jnp.int32)[None, None, :]
     cos, sin = rope_tables(

@@ -125,10 +125,27 @@ def start(out: Path, target, config: BlockTrainConfig, make_config, d2t, seed: i
         return c, learned, {"embed": params["embed"], "d2t": params["d2t"]}, opt_state, step, log
     c = make_config(len(d2t))
     embed = jnp.asarray(target.params["embed"], jnp.float32)
-    params = bm.init_params(c, jax.random.key(seed), embed, d2t)
+    params = from_target(c, bm.init_params(c, jax.random.key(seed), embed, d2t), target)
     learned = bm.trainable(params)
     fixed = {"embed": params["embed"], "d2t": params["d2t"]}
     return c, learned, fixed, opt.init(learned), 0, {}
+
+
+def from_target(c, params: dict, target) -> dict:
+    """``params`` with the output layer started from the target's own (its final norm, and its
+    head's rows of the draft vocabulary) when the widths match: the drafter's output then starts
+    in the target's hidden space, as DFlash and EAGLE-3 drafters read the target's head."""
+    t = target.params
+    head = t.get("lm_head")
+    if head is None or t.get("final_norm") is None or c.hidden_size != c.target_hidden_size:
+        return params
+    head = jnp.asarray(head, jnp.float32)
+    rows = head.T if head.shape[0] == c.hidden_size else head  # [V, E] either way
+    return dict(
+        params,
+        lm_head=rows[params["d2t"]],
+        norm=jnp.asarray(t["final_norm"], jnp.float32),
+    )
 
 
 def save_state(out: Path, c, learned, fixed, opt_state, step: int) -> None:
