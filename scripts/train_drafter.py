@@ -295,7 +295,9 @@ def train_block(args, argv, target, train_ids, val_ids, data_info, layers, out, 
             save_every=args.save_every,
             info=dict(target=args.target, data=data_info, command="python " + shlex.join(
                 ["scripts/train_drafter.py", *(argv or sys.argv[1:])]),
-                tokens={"train": int(len(train_ids)), "val": int(len(val_ids))}),
+                tokens={"train": int(len(train_ids)), "val": int(len(val_ids))},
+                config={k: _shown(v) if k in ("data", "out") and v else v
+                        for k, v in vars(args).items()}),
         )  # fmt: skip
     except ValueError as e:
         sys.exit(str(e))
