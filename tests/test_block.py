@@ -38,6 +38,7 @@ import asps_jax
 from asps_jax import decode, trees
 from asps_jax.drafters import block
 from asps_jax.drafters import block_model as bm
+from asps_jax.models.cards import MODELS_DIR
 from asps_jax.sampler import prepare
 
 LAYERS = (0, 2, 1)
@@ -374,3 +375,52 @@ def test_bad_use_is_a_one_line_error(tiny):
         with pytest.raises(ValueError, match=match) as err:
             asps_jax.sample(tiny.target, draft, [PROMPT], seed=0, max_new_tokens=2, **kw)
         assert "\n" not in str(err.value), kw
+
+
+@pytest.mark.slow
+def test_sampler_update_params_keeps_the_block_drafter(tiny):
+    """A ``Sampler`` with a block drafter takes new target weights without recompiling and then
+    samples what ``sample`` does with them (the drafter keeps its own weights)."""
+    kw = dict(method="asps", num_draft_tokens=N, eos_token_id=-1)
+    sampler = asps_jax.Sampler(tiny.target, tiny.spec, **kw)
+    sampler([PROMPT], max_new_tokens=4, seed=0)
+    new = jax.tree.map(lambda a: a * 0.9, tiny.target.params)
+    sampler.update_params(new)
+    before = sampler.compiles
+    out = sampler([PROMPT], max_new_tokens=4, seed=1)
+    assert sampler.compiles == before
+    want = asps_jax.sample(sampler.target, tiny.spec, [PROMPT], max_new_tokens=4, seed=1, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
+
+
+# --- The bundled block drafter ------------------------------------------------------------------
+
+
+def test_bundled_block_files_match_its_training_log():
+    """models/tinyshakespeare-block/: a block drafter for the bundled target (its config.json read
+    here, not through asps_jax), small, with the training log the script wrote."""
+    folder = MODELS_DIR / "tinyshakespeare-block"
+    config = json.loads((folder / "config.json").read_text())
+    target = json.loads((MODELS_DIR / "tinyshakespeare-target/config.json").read_text())
+    assert config["architectures"] == ["AspsBlockDrafter"] and config["block_config"]["block_size"]
+    assert config["target_hidden_size"] == target["hidden_size"]
+    assert config["vocab_size"] == target["vocab_size"] > config["draft_vocab_size"]
+    assert (folder / "model.safetensors").stat().st_size < 6 * 2**20
+    assert not (folder / "train_state.npz").exists()
+    log = json.loads((folder / "training.json").read_text())
+    assert log["target"] == "tinyshakespeare-target" and "--kind block" in log["command"]
+    assert log["evals"][-1]["loss"] < log["evals"][0]["loss"]  # it learned
+
+
+@pytest.mark.slow
+def test_bundled_block_runs_out_of_the_box():
+    """``draft="block:tinyshakespeare-block"`` (found under models/ by name) drafts for the
+    bundled target and its drafts are accepted."""
+    target = asps_jax.load_model("tinyshakespeare-target")
+    prompts = [target.tokenizer.encode(line) for line in ("ROMEO:\n", "First Citizen:\nWe")]
+    out = asps_jax.sample(
+        target, "block:tinyshakespeare-block", prompts, seed=0, max_new_tokens=32,
+        method="asps", eos_token_id=-1,
+    )  # fmt: skip
+    assert np.all(np.asarray(out.lengths) == 32)
+    assert float(np.mean(np.asarray(out.stats["tokens_per_step"]))) > 1.5
