@@ -1,14 +1,17 @@
 """The bundled block drafter beside the bundled EAGLE-3 head and the bundled draft model, one run.
 
-On the bundled tiny Shakespeare target: AR, then asps, is (K = 2 chains) and is_bv (the tree
-``2,2`` + ``1`` per extra depth) at each ``--n`` for each drafter (``block:tinyshakespeare-block``,
-``eagle3:tinyshakespeare-eagle3``, ``tinyshakespeare-draft``), at each ``--temperatures``, on
-prompts that are passages of the text's held-out tail (scripts/bench_drafters.py's ``head``
-prompts); then the cost of one drafting stage (``decode._draft``: the whole proposal of the batch,
-forwards and draws) and of one whole step, per drafter, jitted, median of 30 calls.
+On the bundled tiny Shakespeare target, on prompts that are passages of the text's held-out tail
+(scripts/bench_drafters.py's ``head`` prompts): first the cost of one drafting stage
+(``decode._draft``: the whole proposal of the batch, forwards and draws) and of one whole step per
+drafter (``block:tinyshakespeare-block``, ``eagle3:tinyshakespeare-eagle3``,
+``tinyshakespeare-draft``) at the largest ``--n``, jitted, median of 30 calls; then AR at each
+``--temperatures``; then asps at each ``--n`` and temperature, and is (K = 2 chains) and is_bv (the
+tree ``2,2`` + ``1`` per extra depth) at each ``--n`` at the first temperature (at every one with
+``--all-methods``), for each drafter.
 
 Per row: tokens per step (mean over all steps of all runs), wall tokens/s (median of
-``--repeats`` compiled runs, compilation excluded), tokens/s over AR's in the same run.
+``--repeats`` compiled runs, compilation excluded), tokens/s over AR's at the same temperature in
+the same run.
 
     python scripts/bench_block.py [--n 2 4 8] [--temperatures 1 0] [--max-new-tokens 64]
 """
@@ -66,6 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--chars", type=int, default=400, help="characters per prompt passage")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
     p.add_argument("--block", default=BLOCK, help="the block drafter (draft= string)")
+    p.add_argument("--all-methods", action="store_true", help="is / is_bv at every temperature")
     args = p.parse_args(argv)
     print(f"load average before: {os.getloadavg()}", flush=True)
     target = asps_jax.load_model("tinyshakespeare-target", dtype="float32")
@@ -73,29 +77,34 @@ def main(argv=None) -> int:
     prompts = text_prompts(target.tokenizer, args.batch, args.chars)
     drafters = [("block", args.block), ("eagle3 head", HEAD), ("draft model", draft)]
     common = dict(max_new_tokens=args.max_new_tokens, repeats=args.repeats)
-    print("| temperature | method | drafter | tokens/step | tokens/s | vs AR |")
-    print("|---:|---|---|---:|---:|---:|")
-    for temperature in args.temperatures:
-        ar = run(target, None, prompts, temperature=temperature, method="ar", **common)
-        print(f"| {temperature:g} | ar | - | 1.00 | {ar['tokens_per_s']:.1f} | 1.00 |", flush=True)
-        for n in args.n:
-            for label, kw in methods(n):
-                for name, drafter in drafters:
-                    r = run(target, drafter, prompts, temperature=temperature, **common, **kw)
-                    speed = r["tokens_per_s"]
-                    print(f"| {temperature:g} | {label} | {name} | {r['tokens_per_step']:.2f} | "
-                          f"{speed:.1f} | {speed / ar['tokens_per_s']:.2f} |",
-                          flush=True)  # fmt: skip
-    print(f"\nOne drafting stage / one step of {args.batch} rows, asps, T = 1 (median of 30):")
+    print(f"One drafting stage / one step of {args.batch} rows, asps, T = 1 (median of 30):")
     print("| drafter | n | drafting stage ms | step ms |")
     print("|---|---:|---:|---:|")
-    for n in (4, 8):
+    _, s = stage_costs(target, None, prompts, args.max_new_tokens, method="ar")
+    print(f"| - (ar) | 0 | - | {1e3 * s:.2f} |", flush=True)
+    for name, drafter in drafters:
+        d, s = stage_costs(target, drafter, prompts, args.max_new_tokens, method="asps",
+                           num_draft_tokens=max(args.n))  # fmt: skip
+        print(f"| {name} | {max(args.n)} | {1e3 * d:.2f} | {1e3 * s:.2f} |", flush=True)
+    print("\n| temperature | method | drafter | tokens/step | tokens/s | vs AR |")
+    print("|---:|---|---|---:|---:|---:|")
+    ar = {}
+    for temperature in args.temperatures:
+        r = run(target, None, prompts, temperature=temperature, method="ar", **common)
+        ar[temperature] = r["tokens_per_s"]
+        print(f"| {temperature:g} | ar | - | 1.00 | {ar[temperature]:.1f} | 1.00 |", flush=True)
+    # The chains first at every temperature, then the multi-draft rows (at the first only
+    # unless --all-methods): the rows most asked for come out first.
+    grid = [(t, label, kw) for t in args.temperatures for n in args.n
+            for label, kw in methods(n)[:1]]  # fmt: skip
+    grid += [(t, label, kw) for t in args.temperatures[: None if args.all_methods else 1]
+             for n in args.n for label, kw in methods(n)[1:]]  # fmt: skip
+    for temperature, label, kw in grid:
         for name, drafter in drafters:
-            d, s = stage_costs(target, drafter, prompts, args.max_new_tokens, method="asps",
-                               num_draft_tokens=n)  # fmt: skip
-            print(f"| {name} | {n} | {1e3 * d:.2f} | {1e3 * s:.2f} |", flush=True)
-    d, s = stage_costs(target, None, prompts, args.max_new_tokens, method="ar")
-    print(f"| - (ar) | 0 | - | {1e3 * s:.2f} |")
+            r = run(target, drafter, prompts, temperature=temperature, **common, **kw)
+            speed = r["tokens_per_s"]
+            print(f"| {temperature:g} | {label} | {name} | {r['tokens_per_step']:.2f} | "
+                  f"{speed:.1f} | {speed / ar[temperature]:.2f} |", flush=True)  # fmt: skip
     print(f"load average after: {os.getloadavg()}")
     return 0
 
