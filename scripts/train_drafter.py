@@ -209,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out tail of the corpus")
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and batches")
+    p.add_argument(
+        "--kind",
+        choices=("eagle3", "block"),
+        default="eagle3",
+        help="an EAGLE-3 head, or a parallel block drafter (--draft block:OUT)",
+    )
+    p.add_argument("--block-size", type=int, default=8, help="block: positions per forward")
+    p.add_argument("--block-layers", type=int, default=1, help="block: its decoder layers")
+    p.add_argument("--anchors", type=int, default=64, help="block: blocks trained per window")
     return p
 
 
@@ -228,7 +237,8 @@ def parse(argv):
 
 def check_args(p, args) -> None:
     """One-line errors naming the flag (argparse exits with status 2)."""
-    for flag in ("steps", "batch_size", "seq_len", "ttt_steps", "save_every"):
+    for flag in ("steps", "batch_size", "seq_len", "ttt_steps", "save_every", "block_size",
+                 "block_layers", "anchors"):  # fmt: skip
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.seq_len < 4:
@@ -289,13 +299,15 @@ def run(args, argv) -> int:
     vocab = target.config.vocab_size
     if args.draft_vocab is not None and args.draft_vocab > vocab:
         raise ValueError(f"--draft-vocab {args.draft_vocab}: at most the target's {vocab} tokens")
-    out = Path(args.out or f"{Path(args.target).name}-eagle3")
+    out = Path(args.out or f"{Path(args.target).name}-{args.kind}")
     check_out(out)
     _stop_if_interrupted("loading the target")
     docs, data_info = read_corpus(args)
     ids = tokenize(target.tokenizer, docs)
     n_val = int(len(ids) * args.val_fraction)
     data = dict(train=ids[: len(ids) - n_val], val=ids[len(ids) - n_val :], info=data_info)
+    if args.kind == "block":
+        return train_block(args, argv, target, data, out, started)
     config = train.TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         learning_rate=args.lr, warmup=args.warmup, ttt_steps=args.ttt_steps,
@@ -309,6 +321,45 @@ def run(args, argv) -> int:
     job["windows"] = windows(args, data, job["start"])
     _stop_if_interrupted("preparing the head")
     return train_loop(args, argv, job)
+
+
+def train_block(args, argv, target, data, out, started) -> int:
+    """``--kind block``: the block drafter's resumable training (drafters/block_train.py)."""
+    import functools
+
+    from asps_jax.drafters import block_model, block_train, train
+    from asps_jax.models.base import run_params
+
+    if args.seq_len <= args.block_size:
+        raise ValueError(f"--seq-len {args.seq_len} must exceed --block-size {args.block_size}")
+    config = block_train.BlockTrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, learning_rate=args.lr,
+        warmup=args.warmup, anchors=args.anchors,
+    )  # fmt: skip
+    train_ids, val_ids = data["train"], data["val"]
+    vocab = target.config.vocab_size
+    d2t = train.vocab_map(train_ids, vocab, args.draft_vocab or vocab)
+    make = functools.partial(
+        block_model.BlockConfig.for_target,
+        target.config,
+        layers=args.layers,
+        block_size=args.block_size,
+        num_layers=args.block_layers,
+    )
+    block_model.check_matches(make(draft_vocab_size=len(d2t)), target, "--feature-layers")
+    step = block_train.fit(
+        target, run_params(target), train_ids, val_ids, out, config,
+        make_config=lambda n: make(draft_vocab_size=n), d2t=d2t, seed=args.seed,
+        save_every=args.save_every,
+        info=dict(target=args.target, data=data["info"], command="python " + shlex.join(
+            ["scripts/train_drafter.py", *(argv or sys.argv[1:])]),
+            tokens={"train": int(len(train_ids)), "val": int(len(val_ids))},
+            config={k: _shown(v) if k in ("data", "out") and v else v
+                    for k, v in vars(args).items() if k != "layers"}),
+    )  # fmt: skip
+    print(f"wrote {out} (step {step}, {time.perf_counter() - started:.0f} s); sample with "
+          f"--draft block:{out}")  # fmt: skip
+    return 0
 
 
 def check_out(out: Path) -> None:

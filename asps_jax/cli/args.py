@@ -95,7 +95,9 @@ def _models(p: argparse.ArgumentParser) -> None:
         "first L layers with its final norm and head (self-drafting); or quant:int8 / "
         "quant:int4[:G], the target's own weights quantized (no second checkpoint); or "
         "eagle3:PATH, a learned EAGLE-3 head on the target's hidden states (a folder in the "
-        "EAGLE-3 layout; eagle3:tinyshakespeare-eagle3 is bundled); ignored by --method ar",
+        "EAGLE-3 layout; eagle3:tinyshakespeare-eagle3 is bundled); or block:PATH, a parallel "
+        "block drafter, all n draft laws from one forward (block:tinyshakespeare-block is "
+        "bundled); ignored by --method ar",
     )
     p.add_argument(
         "--lookup-ngram",

@@ -11,7 +11,10 @@
 * ``draft="quant:int8"`` / ``"quant:int4[:G]"``: the target's own weights quantized
   (:func:`asps_jax.models.quant.quantized_copy`) as a draft model of its own cache;
 * :mod:`~asps_jax.drafters.head`: a learned EAGLE-3 head on the target's own features
-  (``draft="eagle3:PATH"``), trained by :mod:`~asps_jax.drafters.train`.
+  (``draft="eagle3:PATH"``), trained by :mod:`~asps_jax.drafters.train`;
+* :mod:`~asps_jax.drafters.block`: a parallel block drafter on the target's features
+  (``draft="block:PATH"``): all n draft laws from one forward, trained by
+  :mod:`~asps_jax.drafters.block_train`.
 
 :func:`resolve` is the one reader of the ``draft=`` argument. A drafter is a frozen value, static
 under jit (a field of :class:`~asps_jax.decode.Decoder`), so a user can also build one of their
@@ -25,7 +28,7 @@ package is one file and one line in :func:`resolve`.
 from __future__ import annotations
 
 from asps_jax.checks import check_int
-from asps_jax.drafters import head, self_layers
+from asps_jax.drafters import block, head, self_layers
 from asps_jax.drafters.base import Drafter, Proposal, chain_keys, finite_laws, step_keys
 from asps_jax.drafters.lookup import DEFAULT_NGRAM, Lookup
 from asps_jax.drafters.model import ModelDraft
@@ -39,6 +42,7 @@ NAMES = (
     quant.PREFIX + "int8",
     quant.PREFIX + "int4",
     head.PREFIX + "PATH",
+    block.PREFIX + "PATH",
 )
 """The drafters named by a string ``draft`` argument (a model object is the draft model)."""
 
@@ -69,10 +73,10 @@ __all__ = [
 
 def is_named(draft) -> bool:
     """Whether ``draft`` names a drafter (``"lookup"``, ``"self:L"``, ``"quant:int8"``,
-    ``"eagle3:PATH"``) rather than a model or a checkpoint (what the command line loads)."""
-    return isinstance(draft, str) and (
-        draft == "lookup" or draft.startswith((SELF_PREFIX, quant.PREFIX, head.PREFIX))
-    )
+    ``"eagle3:PATH"``, ``"block:PATH"``) rather than a model or a checkpoint (what the command
+    line loads)."""
+    prefixes = (SELF_PREFIX, quant.PREFIX, head.PREFIX, block.PREFIX)
+    return isinstance(draft, str) and (draft == "lookup" or draft.startswith(prefixes))
 
 
 def draft_model(target, draft):
@@ -89,10 +93,12 @@ def draft_model(target, draft):
         return quant.quantized_copy(target, draft)
     if draft.startswith(head.PREFIX):
         return head.head_for(target, draft)
+    if draft.startswith(block.PREFIX):
+        return block.block_for(target, draft)
     raise ValueError(
         f"draft: unknown drafter {draft!r}; give a draft model, 'lookup', 'self:L' (the "
         "target's first L layers), 'quant:int8' / 'quant:int4' (the target quantized), "
-        "'eagle3:PATH' (a learned head), or None (method 'ar')"
+        "'eagle3:PATH' (a learned head), 'block:PATH' (a block drafter), or None (method 'ar')"
     )
 
 
@@ -213,6 +219,9 @@ def resolve(
             model,
             tau,
         )
+    if isinstance(model, block.Block):
+        drafter = block.drafter(model, target, mesh=mesh, confidence_stop=tau is not None)
+        return target, drafter, model, tau
     target, model = align_vocabularies(target, model)  # padded embeddings of one tokenizer
     check_compatible(target, model)
     if isinstance(model, SelfDraft):
