@@ -158,10 +158,8 @@ def trip_count(comps: dict, comp: dict[str, Instr], loop: Instr) -> int | None:
     return None if limit is None or start is None else max(limit - start, 0)
 
 
-def _fusion_bytes(comps: dict, comp: dict[str, Instr], ins: Instr, called: str) -> float:
-    """One fusion (or async computation) call: each operand as the fused computation reads it,
-    plus the result; an in-place root update is charged its update only."""
-    body = comps.get(called, {})
+def _uses(body: dict[str, Instr]) -> tuple[dict[str, list[Instr]], dict[int, str]]:
+    """A computation's users of each name, and its parameters by number."""
     users: dict[str, list[Instr]] = {}
     params: dict[int, str] = {}
     for i in body.values():
@@ -169,14 +167,50 @@ def _fusion_bytes(comps: dict, comp: dict[str, Instr], ins: Instr, called: str) 
             users.setdefault(op, []).append(i)
         if i.opcode == "parameter" and i.operands and i.operands[0].isdigit():
             params[int(i.operands[0])] = i.name
+    return users, params
+
+
+def _sliced(comps: dict, users: dict[str, list[Instr]], param: str) -> float | None:
+    """Bytes read of a fused computation's parameter ``param`` when every use only slices it,
+    also through nested fusions (their parameter sliced in turn: a scanned layer's weight is a
+    dynamic slice of the stacked one); None when some use reads it whole."""
+    uses = users.get(param, [])
+    if not uses:
+        return None
+    total = 0.0
+    for u in uses:
+        if u.opcode in SLICING_OPS and u.operands[0] == param:
+            total += shape_bytes(u.shape)  # read from the source, wherever the slice lands
+            continue
+        if u.opcode != "fusion":
+            return None
+        inner_users, inner_params = _uses(comps.get(u.called("calls")[0], {}))
+        parts = [_sliced(comps, inner_users, inner_params.get(k, ""))
+                 for k, op in enumerate(u.operands) if op == param]  # fmt: skip
+        if not parts or any(x is None for x in parts):
+            return None
+        total += sum(parts)
+    return total
+
+
+def _in_hbm(comp: dict[str, Instr], name: str) -> bool:
+    return name in comp and shape_bytes(comp[name].shape, True) > 0
+
+
+def _fusion_bytes(comps: dict, comp: dict[str, Instr], ins: Instr, called: str) -> float:
+    """One fusion (or async computation) call: each operand as the fused computation reads it,
+    plus the result; an in-place root update is charged its update only."""
+    body = comps.get(called, {})
+    users, params = _uses(body)
     root = _root(body)
     roots = [body[n] for n in root.operands] if root and root.opcode == "tuple" else [root]
     updates = [r for r in roots if r is not None and r.opcode in IN_PLACE_OPS]
     total = 0.0
     for k, op in enumerate(ins.operands):
         uses = users.get(params.get(k, ""), [])
-        if uses and all(u.opcode in SLICING_OPS and u.operands[0] == params[k] for u in uses):
-            total += sum(shape_bytes(u.shape, True) for u in uses)
+        sliced = _sliced(comps, users, params.get(k, ""))
+        if sliced is not None:  # a slice of an HBM array reads its bytes from HBM
+            total += sliced if _in_hbm(comp, op) else 0.0
         elif uses and all(u in updates and u.operands[0] == params[k] for u in uses):
             continue  # the buffer updated in place
         elif op in comp:
@@ -198,13 +232,15 @@ def _bytes(comps: dict, comp: dict[str, Instr], ins: Instr) -> float:
     if op in IN_PLACE_OPS:
         update = comp.get(ins.operands[-1] if op == "scatter" else ins.operands[1])
         return 2 * shape_bytes(update.shape, True) if update else 0.0
-    if op in SLICING_OPS:
-        return 2 * shape_bytes(ins.shape, True)
+    if op in SLICING_OPS:  # reads the slice from its source (HBM: even into VMEM), writes it
+        read = shape_bytes(ins.shape, not _in_hbm(comp, ins.operands[0]))
+        return read + shape_bytes(ins.shape, True)
     if op.endswith("-start"):  # ((operands), result, context...): the result is the 2nd array
         arrays = ["".join((a[0], f"[{a[1]}]", a[2])) for a in _ARRAY.findall(ins.shape)]
         result = arrays[1] if ins.shape.startswith("(") and len(arrays) > 1 else arrays[0]
         if op in ("slice-start", "dynamic-slice-start"):  # reads only the slice
-            return shape_bytes(result) + shape_bytes(result, True)
+            read = shape_bytes(result, not _in_hbm(comp, ins.operands[0]))
+            return read + shape_bytes(result, True)
     else:
         result = ins.shape
     read = sum(shape_bytes(comp[o].shape, True) for o in ins.operands if o in comp)
