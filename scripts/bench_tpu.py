@@ -159,6 +159,9 @@ def abstract_call(
     if rows % data:
         raise ValueError(f"--batch-size {rows} does not split over data={data}")
     prompts = rng.integers(1, target.vocab_size, (rows, prompt_tokens)).tolist()
+    target = placed_on(target, devices, mesh)
+    if isinstance(draft, base.Model):
+        draft = placed_on(draft, devices, mesh)
     call = sampler.prepare(
         target, draft, prompts, key=jax.random.key(0), max_new_tokens=max_new_tokens, n=n,
         **kwargs,
@@ -274,7 +277,10 @@ def topology_devices(name: str):
 def placed_on(model: base.Model, devices, mesh) -> base.Model:
     """``model`` with its abstract parameters placed on the topology's chips (the first chip, or
     ``mesh`` by the sharding rules), so every choice made from the devices a call runs on (the
-    layer layout, the commit) is the TPU's while the call is prepared on this CPU process."""
+    layer layout, the commit) is the TPU's while the call is prepared on this CPU process.
+    A model with real weights (a drafter that reads their values) is left as it is."""
+    if not all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(model.params)):
+        return model
     if mesh is None:
         where = jax.tree.map(lambda _: SingleDeviceSharding(devices[0]), model.params)
     else:
@@ -287,10 +293,10 @@ def run(args, parser) -> list[dict]:
     devices = topology_devices(args.topology)
     hbm = HBM_GIB.get(args.topology.split(":")[0], 16) * GIB
     mesh = None if args.mesh is None else sharding.make_mesh(args.mesh, devices)
-    target = placed_on(abstract_model(args.target, args.dtype), devices, mesh)
+    target = abstract_model(args.target, args.dtype)
     draft = None if args.method == "ar" else args.draft
     if draft is not None and not draft.startswith(DRAFTERS):
-        draft = placed_on(abstract_model(args.draft, args.dtype), devices, mesh)
+        draft = abstract_model(args.draft, args.dtype)
     kwargs = sampling_kwargs(args)
     where = f"{args.topology}" + (f" mesh {args.mesh}" if args.mesh else " one chip")
     print(f"# {args.target} ({args.dtype}) on {where}; batch {args.batch_size}, prompt "

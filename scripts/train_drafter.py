@@ -275,7 +275,7 @@ def _main(argv) -> int:
     try:
         return run(args, argv)
     except KeyboardInterrupt:  # Python's own handler (main() off the main thread)
-        print(f"\n{PROG}: interrupted; nothing was saved", file=sys.stderr)
+        print(f"\n{PROG}: interrupted; --out keeps its last checkpoint, if any", file=sys.stderr)
         return INTERRUPTED
     except _Diverged as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

@@ -97,7 +97,7 @@ def test_the_stopped_rollout_leaves_its_loop_early(pair):
         sampling = dataclasses.replace(
             inputs.sampling, draft_stop=jnp.full((batch,), tau, jnp.float32)
         )
-        cache, _, _, _, stop = jax.jit(
+        cache, _, _, _, _, stop = jax.jit(
             lambda c, s: model_draft.rollout(
                 model_draft.own_feed(
                     forward_for(dec.drafter.config), inputs.draft_params, None, batch

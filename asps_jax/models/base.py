@@ -216,7 +216,8 @@ _RUN_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def run_params(model, params=None, *, wide: bool = False):
     """:func:`prepare_params` of ``params`` (default ``model.params``; or e.g. its copy placed
-    on a mesh), made once and remembered per model and ``wide`` for the last ``params`` seen.
+    on a mesh), made once and remembered per model, ``wide`` and layout for the last ``params``
+    seen.
 
     The stored layout stays what checkpoints, sharding rules and ``param_shapes`` describe; on a
     CPU device this is the copy the decoding loop runs on (e.g. Llama's per-layer weights,
@@ -228,14 +229,15 @@ def run_params(model, params=None, *, wide: bool = False):
     """
     params = model.params if params is None else params
     per_model = _RUN_PARAMS.setdefault(model, {})
-    cached = per_model.get(wide)
+    # The layout is chosen from the parameters' placement (before ``eval_shape`` traces them),
+    # and a copy is remembered per layout: a forced layout (tests) does not reuse the other's.
+    scan = scan_layout_for(params)
+    cached = per_model.get((wide, scan))
     if cached is None or cached[0] is not params:
-        # The layout is chosen from the parameters' placement before ``eval_shape`` traces them.
-        scan = scan_layout_for(params)
         prepare = functools.partial(prepare_params, model.config, wide=wide, scan=scan)
         abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(params))
         cached = (params, jax.eval_shape(prepare, params) if abstract else prepare(params))
-        per_model[wide] = cached
+        per_model[(wide, scan)] = cached
     return cached[1]
 
 
