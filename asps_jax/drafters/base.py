@@ -199,3 +199,26 @@ def chain_keys(state, num_chains: int) -> jax.Array:
     keys_B = step_keys(state)
     fold = lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(num_chains))  # noqa: E731
     return jax.vmap(fold)(keys_B).reshape(-1)
+
+
+def load_named(target, spec: str, prefix: str, cache, load, what: str):
+    """The checkpoint that ``draft=spec`` (``prefix`` + a folder) names for ``target``: an explicit
+    folder, else a bundled alias under ``models/``; loaded by ``load(folder, target)`` once per
+    target and folder (``cache``: a weak dictionary keyed by target). ``what`` names it in the
+    error for an empty path."""
+    from pathlib import Path
+
+    path = spec[len(prefix) :]
+    if not path:
+        raise ValueError(f"draft={spec!r}: give the {what}'s folder, e.g. '{prefix}path/to/it'")
+    folder = Path(path)
+    if not folder.exists():
+        from asps_jax.models.cards import MODELS_DIR
+
+        if (MODELS_DIR / path).is_dir():
+            folder = MODELS_DIR / path
+    per_target = cache.setdefault(target, {})
+    key = str(folder.resolve()) if folder.exists() else path
+    if key not in per_target:
+        per_target[key] = load(folder, target)
+    return per_target[key]

@@ -34,7 +34,7 @@ import numpy as np
 
 from asps_jax import footprint, kv_cache
 from asps_jax.drafters import block_model as bm
-from asps_jax.drafters.base import Drafter, Proposal
+from asps_jax.drafters.base import Drafter, Proposal, load_named
 from asps_jax.drafters.head import target_logits
 from asps_jax.drafters.model import rollout_proposal
 from asps_jax.models.base import Model
@@ -259,20 +259,7 @@ def load_block(path, target, *, dtype=jnp.float32) -> Block:
 def block_for(target, spec: str) -> Block:
     """The drafter that ``draft="block:PATH"`` names for ``target`` (loaded once per target and
     path; a bundled alias is a folder under ``models/``)."""
-    path = spec[len(PREFIX) :]
-    if not path:
-        raise ValueError(f"draft={spec!r}: give the drafter's folder, e.g. 'block:path/to/it'")
-    folder = Path(path)
-    if not folder.exists():
-        from asps_jax.models.cards import MODELS_DIR
-
-        if (MODELS_DIR / path).is_dir():
-            folder = MODELS_DIR / path
-    per_target = _BLOCKS.setdefault(target, {})
-    key = str(folder.resolve()) if folder.exists() else path
-    if key not in per_target:
-        per_target[key] = load_block(folder, target)
-    return per_target[key]
+    return load_named(target, spec, PREFIX, _BLOCKS, load_block, "drafter")
 
 
 def drafter(block: Block, target, *, mesh=None, confidence_stop: bool = False) -> BlockDrafter:

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax import kv_cache
-from asps_jax.drafters.head import default_feature_layers
+from asps_jax.drafters.head import default_feature_layers, random_params
+from asps_jax.drafters.head import trainable as trainable  # the same learned subset
 from asps_jax.models import loader
 from asps_jax.models.layers import rms_norm
 from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
@@ -210,21 +211,8 @@ def param_shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
 
 def init_params(c: BlockConfig, key, embed, d2t, std: float = 0.02, dtype=jnp.float32) -> dict:
     """Random weights ~ N(0, std), norm scales 1, with the target's ``embed [V, E]`` and ``d2t``
-    (int32[V_d], the target id of each draft id)."""
-    shapes = param_shapes(c)
-    keys = jax.random.split(key, len(shapes))
-    params = {
-        name: jnp.ones(shape, dtype)
-        if name.endswith("norm")
-        else (std * jax.random.normal(k, shape)).astype(dtype)
-        for k, (name, shape) in zip(keys, shapes.items())
-    }
-    return dict(params, embed=jnp.asarray(embed), d2t=jnp.asarray(d2t, jnp.int32))
-
-
-def trainable(params: dict) -> dict:
-    """The learned parameters (everything but the target's embedding and the vocabulary map)."""
-    return {k: v for k, v in params.items() if k not in ("embed", "d2t")}
+    (the head's :func:`~asps_jax.drafters.head.random_params` of :func:`param_shapes`)."""
+    return random_params(param_shapes(c), key, embed, d2t, std, dtype)
 
 
 # --- Forward ----------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ import numpy as np
 
 from asps_jax import footprint, kv_cache, scoring
 from asps_jax.drafters import head_axes, head_checks
-from asps_jax.drafters.base import Drafter, Proposal
+from asps_jax.drafters.base import Drafter, Proposal, load_named
 from asps_jax.drafters.model import rollout_proposal
 from asps_jax.models import loader
 from asps_jax.models.base import Model
@@ -200,9 +200,13 @@ def param_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
 
 
 def init_params(c: HeadConfig, key, embed, d2t, std: float = 0.02, dtype=jnp.float32) -> dict:
-    """Random weights ~ N(0, std), norm scales 1, with the target's ``embed [V, E]`` and ``d2t``
-    (int32[V_d], the target id of each draft id)."""
-    shapes = param_shapes(c)
+    """Random weights (:func:`random_params` of :func:`param_shapes`)."""
+    return random_params(param_shapes(c), key, embed, d2t, std, dtype)
+
+
+def random_params(shapes: dict, key, embed, d2t, std: float = 0.02, dtype=jnp.float32) -> dict:
+    """Weights of ``shapes`` ~ N(0, std), norm scales 1, with the target's ``embed [V, E]`` and
+    ``d2t`` (int32[V_d], the target id of each draft id); the block drafter's too."""
     keys = jax.random.split(key, len(shapes))
     params = {
         name: jnp.ones(shape, dtype)
@@ -620,20 +624,7 @@ def save_head(path, config: HeadConfig, params: dict, *, embed: bool = False) ->
 def head_for(target, spec: str) -> Head:
     """The head that ``draft="eagle3:PATH"`` names for ``target`` (loaded once per target and
     path; a bundled alias is a folder under ``models/``)."""
-    path = spec[len(PREFIX) :]
-    if not path:
-        raise ValueError(f"draft={spec!r}: give the head's folder, e.g. 'eagle3:path/to/head'")
-    folder = Path(path)
-    if not folder.exists():
-        from asps_jax.models.cards import MODELS_DIR
-
-        if (MODELS_DIR / path).is_dir():
-            folder = MODELS_DIR / path
-    per_target = _HEADS.setdefault(target, {})
-    key = str(folder.resolve()) if folder.exists() else path
-    if key not in per_target:
-        per_target[key] = load_head(folder, target)
-    return per_target[key]
+    return load_named(target, spec, PREFIX, _HEADS, load_head, "head")
 
 
 def drafter(head: Head, target, *, mesh=None, confidence_stop: bool = False) -> EagleHead:
