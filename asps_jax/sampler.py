@@ -391,8 +391,7 @@ def prepare(
     batch_size, stop_bytes, largest = _check_call(target, max_new_tokens, batch_size, mesh, stop)
     target, drafter, draft, spec, tau = plan.resolve(
         target, draft, method=method, num_drafts=num_drafts, num_draft_tokens=num_draft_tokens,
-        tree=tree, max_new_tokens=budget_bucket(largest), options=kwargs, mesh=mesh,
-        **drafting,
+        tree=tree, max_new_tokens=budget_bucket(largest), options=kwargs, mesh=mesh, **drafting,
     )  # fmt: skip
     sampling = Sampling(**given)
     top_logprobs = check_logprob_options(top_logprobs, True, target.vocab_size)
@@ -414,8 +413,7 @@ def prepare(
     )
 
     return Prepared(
-        decoder=decoder,
-        # the same in every process; ``rows``: those each step runs (the slots, else the batch)
+        decoder=decoder,  # inputs: the same in every process, placed for the rows each step runs
         inputs=_placed(decoder, inputs, slot_count or prompts_bp.shape[0], mesh, target, draft),
         batch=batch,
         slots=slot_count,
