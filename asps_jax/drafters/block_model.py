@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax import kv_cache
+from asps_jax.drafters.head import check_matches as head_check
 from asps_jax.drafters.head import default_feature_layers, random_params
 from asps_jax.drafters.head import trainable as trainable  # the same learned subset
 from asps_jax.models import loader
@@ -414,22 +415,6 @@ def save(path, config: BlockConfig, params: dict, *, embed: bool = False) -> Pat
 
 
 def check_matches(c: BlockConfig, target, where: str) -> None:
-    """A one-line error unless the drafter ``c`` fits ``target`` (feature width, layers, vocab)."""
-    t = target.config
-    if not hasattr(t, "hidden_size") or not hasattr(t, "num_hidden_layers"):
-        raise ValueError(f"{where}: a block drafter needs a decoder target, got {type(t).__name__}")
-    if c.target_hidden_size != t.hidden_size:
-        raise ValueError(
-            f"{where}: the drafter reads features of width {c.target_hidden_size}, the target "
-            f"{target.name!r} has hidden size {t.hidden_size}; it was trained for another target"
-        )
-    if c.vocab_size != t.vocab_size:
-        raise ValueError(
-            f"{where}: the drafter maps to a vocabulary of {c.vocab_size} tokens, the target "
-            f"{target.name!r} has {t.vocab_size}; it was trained for another target"
-        )
-    if any(not 0 <= i < t.num_hidden_layers for i in c.feature_layers):
-        raise ValueError(
-            f"{where}: the drafter reads target layers {list(c.feature_layers)}, the target has "
-            f"{t.num_hidden_layers} (ids 0 .. {t.num_hidden_layers - 1})"
-        )
+    """A one-line error unless the drafter ``c`` fits ``target`` (feature width, layers, vocab:
+    the head's checks, :func:`asps_jax.drafters.head.check_matches`)."""
+    head_check(c, target, where, noun="drafter", kind="a block drafter")

@@ -513,24 +513,25 @@ def _tensors(folder: Path, where: str) -> dict[str, np.ndarray]:
         raise ValueError(f"{where}: {e}") from None
 
 
-def check_matches(c: HeadConfig, target, where: str) -> None:
-    """A one-line error unless the head ``c`` fits ``target`` (feature width, layers, vocab)."""
+def check_matches(c, target, where: str, noun: str = "head", kind: str = "a learned head") -> None:
+    """A one-line error unless the ``noun`` of config ``c`` (a head, or the block drafter's
+    config: the same fields) fits ``target`` (feature width, layers, vocab)."""
     t = target.config
     if not hasattr(t, "hidden_size") or not hasattr(t, "num_hidden_layers"):
-        raise ValueError(f"{where}: a learned head needs a decoder target, got {type(t).__name__}")
+        raise ValueError(f"{where}: {kind} needs a decoder target, got {type(t).__name__}")
     if c.target_hidden_size != t.hidden_size:
         raise ValueError(
-            f"{where}: the head reads features of width {c.target_hidden_size}, the target "
+            f"{where}: the {noun} reads features of width {c.target_hidden_size}, the target "
             f"{target.name!r} has hidden size {t.hidden_size}; it was trained for another target"
         )
     if c.vocab_size != t.vocab_size:
         raise ValueError(
-            f"{where}: the head maps to a vocabulary of {c.vocab_size} tokens, the target "
+            f"{where}: the {noun} maps to a vocabulary of {c.vocab_size} tokens, the target "
             f"{target.name!r} has {t.vocab_size}; it was trained for another target"
         )
     if any(not 0 <= i < t.num_hidden_layers for i in c.feature_layers):
         raise ValueError(
-            f"{where}: the head reads target layers {list(c.feature_layers)}, the target has "
+            f"{where}: the {noun} reads target layers {list(c.feature_layers)}, the target has "
             f"{t.num_hidden_layers} (ids 0 .. {t.num_hidden_layers - 1})"
         )
 
