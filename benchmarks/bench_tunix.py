@@ -8,7 +8,7 @@ call that compiles; the timed calls alternate between the samplers (``--repeats`
 median is printed, with our speculative sampler's tokens per step. Needs google-tunix (see
 ``.ci/run`` for its light install).
 
-Usage: ``python scripts/bench_tunix.py`` (about a minute); ``--quick`` runs 2 rounds of 4 rows.
+Usage: ``python benchmarks/bench_tunix.py`` (about a minute); ``--quick`` runs 2 rounds of 4 rows.
 """
 
 from __future__ import annotations

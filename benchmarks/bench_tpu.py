@@ -2,7 +2,7 @@
 cost them: the TPU compiler as a second judge of every program the library builds.
 
     pip install -e ".[tpu]"      # libtpu: compiles for TPU topologies without a TPU
-    python scripts/bench_tpu.py --target llama7b --draft llama68m --method asps \\
+    python benchmarks/bench_tpu.py --target llama7b --draft llama68m --method asps \\
         --num-draft-tokens 4 --batch-size 8 --topology v5e:2x2 --mesh model=4
 
 It takes the call ``scripts/sample.py`` takes (method, drafter, n, K, tree, batch, sampling

@@ -51,7 +51,7 @@ no transformers), and the full run adds the checkpoints' write and transformers'
 both models (one was killed at 8.6 GB while it built the pair). Give it 12 GB or more; ``--smoke``
 (tiny shapes) runs anywhere. The script says so on stderr where less memory is free.
 
-    python scripts/bench_cost_ratio.py [--quick] [--n 2 4 8] [--methods ar sps ...] [--no-hf]
+    python benchmarks/bench_cost_ratio.py [--quick] [--n 2 4 8] [--methods ar sps ...] [--no-hf]
                                        [--drafters model quant:int8] [--checkpoints DIR]
                                        [--json PATH]
 """
@@ -72,6 +72,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_model import SHAPES
+from harness import cpu_wall, fill_quick, skip_hf, write_json
 
 import asps_jax
 from asps_jax import decode, drafters, sampler
@@ -85,11 +87,7 @@ from asps_jax.verify import options as verify_options
 from asps_jax.verify import tokenlevel
 from asps_jax.verify.registry import REGISTRY
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import SHAPES  # noqa: E402
-from benchmark import fill_quick, skip_hf  # noqa: E402
-
-# The shapes of scripts/bench_model.py: a ~0.5B-shaped target, the llama-68m-shaped draft.
+# The shapes of benchmarks/bench_model.py: a ~0.5B-shaped target, the llama-68m-shaped draft.
 TARGET, DRAFT = SHAPES["0.5b"], SHAPES["68m"]
 SMOKE_TARGET = dict(TARGET, vocab_size=256, hidden_size=64, intermediate_size=128)
 SMOKE_TARGET.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
@@ -170,7 +168,7 @@ def fit_seconds(vocab: int, method: str, repeats: int) -> float:
     fn = jax.jit(lambda p, q: tokenlevel.importance_sampling_rules(p, q, alive, cfg).q_sel)
     for _ in range(2):
         jax.block_until_ready(fn(p, qs))
-    cpu, _ = _times(lambda: jax.block_until_ready(fn(p, qs)), repeats)
+    cpu, _ = cpu_wall(lambda: jax.block_until_ready(fn(p, qs)), repeats)
     return statistics.median(cpu)
 
 
@@ -229,7 +227,7 @@ def run_transformers(paths, prompt, ns, args) -> list[dict]:
                 tokens.append(generate(args.max_new_tokens, **extra))
                 steps.append(calls[0])
 
-            cpu, wall = _times(once, args.repeats)
+            cpu, wall = cpu_wall(once, args.repeats)
             cpu_s, wall_s = statistics.median(cpu), statistics.median(wall)
             rows.append(
                 dict(
@@ -250,16 +248,6 @@ def run_transformers(paths, prompt, ns, args) -> list[dict]:
     return rows
 
 
-def _times(fn, repeats: int) -> tuple[list[float], list[float]]:
-    cpu, wall = [], []
-    for _ in range(repeats):
-        c0, w0 = time.process_time(), time.perf_counter()
-        fn()
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
-    return cpu, wall
-
-
 def forward_seconds(
     model, cache_len: int, repeats: int, tokens: int = 1, wide: bool = False
 ) -> tuple[float, float]:
@@ -273,7 +261,7 @@ def forward_seconds(
     tok = jnp.ones((1, tokens), jnp.int32)
     for _ in range(2):
         jax.block_until_ready(step(params, cache, tok))
-    cpu, wall = _times(lambda: jax.block_until_ready(step(params, cache, tok)), repeats)
+    cpu, wall = cpu_wall(lambda: jax.block_until_ready(step(params, cache, tok)), repeats)
     return statistics.median(cpu), statistics.median(wall)
 
 
@@ -310,7 +298,7 @@ def run_method(target, draft, prompt, method, n, args, drafter: str = "model") -
         state = compiled(**dict(call, row_keys_B=next(runs)))
         states.append(jax.block_until_ready(state))
 
-    cpu, wall = _times(run_once, args.repeats)
+    cpu, wall = cpu_wall(run_once, args.repeats)
     hist = []
     tokens = 0
     for state in states:
@@ -548,8 +536,7 @@ def main(argv=None) -> int:
         meta["chain_cost_one_row_layout"] = {str(n): k for n, k in chain_cost_one_row.items()}
         meta.update(target_forward_s=t_fwd, draft_forward_s=d_fwd, fit_s=fits)
         meta["checkpoints"] = [str(path) for path in paths]
-        with open(args.json, "w") as f:
-            json.dump({"config": meta, "rows": rows, "transformers": hf}, f, indent=2)
+        write_json(args.json, {"config": meta, "rows": rows, "transformers": hf})
     return 0
 
 
