@@ -96,20 +96,21 @@ def median_call_s(fn, *args, repeats: int = 30) -> float:
 
 
 def side_by_side(
-    candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+    candidates: dict[str, Callable[[int], object]], repeats: int, warmup: int = 1
 ) -> dict[str, dict]:
     """Each candidate's wall seconds, timed in ``repeats`` interleaved rounds (one call of each
     per round, the order turned by one each round) after ``warmup`` untimed rounds, so that a
-    change in the machine's load falls on every candidate alike. Per name: ``median_s``, the
-    ``times`` and, beside the first candidate (the baseline), ``ratio``: the median of the
-    per-round ratios to it (paired)."""
+    change in the machine's load falls on every candidate alike. A candidate is called with the
+    round's number (0, 1, ...: warm-up rounds first), e.g. to draw with a new seed each round; its
+    result is blocked on. Per name: ``median_s``, the ``times`` and ``ratio``: the median of the
+    per-round ratios to the first candidate's time (paired; 1.0 for the first)."""
     names = list(candidates)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(warmup + repeats):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
-            jax.block_until_ready(candidates[name]())
+            jax.block_until_ready(candidates[name](round_))
             if round_ >= warmup:
                 times[name].append(time.perf_counter() - start)
     base = times[names[0]]

@@ -613,3 +613,23 @@ def test_the_suite_map_lists_every_script_and_its_sections_exist():
         assert (suite / name).is_file(), name
         anchors = re.findall(r"\(\.\./docs/benchmarks\.md#([\w-]+)\)", cell)
         assert anchors and set(anchors) <= slugs, (name, set(anchors) - slugs)
+
+
+def test_harness_interleaves_side_by_side_and_stamps_every_json_row(tmp_path):
+    """benchmarks/harness.py: side_by_side calls each candidate once per round, the order turned
+    by one each round, warm-up rounds untimed; write_json records the machine in every row."""
+    import harness
+
+    calls = []
+    candidates = {name: (lambda r, name=name: calls.append((name, r))) for name in "abc"}
+    timed = harness.side_by_side(candidates, repeats=2, warmup=1)
+    assert calls == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1),
+                     ("c", 2), ("a", 2), ("b", 2)]  # fmt: skip
+    assert [len(timed[n]["times"]) for n in "abc"] == [2, 2, 2] and timed["a"]["ratio"] == 1.0
+    out = tmp_path / "rows.json"
+    harness.write_json(str(out), {"config": {"n": 4}, "rows": [{"tokens": 3}, {"tokens": 5}]})
+    written = json.loads(out.read_text())
+    assert written["config"] == {"n": 4} and [r["tokens"] for r in written["rows"]] == [3, 5]
+    for row in written["rows"]:
+        assert row["machine"]["cpus"] == os.cpu_count() and len(row["machine"]["load"]) == 3
+        assert row["machine"]["jax"] and row["machine"]["devices"]
