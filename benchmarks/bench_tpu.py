@@ -53,6 +53,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from harness import machine  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -89,7 +90,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
         help="programs compiled: step (the call's decode step), ar (the AR step at the same "
         "batch); comma-separated (default step,ar)",
     )
-    g.add_argument("--json-out", default=None, metavar="PATH", help="also write rows as JSON")
+    g.add_argument("--json-out", default=None, metavar="PATH", help="also write rows as JSON lines")
     g.add_argument(
         "--hlo-dir", default=None, metavar="DIR", help="write each optimized HLO text here"
     )
@@ -342,7 +343,9 @@ def main(argv=None) -> int:
         print(f"bench_tpu.py: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     if args.json_out:
-        Path(args.json_out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        where = machine()  # the compiling machine and its load (the figures are estimates)
+        lines = (json.dumps(dict(r, machine=where), default=str) + "\n" for r in rows)
+        Path(args.json_out).write_text("".join(lines))
     return 0 if all(r["compiles"] for r in rows) else 1
 
 
