@@ -6,7 +6,7 @@ is transformers' (``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPL
 ``MinPLogitsWarper``): temperature, then top-k (ties at the k-th value are kept), then top-p (the
 smallest set of most likely tokens whose mass reaches ``top_p``, keeping at least one token), then
 min-p (tokens less likely than ``min_p`` times the most likely one go). The path-dependent controls
-(logit bias, penalties, n-grams) come before all of these, in :mod:`asps_jax.penalties`.
+(logit bias, penalties, n-grams) come before all of these, in :mod:`asps_jax.controls.penalties`.
 
 ``temperature``, ``top_k`` and ``top_p`` may be Python numbers or traced scalars: changing them does
 not recompile. ``temperature == 0`` gives a point mass on the (first) argmax; ``top_k <= 0`` or
@@ -293,9 +293,9 @@ class SamplingParams:
         ``NoBadWordsLogitsProcessor``); int32[B, 0, 1] when no row has one.
       limited: static bool, the call gives ``min_tokens`` (else none of its code is compiled;
         ``bad_words`` is compiled when W > 0, its shape).
-    See :mod:`asps_jax.constraints`.
+    See :mod:`asps_jax.controls.constraints`.
     The controls (bias, penalties, n-grams) depend on each node's path: they are applied by
-    :mod:`asps_jax.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
+    :mod:`asps_jax.controls.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
     """
 
     # Each array field declares its layout (read by :meth:`row_fields` and by
@@ -348,8 +348,8 @@ class SamplingParams:
     ):
         """``constraint``: None, or ``(classes int32[V], next int32[S, C], final bool[S],
         start int32[B])`` from
-        :func:`asps_jax.constraints.stack`. A control or filter left None is absent: its code is
-        not compiled (:attr:`filters`, :attr:`penalized`)."""
+        :func:`asps_jax.controls.constraints.stack`. A control or filter left None is absent: its
+        code is not compiled (:attr:`filters`, :attr:`penalized`)."""
         given = dict(top_k=top_k, top_p=top_p, min_p=min_p)
         filters = tuple(name for name, value in given.items() if value is not None)
         penalized = any(
@@ -413,7 +413,7 @@ class SamplingParams:
     def process(self, logits_BV: jax.Array, *, draft: bool = False) -> jax.Array:
         """Row-wise :func:`process_logits` of ``logits[B, ..., V]`` with each row's parameters
         (temperature, top-k, top-p, min-p; the path-dependent controls come first, see
-        :func:`asps_jax.penalties.process`)."""
+        :func:`asps_jax.controls.penalties.process`)."""
         temperature = self.draft_temperature if draft else self.temperature
         # Only the filters the call gives are compiled (static); among those, batch-level
         # predicates skip the ones no row uses at run time (real branches: a per-row cond under
