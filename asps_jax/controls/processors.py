@@ -57,8 +57,9 @@ def process_logits(
 ) -> jax.Array:
     """Map logits ``[..., V]`` to float32 log-probabilities ``[..., V]`` (``-inf`` = excluded).
 
-    NaN logits are treated as ``-inf``; a row with no finite logit stays all ``-inf`` (callers that
-    sample from it must check, see ``decode``).
+    NaN logits are treated as ``-inf``; a row with every logit ``-inf`` stays all ``-inf`` (callers
+    that sample from it must check, see ``decode``); ``+inf`` counts as the largest logit (its law
+    is unusable by :func:`logits_ok`).
     """
     logits, scaled, greedy = _scaled(logits_V, temperature)
     vocab = logits.shape[-1]
@@ -175,7 +176,8 @@ def _finish(logits, scaled, greedy, min_p):
     # --- Greedy: point mass on the first argmax of the raw logits ---
     # (a row with no finite logit has no argmax: it stays all -inf, as at temperature > 0).
     argmax = jnp.argmax(logits, axis=-1)
-    has_finite = jnp.any(jnp.isfinite(logits), axis=-1, keepdims=True)
+    # (NaN is -inf here; a row with +inf logits fails `logits_ok` and emits nothing.)
+    has_finite = jnp.max(logits, axis=-1, keepdims=True) > NEG_INF
     point = jnp.where(jax.nn.one_hot(argmax, vocab, dtype=bool) & has_finite, 0.0, NEG_INF)
     return jnp.where(greedy, point, logprobs)
 
@@ -224,9 +226,9 @@ def logits_ok(logits_V: jax.Array) -> jax.Array:
     """bool ``[...]``: the law of ``logits[..., V]`` is usable, i.e. no logit is NaN or ``+inf``
     and at least one is finite (``-inf`` masks a token and is fine). The decoding loop stops a row
     at the first law that is not."""
-    logits = jnp.asarray(logits_V)
-    clean = jnp.all(~jnp.isnan(logits) & (logits != jnp.inf), axis=-1)
-    return clean & jnp.any(jnp.isfinite(logits), axis=-1)
+    # One reduction (one all-reduce where the vocabulary is split over chips): the largest logit
+    # is NaN when any is (max propagates NaN), +inf when any is, and -inf when none is finite.
+    return jnp.isfinite(jnp.max(jnp.asarray(logits_V), axis=-1))
 
 
 def sample_token(key: jax.Array, logprobs_V: jax.Array) -> jax.Array:
