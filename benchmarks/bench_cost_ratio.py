@@ -58,8 +58,8 @@ while it built the pair). Give it 12 GB or more; ``--quick`` (its smaller pair) 
 ``--smoke`` (tiny shapes) runs anywhere. The script says so on stderr where less memory is free.
 
     python benchmarks/bench_cost_ratio.py [--quick] [--n 2 4 8] [--methods ar sps ...] [--no-hf]
-                                       [--drafters model quant:int8] [--checkpoints DIR]
-                                       [--json PATH]
+                                          [--drafters model quant:int8] [--checkpoints DIR]
+                                          [--json PATH]
 """
 
 from __future__ import annotations

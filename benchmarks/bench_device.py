@@ -19,8 +19,8 @@ The device is whatever JAX picks (``JAX_PLATFORMS`` chooses); ``--smoke`` runs t
 test suite runs it on the CPU).
 
     python benchmarks/bench_device.py [--smoke] [--batches 1,8,32] [--methods ar,asps,...]
-                                   [--max-new-tokens M] [--repeats R] [--compile-threads T]
-                                   [--json PATH]
+                                      [--max-new-tokens M] [--repeats R] [--compile-threads T]
+                                      [--json PATH]
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ Shapes: ``68m`` (llama-68m: hidden 768, 2 layers, 12 heads, MLP 3072, vocab 3200
 (hidden 2048, 8 layers, 16 heads, MLP 5632, vocab 32000: 0.54B parameters, 2.2 GB in float32).
 
     python benchmarks/bench_model.py [--shapes 68m,0.5b] [--widths 2,5,9,17] [--repeats R]
-                                  [--ar-tokens M] [--json PATH]
+                                     [--ar-tokens M] [--json PATH]
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ token against the memory roofline, and the logit error against full precision.
    positions.
 
     python benchmarks/bench_quant.py [--shapes 68m 0.5b] [--new-tokens 32] [--repeats 3]
-                                  [--group 128] [--json PATH]
+                                     [--group 128] [--json PATH]
 
 ``--smoke``: a tiny shape, a few tokens, one repeat (a self-test of the script in seconds).
 """

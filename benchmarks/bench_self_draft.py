@@ -16,8 +16,8 @@ temperature 1: tokens per step (mean over all steps of all rows, with its standa
 token-level acceptance, wall tokens/s and CPU tokens/s (medians of ``--repeats`` runs).
 
     python benchmarks/bench_self_draft.py [--pair bundled|random-0.5b] [--layers 1 2 3] [--n 4]
-                                       [--quant int8 int4:16] [--drafts 1] [--batch-size 4]
-                                       [--max-new-tokens 128] [--repeats 3]
+                                          [--quant int8 int4:16] [--drafts 1] [--batch-size 4]
+                                          [--max-new-tokens 128] [--repeats 3]
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ times the default ``is`` rule's per-node preparation (one node, K = 4) at the pa
 V = 32000.
 
     python benchmarks/bench_verify.py [--drafts] [--quick] [--methods M ...] [--vocab V]
-                                   [--repeats R] [--json PATH]
+                                      [--repeats R] [--json PATH]
     python benchmarks/bench_verify.py --real [--positions N] [--ks K ...]
-                                   [--draft-temperatures T ...] [--json PATH]
+                                      [--draft-temperatures T ...] [--json PATH]
 """
 
 from __future__ import annotations

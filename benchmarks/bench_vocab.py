@@ -13,7 +13,7 @@ penalties, top-k, top-p, min-p), no-repeat 3-grams, a logit bias on 16 ids, 4 st
 regex, a three-field JSON schema and the top-5 log-probs.
 
     python benchmarks/bench_vocab.py [--vocabs 2048,32000,100261,262144] [--methods asps,tv]
-                                  [--batches 4,32] [--features ...] [--smoke] [--json PATH]
+                                     [--batches 4,32] [--features ...] [--smoke] [--json PATH]
 """
 
 from __future__ import annotations

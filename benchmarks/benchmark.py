@@ -26,7 +26,7 @@ checkpoint has none). A progress bar runs on stderr when stdout is a terminal (`
 it off).
 
     python benchmarks/benchmark.py [--quick] [--methods M ...] [--n N ...] [--k K ...] [--json PATH]
-                                [--prompts FILE | --task wmt16|cnndm|dolly] [--quiet]
+                                   [--prompts FILE | --task wmt16|cnndm|dolly] [--quiet]
 """
 
 from __future__ import annotations
