@@ -18,14 +18,16 @@ replica per root path. The stages see the tree by node:
    once (``verify.step.scored_slots``); the target laws are processed per node from its path;
 3. ``verify``: the method's verifier through its one adapter (``verify.step.verify_step``: chain
    and multi-draft verifiers read the root paths, tree verifiers the nodes), which returns the
-   verdict, the accepted path as nodes and the replica that drew it; then EOS and stop-string
-   truncation of the emitted block (``controls.cut``);
+   verdict, the accepted path as nodes and the replica that drew it; then the emitted block's
+   end (EOS, a constraint's dead slot, a stop string: ``controls.cut``);
 4. ``commit``: the accepted path (root, then the accepted nodes) into the target cache, and the
    drafter's state after it (``Drafter.commit``: a draft model's replicas synced to the replica
    that drew it);
 5. ``metrics``: the per-row counters (``statistics.update``);
 6. ``emit``: the emitted tokens, and the target's log-probability of each (gathered from the laws
    the score stage already processed, along the accepted path), into each row's output.
+
+After either kind of step the rows' history takes the emitted tokens (``controls.commit``).
 
 ``generate`` runs prefill and the whole loop in one ``lax.while_loop``; ``prefill`` + ``step`` are
 the step-wise entry points for streaming.
