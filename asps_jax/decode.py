@@ -18,14 +18,16 @@ replica per root path. The stages see the tree by node:
    once (``verify.step.scored_slots``); the target laws are processed per node from its path;
 3. ``verify``: the method's verifier through its one adapter (``verify.step.verify_step``: chain
    and multi-draft verifiers read the root paths, tree verifiers the nodes), which returns the
-   verdict, the accepted path as nodes and the replica that drew it; then EOS and stop-string
-   truncation of the emitted block (``stopping.py``);
+   verdict, the accepted path as nodes and the replica that drew it; then the emitted block's
+   end (EOS, a constraint's dead slot, a stop string: ``controls.cut``);
 4. ``commit``: the accepted path (root, then the accepted nodes) into the target cache, and the
    drafter's state after it (``Drafter.commit``: a draft model's replicas synced to the replica
    that drew it);
 5. ``metrics``: the per-row counters (``statistics.update``);
 6. ``emit``: the emitted tokens, and the target's log-probability of each (gathered from the laws
    the score stage already processed, along the accepted path), into each row's output.
+
+After either kind of step the rows' history takes the emitted tokens (``controls.commit``).
 
 ``generate`` runs prefill and the whole loop in one ``lax.while_loop``; ``prefill`` + ``step`` are
 the step-wise entry points for streaming.
@@ -55,9 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from asps_jax import kv_cache, scoring, sharding, statistics, trees
-from asps_jax.controls import constraints, penalties, stopping
-from asps_jax.controls.processors import SamplingParams, logits_ok, sample_token
+from asps_jax import controls, kv_cache, scoring, sharding, statistics, trees
 from asps_jax.drafters.base import Drafter, Proposal, step_keys, unusable_depths
 from asps_jax.models import forward_for
 from asps_jax.statistics import DecodeStats
@@ -67,6 +67,8 @@ from asps_jax.verify.registry import REGISTRY, Method
 from asps_jax.verify.step import scored_slots, verify_step
 
 __all__ = ["DecodeState", "DecodeStats", "Decoder", "SamplingParams", "SpecConfig"]
+
+SamplingParams = controls.SamplingParams  # the per-row sampling parameters every entry point takes
 
 _PURPOSE_VERIFY = 1  # (drafting is purpose 0: drafters.base.PURPOSE_DRAFT)
 _PURPOSE_AR = 2
@@ -129,7 +131,7 @@ class DecodeState:
       row_keys: typed PRNG keys [B], one base key per row.
       stats: the per-row :class:`~asps_jax.statistics.DecodeStats`.
       history: each row's committed text and token counts, for the path-dependent controls
-        (:class:`~asps_jax.controls.penalties.History`).
+        (:class:`~asps_jax.controls.History`).
       top_logprobs: ``(ids int32[B, max_new_tokens + D + 1, k], logprobs float32[...,k])``, the
         k most likely tokens of the processed target law of each emitted token
         (``Decoder.top_logprobs`` = k; k = 0 records nothing).
@@ -138,7 +140,7 @@ class DecodeState:
         ``log_softmax(logits)`` at temperature 1 with no control, filter or constraint; 0.0
         after the row's end.
       stop: the stop strings and each row's last bytes of text
-        (:class:`~asps_jax.controls.stopping.StopStrings`); None without stop strings.
+        (:class:`~asps_jax.controls.StopStrings`); None without stop strings.
       budget: int32[B], each row's ``max_new_tokens`` (at most ``SpecConfig.max_new_tokens``,
         the static output width): a traced value, so budgets within one width share a program.
     """
@@ -152,10 +154,10 @@ class DecodeState:
     done: jax.Array
     row_keys: jax.Array
     stats: DecodeStats
-    history: penalties.History
+    history: controls.History
     top_logprobs: tuple[jax.Array, jax.Array]
     raw_logprobs: jax.Array
-    stop: stopping.StopStrings | None = None
+    stop: controls.StopStrings | None = None
     budget: jax.Array | None = None
 
 
@@ -249,7 +251,7 @@ class Decoder:
         budget_B=None,
     ) -> DecodeState:
         """Build the caches from right-padded prompts; the last prompt token becomes the root.
-        ``stop``: the call's :class:`~asps_jax.controls.stopping.StopStrings` (None: none);
+        ``stop``: the call's :class:`~asps_jax.controls.StopStrings` (None: none);
         ``budget_B``: int32[B], each row's ``max_new_tokens`` (None: ``spec.max_new_tokens`` for
         every row)."""
         return _prefill(
@@ -380,7 +382,7 @@ def _fresh_rows(dec: Decoder, prompts_BP, lengths_B, committed_B, row_keys_B, bu
         done=lengths_B <= 0,
         row_keys=row_keys_B,
         stats=DecodeStats.zeros(batch, n),
-        history=penalties.History.init(
+        history=controls.History.init(
             prompts_BP, lengths_B, dec.target_config.vocab_size, out_width
         ),
         top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
@@ -451,22 +453,6 @@ def _budget(spec: SpecConfig, batch: int, budget_B) -> jax.Array:
 # One step
 
 
-def _is_eos(tokens, eos_ids) -> jax.Array:
-    """``tokens[...]`` is one of ``eos_ids`` (int32[num_eos], -1 entries unused)."""
-    eos = eos_ids.reshape((1,) * tokens.ndim + eos_ids.shape)
-    return jnp.any((tokens[..., None] == eos) & (eos >= 0), axis=-1)
-
-
-def _first_eos_length(block_BT, num_B, eos_ids):
-    """Truncate each row's ``num`` at its first EOS (kept); returns (num, hit_eos)."""
-    width = block_BT.shape[1]
-    pos = jnp.arange(width)[None, :]
-    is_eos = _is_eos(block_BT, eos_ids) & (pos < num_B[:, None])
-    first = jnp.min(jnp.where(is_eos, pos, width), axis=1)
-    hit = first < width
-    return jnp.where(hit, first + 1, num_B), hit
-
-
 def _write_block(row_out, row_new, start, count):
     """One row: ``row_out[start + j] = row_new[j]`` for ``j < count`` (leading axis; the rest of
     ``row_out``, and slots ``j >= count``, unchanged)."""
@@ -499,14 +485,6 @@ def _emit(
     )
 
 
-def _first_stop(sampling, state) -> jax.Array | None:
-    """int32[B]: the first token of this step's block that may complete a stop string (the
-    row's ``min_tokens``-th generated token and after); None without ``min_tokens``."""
-    if not sampling.limited:
-        return None
-    return jnp.maximum(sampling.min_tokens - state.num_generated - 1, 0).astype(jnp.int32)
-
-
 def _first_false(ok_X, absent: int) -> jax.Array:
     """The first index along the last axis where ``ok`` is False, ``absent`` where none is."""
     return jnp.where(jnp.all(ok_X, axis=-1), absent, jnp.argmax(~ok_X, axis=-1))
@@ -521,27 +499,24 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
             forward, target_params, state.target_cache, state.root[:, None], valid_BT
         )
         logits_BTV = sharding.constrain(logits_BTV, ("batch", None, "vocab"), dec.mesh)
-        logprobs_BTV, has_mass_BT = penalties.process(
+        logprobs_BTV, has_mass_BT = controls.laws(
             sampling, state.history, logits_BTV, jnp.zeros((batch, 1, 0), jnp.int32), [0]
         )
         logprobs_BV = logprobs_BTV[:, 0]
     with jax.named_scope("verify"):
-        next_B = jax.vmap(sample_token)(step_keys(state, _PURPOSE_AR), logprobs_BV)
+        next_B = jax.vmap(controls.sample_token)(step_keys(state, _PURPOSE_AR), logprobs_BV)
         active_B = ~state.done
         # A row whose law is unusable emits nothing and stops there.
-        failed_B = active_B & ~(logits_ok(logits_BTV[:, 0]) & has_mass_BT[:, 0])
+        failed_B = active_B & ~(controls.logits_ok(logits_BTV[:, 0]) & has_mass_BT[:, 0])
         num_B = (active_B & ~failed_B).astype(jnp.int32)
     with jax.named_scope("commit"):
         nodes_B1 = jnp.zeros((batch, 1), jnp.int32)
         t_cache, row_loop = state.target_cache, kv_cache.row_loop_for(dec.mesh, state)
         t_cache = kv_cache.commit(t_cache, new_kv, nodes_B1, num_B, row_loop=row_loop)
-        num_B, hit = _first_eos_length(next_B[:, None], num_B, sampling.eos_ids)
-        num_B, ended_B = constraints.dead_slots(sampling, state.history, next_B[:, None], num_B)
-        # One token: a stop string it completes is kept with it (num stays).
-        num_B, hit_stop, stop = stopping.advance(
-            state.stop, next_B[:, None], num_B, _first_stop(sampling, state)
+        # One token: an EOS or a stop string it completes is kept with it (num stays).
+        num_B, hit, stop = controls.cut(
+            sampling, state.history, state.stop, next_B[:, None], num_B, state.num_generated
         )
-        hit = hit | ended_B | hit_stop
     with jax.named_scope("metrics"):
         stats = statistics.update(
             state.stats,
@@ -572,7 +547,7 @@ def _finish_drafts(dec: Decoder, sampling, state, proposal: Proposal) -> Drafts:
     tokens_BKD, draft_lp_BKDV = proposal.tokens_BKD, proposal.logprobs_BKDV
     # Drafts are shortened so that a step never emits past max_new_tokens, and end at an EOS.
     remaining_B = state.budget - state.num_generated
-    is_eos = _is_eos(tokens_BKD, sampling.eos_ids)
+    is_eos = controls.is_eos(sampling, tokens_BKD)
     first_eos = jnp.where(jnp.any(is_eos, -1), jnp.argmax(is_eos, -1) + 1, n)
     reach_BK = jnp.minimum(jnp.clip(remaining_B - 1, 0, n)[:, None], first_eos)
     lengths_BK = jnp.minimum(reach_BK, proposal.usable_BK)
@@ -604,7 +579,7 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
     """Stage 2: one target forward over the tree's scored slots (``drafts.scored_BN``: a slot
     attends to the scored slots of its root path); returns the processed target log-probs by
     node, float32[B, N, V] (node i: the target after node i), whether each of those laws is
-    usable, bool[B, N] (:func:`asps_jax.controls.processors.logits_ok`), the tree's new keys /
+    usable, bool[B, N] (:func:`asps_jax.controls.logits_ok`), the tree's new keys /
     values, the number of draft nodes scored per row, int32[B], and the raw logits, [B, N, V]."""
     tree = dec.spec.tree.nodes
     scored_BN = drafts.scored_BN == jnp.arange(tree.num_nodes)[None, :]
@@ -623,9 +598,9 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
     logits_BNV = sharding.constrain(logits_BNV, ("batch", None, "vocab"), dec.mesh)
     # Node i's path: its ancestors' tokens below the root.
     path_BND = drafts.tokens_BN[:, np.maximum(tree.paths[:, 1:], 0)]
-    lp_BNV, mass_BN = penalties.process(sampling, state.history, logits_BNV, path_BND, tree.depth)
+    lp_BNV, mass_BN = controls.laws(sampling, state.history, logits_BNV, path_BND, tree.depth)
     scored_B = jnp.sum(scored_BN, axis=1) - 1
-    return lp_BNV, logits_ok(logits_BNV) & mass_BN, new_kv, scored_B, logits_BNV
+    return lp_BNV, controls.logits_ok(logits_BNV) & mass_BN, new_kv, scored_B, logits_BNV
 
 
 def _verify(dec: Decoder, state, drafts: Drafts, target_lp_BNV) -> tuple[Verdict, jax.Array]:
@@ -726,18 +701,13 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         bad_B = jnp.minimum(bad_target_B, bad_draft_B)
         failed_B = active_B & (bad_B < num_B)
         num_B = jnp.where(failed_B, bad_B, num_B)
-        # An EOS inside the emitted block ends the row there (before any failure), and so does
-        # the first token that completes a stop string in the row's text (whichever is first);
-        # the tokens after it are neither committed nor emitted.
-        num_B, hit_eos = _first_eos_length(verdict.tokens, num_B, sampling.eos_ids)
-        # A slot drawn at a node whose constraint state allows nothing is dropped: the row's
-        # constrained text ended before it.
-        num_B, ended_B = constraints.dead_slots(sampling, state.history, verdict.tokens, num_B)
-        num_B, hit_stop, stop = stopping.advance(
-            state.stop, verdict.tokens, num_B, _first_stop(sampling, state)
+        # An EOS inside the emitted block ends the row there (before any failure), and so do a
+        # slot drawn at a constraint's dead node (dropped) and the first token that completes a
+        # stop string (whichever is first); the tokens after it are neither committed nor emitted.
+        num_B, ended_B, stop = controls.cut(
+            sampling, state.history, state.stop, verdict.tokens, num_B, state.num_generated
         )
-        hit_eos = hit_eos | hit_stop
-        failed_B = failed_B & ~hit_eos & ~ended_B
+        failed_B = failed_B & ~ended_B
     with jax.named_scope("commit"):
         new_state = _commit(
             dec, state, drafts, new_kv, path_BT, verdict.draft_index, num_B, verdict.tokens
@@ -762,7 +732,7 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         new_state = _record_raw_logprobs(dec, new_state, path_logits_BTV, verdict.tokens, num_B)
     with jax.named_scope("emit"):
         block_lp_BT = _emitted_logprobs(path_lp_BTV, verdict)
-        done_B = hit_eos | failed_B | ended_B
+        done_B = ended_B | failed_B
         return _emit(dec, new_state, verdict.tokens, block_lp_BT, num_B, done_B)
 
 
@@ -804,6 +774,5 @@ def _step(dec: Decoder, target_params, draft_params, sampling, state):
         new_state.tokens, state.num_generated
     )
     num_B = new_state.num_generated - state.num_generated
-    history = state.history.append(block_BT, num_B)
-    history = constraints.commit(sampling, history, block_BT, num_B)
+    history = controls.commit(sampling, state.history, block_BT, num_B)
     return dataclasses.replace(new_state, history=history)

@@ -21,6 +21,7 @@ import numpy as np
 from asps_jax import (
     arguments,
     compile_cache,
+    controls,
     decode,
     drafters,
     footprint,
@@ -30,9 +31,7 @@ from asps_jax import (
     statistics,
 )
 from asps_jax.checks import check_int
-from asps_jax.controls import stopping
-from asps_jax.controls.processors import SamplingParams
-from asps_jax.controls.sampling import HostConstraint, Sampling, bad_words_per_prompt
+from asps_jax.controls import HostConstraint, Sampling, SamplingParams, bad_words_per_prompt
 from asps_jax.models.base import run_params
 from asps_jax.plan import MAX_TREE_NODES, METHODS, check_memory  # noqa: F401  (the API's names)
 from asps_jax.verify import registry
@@ -229,7 +228,7 @@ class DecodeInputs:
       prompts_BP: int32[B, P], right-padded prompts (``B`` a padded batch).
       prompt_lengths_B: int32[B]; 0 for the padding rows (they start done).
       row_keys_B: one PRNG key per row.
-      stop: the call's :class:`~asps_jax.controls.stopping.StopStrings`, or None (with
+      stop: the call's :class:`~asps_jax.controls.controls.StopStrings`, or None (with
         :attr:`Prepared.slots`, one tail per slot).
       budget_B: int32[B], each row's ``max_new_tokens`` (a traced value, at most the static
         ``SpecConfig.max_new_tokens``); 1 for the padding rows.
@@ -241,7 +240,7 @@ class DecodeInputs:
     prompts_BP: jax.Array = _layout(sharding.ROWS)
     prompt_lengths_B: jax.Array = _layout(sharding.ROWS)
     row_keys_B: jax.Array = _layout(sharding.ROWS)
-    stop: stopping.StopStrings | None = _layout(sharding.FIELDS, None)
+    stop: controls.StopStrings | None = _layout(sharding.FIELDS, None)
     budget_B: jax.Array | None = _layout(sharding.ROWS, None)
 
     def kwargs(self) -> dict:
@@ -430,7 +429,7 @@ def _check_call(target, max_new_tokens, batch_size, mesh, stop):
         check_int("max_new_tokens", max_new_tokens, 1)
     if batch_size is not None:
         batch_size = check_int("batch_size", batch_size, 1)
-    stop_bytes = stopping.validate_stop(stop)
+    stop_bytes = controls.validate_stop(stop)
     if stop_bytes and getattr(target, "tokenizer", None) is None:
         raise ValueError(
             "stop: stop strings are matched against the tokens' text, and the target model was "
@@ -451,8 +450,8 @@ def _decode_inputs(
     budget_b[:batch] = budgets
     stop_state = None
     if stop_bytes:
-        table = stopping.cached_table(target.tokenizer, target.vocab_size)
-        stop_state = stopping.stop_strings(table, stop_bytes, slot_count or padded)
+        table = controls.cached_table(target.tokenizer, target.vocab_size)
+        stop_state = controls.stop_strings(table, stop_bytes, slot_count or padded)
     return DecodeInputs(
         target_params=target.params,
         draft_params=None if draft is None else draft.params,

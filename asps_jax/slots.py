@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import decode
-from asps_jax.controls.processors import SamplingParams
+from asps_jax.controls import SamplingParams
 from asps_jax.statistics import DecodeStats
 
 __all__ = ["Prompts", "Results", "SlotState", "advance", "run", "running", "start"]

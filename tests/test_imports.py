@@ -1,5 +1,6 @@
 """The package's import graph, read from the source with ``ast`` (every import, including those
-inside functions): it has no cycle, and no lazy ``"module:attr"`` string import is left."""
+inside functions): it has no cycle, no lazy ``"module:attr"`` string import is left, and outside
+``asps_jax/controls/`` only that package itself is imported, never one of its modules."""
 
 from __future__ import annotations
 
@@ -90,3 +91,40 @@ def test_no_lazy_string_import_is_left():
     assert not hits, hits
     for p in PACKAGE.rglob("*.py"):
         assert 'importlib.import_module(f"asps_jax' not in p.read_text() or p.name == "base.py", p
+
+
+def _controls_reads(path: Path, modules: set[str]) -> list[str]:
+    """The places where ``path`` reaches past ``asps_jax.controls`` into one of its modules:
+    ``import asps_jax.controls.m``, ``from asps_jax.controls.m import ...``, ``from
+    asps_jax.controls import m`` and ``controls.m`` (the package's modules are ``modules``)."""
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            hits += [a.name for a in node.names if a.name.startswith("asps_jax.controls.")]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.startswith("asps_jax.controls."):
+                hits.append(f"from {node.module}")
+            elif node.module == "asps_jax.controls":
+                hits += [f"from asps_jax.controls import {a.name}" for a in node.names
+                         if a.name in modules]  # fmt: skip
+        elif isinstance(node, ast.Attribute) and node.attr in modules:
+            if isinstance(node.value, ast.Name) and node.value.id == "controls":
+                hits.append(f"controls.{node.attr}")
+    return [f"{path.relative_to(PACKAGE.parent)}:{h}" for h in hits]
+
+
+def test_outside_the_controls_package_only_its_facade_is_imported():
+    controls = PACKAGE / "controls"
+    modules = {p.stem for p in controls.glob("*.py")} - {"__init__"}
+    assert {"penalties", "constraints", "automaton", "facade"} <= modules
+    outside = [p for p in PACKAGE.rglob("*.py") if controls not in p.parents]
+    hits = [h for p in outside for h in _controls_reads(p, modules)]
+    assert not hits, hits
+    decode = ast.parse((PACKAGE / "decode.py").read_text())
+    reads = [
+        node.module
+        for node in ast.walk(decode)
+        if isinstance(node, ast.ImportFrom)
+        and ("controls" in (node.module or "") or any(a.name == "controls" for a in node.names))
+    ]
+    assert reads == ["asps_jax"], reads  # decode: `from asps_jax import controls`, nothing else

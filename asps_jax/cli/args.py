@@ -11,8 +11,7 @@ import math
 
 from asps_jax import sampler
 from asps_jax.cli import flags
-from asps_jax.controls.sampling import Sampling
-from asps_jax.controls.stopping import validate_stop
+from asps_jax.controls import Sampling, validate_stop
 from asps_jax.verify.api import TREE_METHODS
 from asps_jax.verify.registry import DEFAULT_METHOD, REFERENCE_METHODS, describe
 

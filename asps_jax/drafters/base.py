@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from asps_jax.controls.processors import logits_ok
+from asps_jax.controls import logits_ok
 
 PURPOSE_DRAFT = 0  # the step key's purpose for drafting (decode folds in the others)
 

@@ -1,7 +1,7 @@
 """Prompt-lookup drafting: draft chains copied from the row's own text (docs/algorithms.md §9).
 
 The drafter reads each row's committed text, the prompt followed by the generated tokens (the
-root last; :class:`asps_jax.controls.penalties.History`). The last ``m`` tokens (``m =
+root last; :class:`asps_jax.controls.History`). The last ``m`` tokens (``m =
 lookup_ngram``) are searched for among the earlier text; the continuation of an occurrence (the
 tokens after it, up to ``lookup_max`` and never past the root) is a draft chain. Chain k is the k-th
 most recent *distinct* continuation: candidates are taken from the most recent occurrence backwards,
@@ -30,8 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from asps_jax import footprint
-from asps_jax.controls import constraints
+from asps_jax import controls, footprint
 from asps_jax.drafters.base import Drafter, Proposal
 from asps_jax.logspace import NEG_INF
 
@@ -97,11 +96,7 @@ def constraint_filter(sampling, state):
 
     def allowed(windows_HD):
         states_H = jnp.broadcast_to(state, windows_HD.shape[:1])
-        ok = []
-        for d in range(windows_HD.shape[1]):
-            ok.append(constraints.allows(sampling, states_H, windows_HD[:, d]))
-            states_H = constraints.advance(sampling, states_H, windows_HD[:, d])
-        return jnp.stack(ok, axis=1)
+        return controls.allows_along(sampling, states_H, windows_HD)
 
     return allowed
 
@@ -119,14 +114,12 @@ def lookup_drafts(
     """The lookup chains of every row: ``(tokens int32[B, K, D], logprobs float32[B, K, D, V],
     lengths int32[B, K])``; ``logprobs`` are the point-mass laws (0 at the token, -inf
     elsewhere; at depths past a chain's length a point mass on token 0, never read). With a
-    constrained ``sampling`` (:class:`~asps_jax.controls.processors.SamplingParams`), each row's
+    constrained ``sampling`` (:class:`~asps_jax.controls.SamplingParams`), each row's
     candidates are cut before their first token its constraint forbids (:func:`row_candidates`).
     """
     constrained = sampling is not None and sampling.constrained
     states_B = (
-        constraints.root_states(sampling, history)
-        if constrained
-        else jnp.zeros_like(history.length)
+        controls.root_states(sampling, history) if constrained else jnp.zeros_like(history.length)
     )
 
     def row(text, length, state):

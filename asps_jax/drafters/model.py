@@ -8,7 +8,7 @@ draft tokens): when every draft token is accepted the cache then already holds t
 block, and rolling back is only a matter of resetting the per-row lengths (:meth:`ModelDraft.
 commit`, which also syncs the replicas to the one whose path was accepted).
 
-Each drafted token is drawn through :func:`asps_jax.controls.penalties.process` (the sampling
+Each drafted token is drawn through :func:`asps_jax.controls.laws` (the sampling
 controls on the chain's own path), and the log-law it was drawn from is returned: verification must
 compare against exactly that law. A branching tree (``SpecConfig.widths``) draws every node's
 children from one law with one key (:class:`~asps_jax.trees.BranchingPlan`). The confidence stop
@@ -27,9 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from asps_jax import footprint, kv_cache, scoring, sharding
-from asps_jax.controls import penalties
-from asps_jax.controls.processors import sample_token
+from asps_jax import controls, footprint, kv_cache, scoring, sharding
 from asps_jax.drafters.base import Drafter, Proposal, chain_keys, finite_laws
 from asps_jax.draws import draw_without_replacement
 from asps_jax.models import forward_for
@@ -148,7 +146,7 @@ def _law(logits_R1V, at, path_RD, *, sampling, history, mesh):
     ``(logprobs float32[R, V], usable bool[R], finite bool[R])`` (finite: the raw logits',
     :func:`~asps_jax.drafters.base.finite_laws`)."""
     logits_R1V = sharding.constrain(logits_R1V, ("batch", None, "vocab"), mesh)
-    lp_R1V, mass_R1 = penalties.process(
+    lp_R1V, mass_R1 = controls.laws(
         sampling, history, logits_R1V, path_RD[:, None], at[None], draft=True
     )
     finite_R = finite_laws(logits_R1V[:, 0])
@@ -171,7 +169,7 @@ def _draw_tree(plan, depth, keys_R, logprobs_RV, ok_R, finite_R):
     finite_R = finite_R[first_R]
     if plan.replace:
         child_keys = jax.vmap(jax.random.fold_in)(keys_R, sibling_R)
-        return jax.vmap(sample_token)(child_keys, logprobs_RV), logprobs_RV, ok_R, finite_R
+        return jax.vmap(controls.sample_token)(child_keys, logprobs_RV), logprobs_RV, ok_R, finite_R
 
     def without_replacement(key, logprobs_V, s):
         return draw_without_replacement(key, logprobs_V, plan.max_width)[s]
@@ -202,7 +200,7 @@ def rollout(
       cache: what ``feed`` reads and writes; returned with the rollout's slots written.
       root_R: int32[R], the token every chain starts from (the last emitted token).
       keys_R: typed PRNG keys [R], one per chain; depth ``i`` uses ``fold_in(key, i)``.
-      sampling / history: the rows' ``SamplingParams`` and ``penalties.History`` (batch R): the
+      sampling / history: the rows' ``SamplingParams`` and ``controls.History`` (batch R): the
         law at depth i is processed from the committed text followed by the row's first i draft
         tokens (its own path), with ``draft_temperature``.
       plan: None (every row draws its own chain), or a :class:`~asps_jax.trees.BranchingPlan`.
@@ -236,7 +234,7 @@ def rollout(
                 plan, depth, depth_keys, logprobs_RV, ok_R, finite_R
             )
         else:
-            next_R = jax.vmap(sample_token)(depth_keys, logprobs_RV)
+            next_R = jax.vmap(controls.sample_token)(depth_keys, logprobs_RV)
         path_RD = jax.lax.dynamic_update_slice_in_dim(path_RD, next_R[:, None], depth, axis=1)
         return (cache, next_R, path_RD), (next_R, logprobs_RV, ok_R, finite_R)
 
@@ -303,7 +301,7 @@ def _rollout_stopped(feed, law, cache, root_R, keys_R, n: int, sampling, limit_R
         cache, logits_R1V = feed(cache, token_R, depth)
         at = jnp.minimum(depth, n - 1)
         logprobs_RV, ok_R, finite_R = law(logits_R1V, at, tokens_RD)
-        next_R = jax.vmap(sample_token)(_depth_keys(keys_R, depth), logprobs_RV)
+        next_R = jax.vmap(controls.sample_token)(_depth_keys(keys_R, depth), logprobs_RV)
         growing = depth < n
         unsure_R = jnp.exp(jnp.max(logprobs_RV, axis=-1)) < tau_R
         stop_R = jnp.where(growing & (stop_R > depth) & unsure_R, depth, stop_R)
