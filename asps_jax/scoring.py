@@ -117,9 +117,7 @@ def prefill_cache(forward, params, cache: KVCache, prompts_BP, num_B) -> Filled:
     return Filled(commit(cache, out.kv, nodes_BP, num_B), out.features)
 
 
-def prefill_cache_grouped(
-    forward, params, cache: KVCache, prompts_BP, num_B, group: int
-) -> Filled:
+def prefill_cache_grouped(forward, params, cache: KVCache, prompts_BP, num_B, group: int) -> Filled:
     """:func:`prefill_cache` for a cache whose rows come in groups of ``group`` (a static int)
     that hold one prompt each: cache rows ``g * group .. g * group + group - 1`` take prompt row
     ``g * group * B // rows`` (a prompt's n samples, a draft's K replicas; the last group may be
