@@ -113,7 +113,7 @@ def prefill(
         t_cache = filled.cache
         if dec.drafter is not None:
             draft = dec.drafter.prefill(
-                dec, draft_params, draft, prompts_BP, committed_B, **_features(filled.features)
+                dec, draft_params, draft, prompts_BP, committed_B, **_features(dec, filled)
             )
     fresh = _fresh_rows(dec, prompts_BP, prompt_lengths_B, committed_B, row_keys_B, budget_B)
     state = DecodeState(target_cache=t_cache, draft=draft, stop=stop, **fresh)
@@ -125,9 +125,10 @@ def feature_layers(dec) -> tuple[int, ...]:
     return () if dec.drafter is None else dec.drafter.feature_layers
 
 
-def _features(features) -> dict:
-    """The ``features=`` keyword of a drafter's prefill / refill (none for one that reads none)."""
-    return {} if features is None else {"features": features}
+def _features(dec, filled: scoring.Filled) -> dict:
+    """The ``features=`` keyword of a drafter's prefill / refill: the prompts' features for a
+    drafter that declares feature layers, none for one that reads none."""
+    return {"features": filled.features} if feature_layers(dec) else {}
 
 
 def _fresh_rows(dec, prompts_BP, lengths_B, committed_B, row_keys_B, budget_B) -> dict:
@@ -187,7 +188,7 @@ def insert(
     t_cache, draft = filled.cache, state.draft
     if dec.drafter is not None:
         draft = dec.drafter.refill(
-            dec, draft_params, draft, take_B, prompts_BP, committed_B, **_features(filled.features)
+            dec, draft_params, draft, take_B, prompts_BP, committed_B, **_features(dec, filled)
         )
     fresh = _fresh_rows(dec, prompts_BP, lengths_B, committed_B, row_keys_B, budget_B)
 
