@@ -66,7 +66,7 @@ from asps_jax import (
     stopping,
     trees,
 )
-from asps_jax.decode_state import DecodeState
+from asps_jax.decode_state import DecodeState, Drafts, SpecConfig
 from asps_jax.drafters.base import Drafter, Proposal, step_keys, unusable_depths
 from asps_jax.models import forward_for
 from asps_jax.models.output import ForwardOut
@@ -74,7 +74,6 @@ from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
 from asps_jax.verify import Verdict
 from asps_jax.verify.acceptance import identical_drafts_acceptance
-from asps_jax.verify.registry import REGISTRY, Method
 from asps_jax.verify.step import scored_slots, verify_step
 
 __all__ = ["DecodeState", "DecodeStats", "Decoder", "SamplingParams", "SpecConfig"]
@@ -82,75 +81,6 @@ __all__ = ["DecodeState", "DecodeStats", "Decoder", "SamplingParams", "SpecConfi
 _PURPOSE_VERIFY = 1  # (drafting is purpose 0: drafters.base.PURPOSE_DRAFT)
 _PURPOSE_AR = 2
 _ROWS = "rows"  # the vmap axis over a batch's rows in verification
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-    """Static (hashable) description of the decoding method; changing it recompiles.
-
-    ``method``: the registry :class:`~asps_jax.verify.registry.Method` (a name is resolved
-    through the registry), or None for autoregressive decoding (no draft, plain sampling);
-    ``options``: its options, validated once by the caller (sorted ``(name, value)`` pairs).
-    """
-
-    method: Method | None
-    num_draft_tokens: int  # n (= D, the tree depth)
-    num_drafts: int  # K
-    max_new_tokens: int  # the output width: every row's budget (DecodeState.budget) is <= this
-    options: tuple = ()
-    widths: tuple = ()  # a branching draft tree (tree methods): children per node at each depth
-
-    def __post_init__(self):
-        if isinstance(self.method, str):
-            object.__setattr__(self, "method", REGISTRY.get(self.method))
-
-    @property
-    def uses_draft(self) -> bool:
-        return self.method is not None
-
-    @property
-    def name(self) -> str:
-        """The method's name (``"ar"`` without a draft)."""
-        return "ar" if self.method is None else self.method.name
-
-    @functools.cached_property
-    def tree(self) -> trees.DraftTree:
-        """The step's one draft tree: K chains, or the branching tree ``widths``."""
-        return self.method.draft_tree(self.num_drafts, self.num_draft_tokens, self.widths)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Drafts:
-    """What the draft stage of one step hands to the others: the drawn tree, node-indexed
-    (N nodes of ``SpecConfig.tree``), and per root path (L = K replicas) its usable length.
-
-    Attributes:
-      state: the drafter's state after drawing (``Proposal.state``; ``Drafter.commit`` takes it).
-      target_cache: the target cache with the drafter's scratch slots written, or None
-        (``Proposal.target_cache``).
-      tokens_BN: int32[B, N], each node's token (node 0: the root, the last emitted token).
-      logprobs_BNV: float32[B, N, V], the law each node's token was drawn from (row 0: the law
-        the root's children were drawn from, chain 0's first).
-      lengths_BL: int32[B, L], the usable length of each replica's root path (cut at
-        ``max_new_tokens``, ended at an EOS, ended before a token drawn from an unusable law or
-        outside its law's support); a node is usable iff it lies within the length of the first
-        replica through it (``DraftTree.node_validity``).
-      bad_depth_BL: int32[B, L], the first depth whose draft law was unusable (NaN or ``+inf``
-        logits, or none finite) among the depths the replica would otherwise have used; D + 2
-        when none was.
-      scored_BN: int32[B, N], the slot whose target law stands for each slot, -1 for a slot
-        that holds no usable token (:func:`asps_jax.verify.step.scored_slots`: the merged tree's
-        node for a verifier that merges equal siblings, else the slot itself).
-    """
-
-    state: Any
-    target_cache: Any
-    tokens_BN: jax.Array
-    logprobs_BNV: jax.Array
-    lengths_BL: jax.Array
-    bad_depth_BL: jax.Array
-    scored_BN: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
