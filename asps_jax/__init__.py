@@ -9,8 +9,8 @@ Public API (docs/api.md): verification (:func:`verify_chain`, :func:`verify_draf
 
 from importlib import metadata as _metadata
 
+from asps_jax.controls.processors import process_logits
 from asps_jax.models import Model, check_compatible, load_model
-from asps_jax.processors import process_logits
 from asps_jax.sampler import NonFiniteLogitsError, SampleOutput
 from asps_jax.session import Sampler, Session, sample, stream
 from asps_jax.sharding import ShardingRules, init_distributed, make_mesh

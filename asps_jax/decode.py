@@ -55,22 +55,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from asps_jax import (
-    constraints,
-    decode_state,
-    kv_cache,
-    penalties,
-    scoring,
-    sharding,
-    statistics,
-    stopping,
-    trees,
-)
+from asps_jax import decode_state, kv_cache, scoring, sharding, statistics, trees
+from asps_jax.controls import constraints, penalties, stopping
+from asps_jax.controls.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.decode_state import DecodeState, Drafts, SpecConfig
 from asps_jax.drafters.base import Drafter, Proposal, step_keys, unusable_depths
 from asps_jax.models import forward_for
 from asps_jax.models.output import ForwardOut
-from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
 from asps_jax.verify import Verdict
 from asps_jax.verify.acceptance import identical_drafts_acceptance
@@ -140,8 +131,9 @@ class Decoder:
         budget_B=None,
     ) -> DecodeState:
         """Build the caches from right-padded prompts; the last prompt token becomes the root.
-        ``stop``: the call's :class:`~asps_jax.stopping.StopStrings` (None: none); ``budget_B``:
-        int32[B], each row's ``max_new_tokens`` (None: ``spec.max_new_tokens`` for every row)."""
+        ``stop``: the call's :class:`~asps_jax.controls.stopping.StopStrings` (None: none);
+        ``budget_B``: int32[B], each row's ``max_new_tokens`` (None: ``spec.max_new_tokens`` for
+        every row)."""
         return decode_state.prefill(
             self,
             target_params,
@@ -387,7 +379,7 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
     """Stage 2: one target forward over the tree's scored slots (``drafts.scored_BN``: a slot
     attends to the scored slots of its root path); returns the processed target log-probs by
     node, float32[B, N, V] (node i: the target after node i), whether each of those laws is
-    usable, bool[B, N] (:func:`asps_jax.processors.logits_ok`), the forward's
+    usable, bool[B, N] (:func:`asps_jax.controls.processors.logits_ok`), the forward's
     :class:`~asps_jax.models.output.ForwardOut` (the raw logits [B, N, V], the tree's new keys /
     values, the features of every node for a drafter that reads them), and the number of draft
     nodes scored per row, int32[B]."""

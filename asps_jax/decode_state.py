@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from asps_jax import kv_cache, penalties, scoring, sharding, stopping, trees
+from asps_jax import kv_cache, scoring, sharding, trees
+from asps_jax.controls import penalties, stopping
 from asps_jax.models import forward_for
 from asps_jax.statistics import DecodeStats
 from asps_jax.verify.registry import REGISTRY, Method
@@ -119,7 +120,7 @@ class DecodeState:
       row_keys: typed PRNG keys [B], one base key per row.
       stats: the per-row :class:`~asps_jax.statistics.DecodeStats`.
       history: each row's committed text and token counts, for the path-dependent controls
-        (:class:`~asps_jax.penalties.History`).
+        (:class:`~asps_jax.controls.penalties.History`).
       top_logprobs: ``(ids int32[B, max_new_tokens + D + 1, k], logprobs float32[...,k])``, the
         k most likely tokens of the processed target law of each emitted token
         (``Decoder.top_logprobs`` = k; k = 0 records nothing).
@@ -128,7 +129,7 @@ class DecodeState:
         ``log_softmax(logits)`` at temperature 1 with no control, filter or constraint; 0.0
         after the row's end.
       stop: the stop strings and each row's last bytes of text
-        (:class:`~asps_jax.stopping.StopStrings`); None without stop strings.
+        (:class:`~asps_jax.controls.stopping.StopStrings`); None without stop strings.
       budget: int32[B], each row's ``max_new_tokens`` (at most ``SpecConfig.max_new_tokens``,
         the static output width): a traced value, so budgets within one width share a program.
     """
@@ -163,9 +164,9 @@ def prefill(
 ):
     """A fresh state from right-padded prompts: the caches take each prompt's committed tokens
     (all but the last, which becomes the root), every per-row field starts empty. ``stop``: the
-    call's :class:`~asps_jax.stopping.StopStrings` (None: none); ``budget_B``: int32[B], each
-    row's ``max_new_tokens`` (None: ``spec.max_new_tokens`` for every row). ``run_forward=False``:
-    the caches stay empty (:func:`empty`)."""
+    call's :class:`~asps_jax.controls.stopping.StopStrings` (None: none); ``budget_B``:
+    int32[B], each row's ``max_new_tokens`` (None: ``spec.max_new_tokens`` for every row).
+    ``run_forward=False``: the caches stay empty (:func:`empty`)."""
     batch = prompts_BP.shape[0]
     prompt_lengths_B = prompt_lengths_B.astype(jnp.int32)
     committed_B = jnp.maximum(prompt_lengths_B - 1, 0)

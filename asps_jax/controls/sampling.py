@@ -1,7 +1,7 @@
 """The sampling arguments of a call as one typed value, :class:`Sampling`: validated once
 (one-line errors naming the argument), documented once, and lowered once into the per-row
-:class:`~asps_jax.processors.SamplingParams` of the compiled loop (:meth:`Sampling.lower`), with the
-host's view of the rows' constraints (:class:`HostConstraint`).
+:class:`~asps_jax.controls.processors.SamplingParams` of the compiled loop (:meth:`Sampling.lower`),
+with the host's view of the rows' constraints (:class:`HostConstraint`).
 
 Every sampling argument may be one value for all prompts or one per prompt (``logit_bias``: one
 ``{token id: bias}`` dict, or one per prompt; ``regex`` / ``json_schema``: one pattern, or one per
@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from asps_jax import constraints
+from asps_jax.controls import constraints
+from asps_jax.controls.processors import SamplingParams
 from asps_jax.logspace import F32_MAX
-from asps_jax.processors import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -164,8 +164,8 @@ def _per_row(name: str, value, batch: int, padded: int):
 
 
 def _constraint_rows(target, regex, json_schema, batch: int, padded: int):
-    """The stacked constraint tables of the rows (:func:`asps_jax.constraints.stack`), or None
-    when no row is constrained."""
+    """The stacked constraint tables of the rows (:func:`asps_jax.controls.constraints.stack`), or
+    None when no row is constrained."""
 
     def per_row(name, value):
         if value is None:
@@ -446,8 +446,8 @@ def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
 class HostConstraint:
     """The stacked constraint tables of a call, kept on the host to tell which rows' text the
     constraint accepts (:meth:`incomplete_rows`): ``classes int32[V]``, ``next int32[S, C]``,
-    ``final bool[S]``, ``start int32[rows]`` (:func:`asps_jax.constraints.stack`) and the EOS
-    ids."""
+    ``final bool[S]``, ``start int32[rows]`` (:func:`asps_jax.controls.constraints.stack`) and the
+    EOS ids."""
 
     classes: np.ndarray
     next: np.ndarray

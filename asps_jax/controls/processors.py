@@ -6,7 +6,7 @@ is transformers' (``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPL
 ``MinPLogitsWarper``): temperature, then top-k (ties at the k-th value are kept), then top-p (the
 smallest set of most likely tokens whose mass reaches ``top_p``, keeping at least one token), then
 min-p (tokens less likely than ``min_p`` times the most likely one go). The path-dependent controls
-(logit bias, penalties, n-grams) come before all of these, in :mod:`asps_jax.penalties`.
+(logit bias, penalties, n-grams) come before all of these, in :mod:`asps_jax.controls.penalties`.
 
 ``temperature``, ``top_k`` and ``top_p`` may be Python numbers or traced scalars: changing them does
 not recompile. ``temperature == 0`` gives a point mass on the (first) argmax; ``top_k <= 0`` or
@@ -57,8 +57,9 @@ def process_logits(
 ) -> jax.Array:
     """Map logits ``[..., V]`` to float32 log-probabilities ``[..., V]`` (``-inf`` = excluded).
 
-    NaN logits are treated as ``-inf``; a row with no finite logit stays all ``-inf`` (callers that
-    sample from it must check, see ``decode``).
+    NaN logits are treated as ``-inf``; a row with every logit ``-inf`` stays all ``-inf`` (callers
+    that sample from it must check, see ``decode``); ``+inf`` counts as the largest logit (its law
+    is unusable by :func:`logits_ok`).
     """
     logits, scaled, greedy = _scaled(logits_V, temperature)
     vocab = logits.shape[-1]
@@ -175,7 +176,8 @@ def _finish(logits, scaled, greedy, min_p):
     # --- Greedy: point mass on the first argmax of the raw logits ---
     # (a row with no finite logit has no argmax: it stays all -inf, as at temperature > 0).
     argmax = jnp.argmax(logits, axis=-1)
-    has_finite = jnp.any(jnp.isfinite(logits), axis=-1, keepdims=True)
+    # (NaN is -inf here; a row with +inf logits fails `logits_ok` and emits nothing.)
+    has_finite = jnp.max(logits, axis=-1, keepdims=True) > NEG_INF
     point = jnp.where(jax.nn.one_hot(argmax, vocab, dtype=bool) & has_finite, 0.0, NEG_INF)
     return jnp.where(greedy, point, logprobs)
 
@@ -224,9 +226,9 @@ def logits_ok(logits_V: jax.Array) -> jax.Array:
     """bool ``[...]``: the law of ``logits[..., V]`` is usable, i.e. no logit is NaN or ``+inf``
     and at least one is finite (``-inf`` masks a token and is fine). The decoding loop stops a row
     at the first law that is not."""
-    logits = jnp.asarray(logits_V)
-    clean = jnp.all(~jnp.isnan(logits) & (logits != jnp.inf), axis=-1)
-    return clean & jnp.any(jnp.isfinite(logits), axis=-1)
+    # One reduction (one all-reduce where the vocabulary is split over chips): the largest logit
+    # is NaN when any is (max propagates NaN), +inf when any is, and -inf when none is finite.
+    return jnp.isfinite(jnp.max(jnp.asarray(logits_V), axis=-1))
 
 
 def sample_token(key: jax.Array, logprobs_V: jax.Array) -> jax.Array:
@@ -293,9 +295,9 @@ class SamplingParams:
         ``NoBadWordsLogitsProcessor``); int32[B, 0, 1] when no row has one.
       limited: static bool, the call gives ``min_tokens`` (else none of its code is compiled;
         ``bad_words`` is compiled when W > 0, its shape).
-    See :mod:`asps_jax.constraints`.
+    See :mod:`asps_jax.controls.constraints`.
     The controls (bias, penalties, n-grams) depend on each node's path: they are applied by
-    :mod:`asps_jax.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
+    :mod:`asps_jax.controls.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
     """
 
     # Each array field declares its layout (read by :meth:`row_fields` and by
@@ -348,8 +350,8 @@ class SamplingParams:
     ):
         """``constraint``: None, or ``(classes int32[V], next int32[S, C], final bool[S],
         start int32[B])`` from
-        :func:`asps_jax.constraints.stack`. A control or filter left None is absent: its code is
-        not compiled (:attr:`filters`, :attr:`penalized`)."""
+        :func:`asps_jax.controls.constraints.stack`. A control or filter left None is absent: its
+        code is not compiled (:attr:`filters`, :attr:`penalized`)."""
         given = dict(top_k=top_k, top_p=top_p, min_p=min_p)
         filters = tuple(name for name, value in given.items() if value is not None)
         penalized = any(
@@ -413,7 +415,7 @@ class SamplingParams:
     def process(self, logits_BV: jax.Array, *, draft: bool = False) -> jax.Array:
         """Row-wise :func:`process_logits` of ``logits[B, ..., V]`` with each row's parameters
         (temperature, top-k, top-p, min-p; the path-dependent controls come first, see
-        :func:`asps_jax.penalties.process`)."""
+        :func:`asps_jax.controls.penalties.process`)."""
         temperature = self.draft_temperature if draft else self.temperature
         # Only the filters the call gives are compiled (static); among those, batch-level
         # predicates skip the ones no row uses at run time (real branches: a per-row cond under
