@@ -159,14 +159,14 @@ class Decoder:
         ``init_decode_state``)."""
         return decode_state.empty(self, target_params, draft_params, row_keys_B, prompt_width, stop)
 
-    @functools.partial(jax.jit, static_argnames="self")
+    @functools.partial(jax.jit, static_argnames="self", donate_argnames="state")
     def insert(
         self, target_params, draft_params, state, take_B, prompts_BP, lengths_B, keys_B, budget_B
     ) -> DecodeState:
         """The rows ``take_B`` (bool[B]) of ``state`` restart from new prompts (row b from
         ``prompts_BP[b]``, ``lengths_B[b]`` tokens, key ``keys_B[b]``, budget ``budget_B[b]``); the
         other rows are unchanged (continuous batching, :mod:`asps_jax.slots`; JetStream's
-        ``insert``)."""
+        ``insert``). Like :meth:`step`, it donates ``state``."""
         return decode_state.insert(
             self,
             target_params,
