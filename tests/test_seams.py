@@ -51,3 +51,17 @@ def test_base_docstring_names_every_registered_family():
     doc = base.__doc__
     missing = [name for name in base.FAMILY_MODULES if f"``{name}``" not in doc]
     assert not missing, f"models/base.py's docstring does not name {missing}"
+
+
+def test_the_drafter_protocol_docstring_counts_its_device_methods():
+    from asps_jax.drafters import base as drafter_base
+
+    device = ("init", "prefill", "refill", "propose", "commit", "take")
+    words = {4: "four", 5: "five", 6: "six", 7: "seven"}
+    doc = drafter_base.__doc__
+    assert f"through {words[len(device)]} device methods" in doc
+    assert all(f":meth:`Drafter.{name}`" in doc for name in device)
+    defined = {name for name in vars(drafter_base.Drafter) if not name.startswith("_")}
+    host = {"check", "context", "context_source", "default_draft_len", "cache_slots", "footprint"}
+    attributes = {"one_root_law", "replicated", "feature_layers", "name"}
+    assert defined == set(device) | host | attributes
