@@ -644,7 +644,7 @@ BAD_HEADS = [
         dict(config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}}),
         r"reads target layers \[0, 1, 3\], the target has 3 \(ids 0 .. 2\)",
     ),
-    # Issue 66: wrong-typed config fields, t2d, integer weights (asps_jax/drafters/head_checks.py).
+    # Issue 66: wrong-typed config fields, t2d, integer weights (asps_jax/models/eagle3_checks.py).
     ("zero_heads", dict(config={"num_attention_heads": 0}), _field("num_attention_heads", 0)),
     ("str_hidden", dict(config={"hidden_size": "16"}), _field("hidden_size", "'16'")),
     ("bool_kv", dict(config={"num_key_value_heads": True}), _field("num_key_value_heads", True)),

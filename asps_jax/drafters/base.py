@@ -13,9 +13,8 @@ cache, nothing, or scratch slots in the target's cache) through six device metho
   laws were usable, each path's usable length) as a :class:`Proposal`;
 * :meth:`Drafter.commit`: its state after verification accepted a path (the replica that drew it
   and the number of slots committed);
-* :meth:`Drafter.take`: for a drafter that reads the target's features
-  (:attr:`Drafter.feature_layers`), the accepted path's features (the target forward's
-  ``ForwardOut.features``) and the emitted tokens.
+* :meth:`Drafter.take`: with :attr:`Drafter.feature_layers`, its state after taking the accepted
+  path's target features (a learned head's input).
 
 The loop owns everything else: the common cuts of a proposal (budget, EOS, unusable laws), the
 tree layout by node, the target forward, verification and the emitted block. Exactness needs one
