@@ -57,13 +57,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from asps_jax import controls, kv_cache, scoring, sharding, statistics, trees
+from asps_jax import controls, decode_state, kv_cache, scoring, sharding, statistics, trees
+from asps_jax.decode_state import DecodeState, Drafts, SpecConfig
 from asps_jax.drafters.base import Drafter, Proposal, step_keys, unusable_depths
 from asps_jax.models import forward_for
+from asps_jax.models.output import ForwardOut
 from asps_jax.statistics import DecodeStats
 from asps_jax.verify import Verdict
 from asps_jax.verify.acceptance import identical_drafts_acceptance
-from asps_jax.verify.registry import REGISTRY, Method
 from asps_jax.verify.step import scored_slots, verify_step
 
 __all__ = ["DecodeState", "DecodeStats", "Decoder", "SamplingParams", "SpecConfig"]
@@ -76,130 +77,11 @@ _ROWS = "rows"  # the vmap axis over a batch's rows in verification
 
 
 @dataclasses.dataclass(frozen=True)
-class SpecConfig:
-    """Static (hashable) description of the decoding method; changing it recompiles.
-
-    ``method``: the registry :class:`~asps_jax.verify.registry.Method` (a name is resolved
-    through the registry), or None for autoregressive decoding (no draft, plain sampling);
-    ``options``: its options, validated once by the caller (sorted ``(name, value)`` pairs).
-    """
-
-    method: Method | None
-    num_draft_tokens: int  # n (= D, the tree depth)
-    num_drafts: int  # K
-    max_new_tokens: int  # the output width: every row's budget (DecodeState.budget) is <= this
-    options: tuple = ()
-    widths: tuple = ()  # a branching draft tree (tree methods): children per node at each depth
-
-    def __post_init__(self):
-        if isinstance(self.method, str):
-            object.__setattr__(self, "method", REGISTRY.get(self.method))
-
-    @property
-    def uses_draft(self) -> bool:
-        return self.method is not None
-
-    @property
-    def name(self) -> str:
-        """The method's name (``"ar"`` without a draft)."""
-        return "ar" if self.method is None else self.method.name
-
-    @functools.cached_property
-    def tree(self) -> trees.DraftTree:
-        """The step's one draft tree: K chains, or the branching tree ``widths``."""
-        return self.method.draft_tree(self.num_drafts, self.num_draft_tokens, self.widths)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeState:
-    """Everything the loop carries from one step to the next (a pytree of device arrays).
-
-    Attributes:
-      target_cache: the target's KV cache, batch B.
-      draft: the drafter's own state (``Drafter.init``): a draft model's KV cache, batch B * K
-        (row b, chain k at ``b * K + k``); None for ``"ar"`` and for a drafter without one.
-      root: int32[B], the last emitted token, not yet in the caches.
-      tokens: int32[B, max_new_tokens + D + 1], each row's emitted tokens, -1 after its end (the
-        D + 1 extra columns absorb the block of the last step).
-      logprobs: float32[B, max_new_tokens + D + 1], the target's log-probability of each emitted
-        token under the processed law (temperature / top-k / top-p; 0.0 when greedy), 0.0 after
-        the row's end.
-      num_generated: int32[B], tokens emitted so far.
-      done: bool[B], the row has stopped (EOS, ``max_new_tokens``, a law with NaN / ``+inf``
-        logits or no finite one, see ``stats.failed_at``, or an empty padding row).
-      row_keys: typed PRNG keys [B], one base key per row.
-      stats: the per-row :class:`~asps_jax.statistics.DecodeStats`.
-      history: each row's committed text and token counts, for the path-dependent controls
-        (:class:`~asps_jax.controls.History`).
-      top_logprobs: ``(ids int32[B, max_new_tokens + D + 1, k], logprobs float32[...,k])``, the
-        k most likely tokens of the processed target law of each emitted token
-        (``Decoder.top_logprobs`` = k; k = 0 records nothing).
-      raw_logprobs: float32[B, max_new_tokens + D + 1] with ``Decoder.raw_logprobs`` (else
-        float32[B, 0]): each emitted token's log-probability under the *unprocessed* target law,
-        ``log_softmax(logits)`` at temperature 1 with no control, filter or constraint; 0.0
-        after the row's end.
-      stop: the stop strings and each row's last bytes of text
-        (:class:`~asps_jax.controls.StopStrings`); None without stop strings.
-      budget: int32[B], each row's ``max_new_tokens`` (at most ``SpecConfig.max_new_tokens``,
-        the static output width): a traced value, so budgets within one width share a program.
-    """
-
-    target_cache: kv_cache.KVCache
-    draft: Any
-    root: jax.Array
-    tokens: jax.Array
-    logprobs: jax.Array
-    num_generated: jax.Array
-    done: jax.Array
-    row_keys: jax.Array
-    stats: DecodeStats
-    history: controls.History
-    top_logprobs: tuple[jax.Array, jax.Array]
-    raw_logprobs: jax.Array
-    stop: controls.StopStrings | None = None
-    budget: jax.Array | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Drafts:
-    """What the draft stage of one step hands to the others: the drawn tree, node-indexed
-    (N nodes of ``SpecConfig.tree``), and per root path (L = K replicas) its usable length.
-
-    Attributes:
-      state: the drafter's state after drawing (``Proposal.state``; ``Drafter.commit`` takes it).
-      target_cache: the target cache with the drafter's scratch slots written, or None
-        (``Proposal.target_cache``).
-      tokens_BN: int32[B, N], each node's token (node 0: the root, the last emitted token).
-      logprobs_BNV: float32[B, N, V], the law each node's token was drawn from (row 0: the law
-        the root's children were drawn from, chain 0's first).
-      lengths_BL: int32[B, L], the usable length of each replica's root path (cut at
-        ``max_new_tokens``, ended at an EOS, ended before a token drawn from an unusable law or
-        outside its law's support); a node is usable iff it lies within the length of the first
-        replica through it (``DraftTree.node_validity``).
-      bad_depth_BL: int32[B, L], the first depth whose draft law was unusable (NaN or ``+inf``
-        logits, or none finite) among the depths the replica would otherwise have used; D + 2
-        when none was.
-      scored_BN: int32[B, N], the slot whose target law stands for each slot, -1 for a slot
-        that holds no usable token (:func:`asps_jax.verify.step.scored_slots`: the merged tree's
-        node for a verifier that merges equal siblings, else the slot itself).
-    """
-
-    state: Any
-    target_cache: Any
-    tokens_BN: jax.Array
-    logprobs_BNV: jax.Array
-    lengths_BL: jax.Array
-    bad_depth_BL: jax.Array
-    scored_BN: jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
 class Decoder:
     """The static description of a decoding loop: frozen and hashable, it is the static ``self``
-    of the jitted :meth:`prefill`, :meth:`step` and :meth:`generate` (two equal decoders share one
-    compiled program).
+    of the jitted :meth:`prefill`, :meth:`step` and :meth:`generate`, and of :meth:`empty` /
+    :meth:`insert`, the slot seam of continuous batching (two equal decoders share one compiled
+    program).
 
     Attributes:
       target_config: the target model's config (hashable).
@@ -254,7 +136,7 @@ class Decoder:
         ``stop``: the call's :class:`~asps_jax.controls.StopStrings` (None: none);
         ``budget_B``: int32[B], each row's ``max_new_tokens`` (None: ``spec.max_new_tokens`` for
         every row)."""
-        return _prefill(
+        return decode_state.prefill(
             self,
             target_params,
             draft_params,
@@ -270,6 +152,35 @@ class Decoder:
         """One speculative step for every row (finished rows are left unchanged)."""
         return _step(self, target_params, draft_params, sampling, state)
 
+    @functools.partial(jax.jit, static_argnames=("self", "prompt_width"))
+    def empty(
+        self, target_params, draft_params, row_keys_B, prompt_width: int, stop=None
+    ) -> DecodeState:
+        """A state of ``B`` empty rows (``B``: the keys' length), every one done and nothing run,
+        for :meth:`insert` to fill with prompts of at most ``prompt_width`` tokens (JetStream's
+        ``init_decode_state``)."""
+        return decode_state.empty(self, target_params, draft_params, row_keys_B, prompt_width, stop)
+
+    @functools.partial(jax.jit, static_argnames="self", donate_argnames="state")
+    def insert(
+        self, target_params, draft_params, state, take_B, prompts_BP, lengths_B, keys_B, budget_B
+    ) -> DecodeState:
+        """The rows ``take_B`` (bool[B]) of ``state`` restart from new prompts (row b from
+        ``prompts_BP[b]``, ``lengths_B[b]`` tokens, key ``keys_B[b]``, budget ``budget_B[b]``); the
+        other rows are unchanged (continuous batching, :mod:`asps_jax.slots`; JetStream's
+        ``insert``). Like :meth:`step`, it donates ``state``."""
+        return decode_state.insert(
+            self,
+            target_params,
+            draft_params,
+            state,
+            take_B,
+            prompts_BP,
+            lengths_B,
+            keys_B,
+            budget_B,
+        )
+
     @functools.partial(jax.jit, static_argnames="self")
     def generate(
         self,
@@ -283,7 +194,7 @@ class Decoder:
         budget_B=None,
     ) -> DecodeState:
         """Prefill and run steps in one ``lax.while_loop`` until every row is done."""
-        state = _prefill(
+        state = decode_state.prefill(
             self,
             target_params,
             draft_params,
@@ -311,142 +222,6 @@ generate = Decoder.generate
 
 # --------------------------------------------------------------------------------------------
 # Prefill
-
-
-def _prefill(
-    dec: Decoder,
-    target_params,
-    draft_params,
-    prompts_BP,
-    prompt_lengths_B,
-    row_keys_B,
-    stop=None,
-    budget_B=None,
-    *,
-    run_forward: bool = True,
-):
-    """``run_forward=False``: the caches stay empty (continuous batching starts from empty slots
-    and fills them with :func:`_refill`)."""
-    batch = prompts_BP.shape[0]
-    prompt_lengths_B = prompt_lengths_B.astype(jnp.int32)
-    committed_B = jnp.maximum(prompt_lengths_B - 1, 0)
-    t_cache = kv_cache.init_cache(
-        dec.target_config,
-        batch,
-        dec.cache_len,
-        jax.tree.leaves(target_params)[0].dtype,
-        per_layer=kv_cache.per_layer_params(target_params),
-    )
-    draft = None if dec.drafter is None else dec.drafter.init(dec, draft_params, batch)
-    if run_forward:
-        forward = forward_for(dec.target_config, _feature_layers(dec))
-        # With n samples per prompt (rows p * n + i hold prompt p): one forward per prompt.
-        t_cache = scoring.prefill_cache_grouped(
-            forward, target_params, t_cache, prompts_BP, committed_B, dec.samples
-        )
-        t_cache, features = t_cache if isinstance(t_cache, tuple) else (t_cache, None)
-        if dec.drafter is not None:
-            draft = dec.drafter.prefill(
-                dec, draft_params, draft, prompts_BP, committed_B, **_features(features)
-            )
-    fresh = _fresh_rows(dec, prompts_BP, prompt_lengths_B, committed_B, row_keys_B, budget_B)
-    state = DecodeState(target_cache=t_cache, draft=draft, stop=stop, **fresh)
-    return sharding.constrain_state(state, dec.mesh)  # the loop's carry: one layout per chip
-
-
-def _feature_layers(dec: Decoder) -> tuple[int, ...]:
-    """The target layers whose streams the drafter reads (``Drafter.feature_layers``)."""
-    return () if dec.drafter is None else dec.drafter.feature_layers
-
-
-def _features(features) -> dict:
-    """The ``features=`` keyword of a drafter's prefill / refill (none for one that reads none)."""
-    return {} if features is None else {"features": features}
-
-
-def _fresh_rows(dec: Decoder, prompts_BP, lengths_B, committed_B, row_keys_B, budget_B) -> dict:
-    """Every per-row field of a fresh state but the caches and the stop strings: the root (the
-    last prompt token), empty outputs and counters, the keys, the controls' history, the budget;
-    rows of length 0 start done (they pad the batch to its bucket)."""
-    spec = dec.spec
-    batch = prompts_BP.shape[0]
-    n = spec.num_draft_tokens if spec.uses_draft else 0
-    out_width = spec.max_new_tokens + n + 1
-    top_shape = (batch, out_width, dec.top_logprobs)
-    root_B = jnp.take_along_axis(prompts_BP, committed_B[:, None], axis=1)[:, 0]
-    return dict(
-        root=root_B.astype(jnp.int32),
-        tokens=jnp.full((batch, out_width), -1, jnp.int32),
-        logprobs=jnp.zeros((batch, out_width), jnp.float32),
-        num_generated=jnp.zeros((batch,), jnp.int32),
-        done=lengths_B <= 0,
-        row_keys=row_keys_B,
-        stats=DecodeStats.zeros(batch, n),
-        history=controls.History.init(
-            prompts_BP, lengths_B, dec.target_config.vocab_size, out_width
-        ),
-        top_logprobs=(jnp.full(top_shape, -1, jnp.int32), jnp.zeros(top_shape, jnp.float32)),
-        raw_logprobs=jnp.zeros((batch, out_width if dec.raw_logprobs else 0), jnp.float32),
-        budget=_budget(spec, batch, budget_B),
-    )
-
-
-def _refill(
-    dec: Decoder,
-    target_params,
-    draft_params,
-    state: DecodeState,
-    take_B,
-    prompts_BP,
-    prompt_lengths_B,
-    row_keys_B,
-    budget_B,
-) -> DecodeState:
-    """Start new prompts in the rows ``take_B`` (bool[B]) of a running state (continuous
-    batching, :mod:`asps_jax.slots`): their caches take the prompt's committed tokens (one
-    single-row prefill forward per row filled, over the prompt width only,
-    :func:`asps_jax.scoring.refill_rows`; the drafter's state by ``Drafter.refill``); every
-    per-row field of theirs (root, outputs, counters, key, statistics, the controls' history,
-    the stop-string tail, the budget) is that of a fresh :func:`_prefill`. The other rows are
-    unchanged. Stale cache slots past a row's new length are masked, as after any rejection."""
-    batch = prompts_BP.shape[0]
-    lengths_B = jnp.where(take_B, prompt_lengths_B.astype(jnp.int32), 0)
-    committed_B = jnp.maximum(lengths_B - 1, 0)
-    forward = forward_for(dec.target_config, _feature_layers(dec))
-    t_cache = scoring.refill_rows(
-        forward, dec.target_config, target_params, state.target_cache, take_B, prompts_BP,
-        committed_B,
-    )  # fmt: skip
-    t_cache, features = t_cache if isinstance(t_cache, tuple) else (t_cache, None)
-    draft = state.draft
-    if dec.drafter is not None:
-        draft = dec.drafter.refill(
-            dec, draft_params, draft, take_B, prompts_BP, committed_B, **_features(features)
-        )
-    fresh = _fresh_rows(dec, prompts_BP, lengths_B, committed_B, row_keys_B, budget_B)
-
-    def pick(new, old):
-        if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
-            data = pick(jax.random.key_data(new), jax.random.key_data(old))
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
-        keep = take_B.reshape((batch,) + (1,) * (new.ndim - 1))
-        return jnp.where(keep, new, old)
-
-    merged = {name: jax.tree.map(pick, new, getattr(state, name)) for name, new in fresh.items()}
-    merged["done"] = jnp.where(take_B, fresh["done"], state.done)
-    stop = state.stop
-    if stop is not None:  # only the per-row tail, fresh for the rows taken
-        fresh_tail = jnp.full(stop.tail.shape, -1, stop.tail.dtype)
-        stop = dataclasses.replace(stop, tail=pick(fresh_tail, stop.tail))
-    return dataclasses.replace(state, target_cache=t_cache, draft=draft, stop=stop, **merged)
-
-
-def _budget(spec: SpecConfig, batch: int, budget_B) -> jax.Array:
-    """int32[B]: each row's ``max_new_tokens``, clipped to the static output width."""
-    if budget_B is None:
-        return jnp.full((batch,), spec.max_new_tokens, jnp.int32)
-    budget_B = jnp.broadcast_to(jnp.asarray(budget_B, jnp.int32), (batch,))
-    return jnp.clip(budget_B, 1, spec.max_new_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,10 +270,10 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
     batch = state.root.shape[0]
     valid_BT = jnp.ones((batch, 1), bool)
     with jax.named_scope("score"):
-        logits_BTV, new_kv = scoring.score_chain(
+        scored = scoring.score_chain(
             forward, target_params, state.target_cache, state.root[:, None], valid_BT
         )
-        logits_BTV = sharding.constrain(logits_BTV, ("batch", None, "vocab"), dec.mesh)
+        logits_BTV = sharding.constrain(scored.logits, ("batch", None, "vocab"), dec.mesh)
         logprobs_BTV, has_mass_BT = controls.laws(
             sampling, state.history, logits_BTV, jnp.zeros((batch, 1, 0), jnp.int32), [0]
         )
@@ -512,7 +287,7 @@ def _ar_step(dec: Decoder, target_params, sampling, state):
     with jax.named_scope("commit"):
         nodes_B1 = jnp.zeros((batch, 1), jnp.int32)
         t_cache, row_loop = state.target_cache, kv_cache.row_loop_for(dec.mesh, state)
-        t_cache = kv_cache.commit(t_cache, new_kv, nodes_B1, num_B, row_loop=row_loop)
+        t_cache = kv_cache.commit(t_cache, scored.kv, nodes_B1, num_B, row_loop=row_loop)
         # One token: an EOS or a stop string it completes is kept with it (num stays).
         num_B, hit, stop = controls.cut(
             sampling, state.history, state.stop, next_B[:, None], num_B, state.num_generated
@@ -579,12 +354,14 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
     """Stage 2: one target forward over the tree's scored slots (``drafts.scored_BN``: a slot
     attends to the scored slots of its root path); returns the processed target log-probs by
     node, float32[B, N, V] (node i: the target after node i), whether each of those laws is
-    usable, bool[B, N] (:func:`asps_jax.controls.logits_ok`), the tree's new keys /
-    values, the number of draft nodes scored per row, int32[B], and the raw logits, [B, N, V]."""
+    usable, bool[B, N] (:func:`asps_jax.controls.logits_ok`), the forward's
+    :class:`~asps_jax.models.output.ForwardOut` (the raw logits [B, N, V], the tree's new keys /
+    values, the features of every node for a drafter that reads them), and the number of draft
+    nodes scored per row, int32[B]."""
     tree = dec.spec.tree.nodes
     scored_BN = drafts.scored_BN == jnp.arange(tree.num_nodes)[None, :]
     out = scoring.score_tree(
-        forward_for(dec.target_config, _feature_layers(dec)),
+        forward_for(dec.target_config, decode_state.feature_layers(dec)),
         target_params,
         state.target_cache,
         drafts.tokens_BN,
@@ -592,15 +369,17 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
         scored_BN,
         trees.merged_attention_mask(tree, drafts.scored_BN),
     )
-    logits_BNV, new_kv = out[:2]
-    if len(out) == 3:  # the drafter's features of every node travel with the new keys / values
-        new_kv = (new_kv, out[2])
-    logits_BNV = sharding.constrain(logits_BNV, ("batch", None, "vocab"), dec.mesh)
+    logits_BNV = sharding.constrain(out.logits, ("batch", None, "vocab"), dec.mesh)
     # Node i's path: its ancestors' tokens below the root.
     path_BND = drafts.tokens_BN[:, np.maximum(tree.paths[:, 1:], 0)]
     lp_BNV, mass_BN = controls.laws(sampling, state.history, logits_BNV, path_BND, tree.depth)
     scored_B = jnp.sum(scored_BN, axis=1) - 1
-    return lp_BNV, controls.logits_ok(logits_BNV) & mass_BN, new_kv, scored_B, logits_BNV
+    return (
+        lp_BNV,
+        controls.logits_ok(logits_BNV) & mass_BN,
+        dataclasses.replace(out, logits=logits_BNV),
+        scored_B,
+    )
 
 
 def _verify(dec: Decoder, state, drafts: Drafts, target_lp_BNV) -> tuple[Verdict, jax.Array]:
@@ -625,18 +404,17 @@ def _verify(dec: Decoder, state, drafts: Drafts, target_lp_BNV) -> tuple[Verdict
 
 
 def _commit(
-    dec: Decoder, state, drafts: Drafts, new_kv, path_BT, chain_B, num_B, tokens_BT
+    dec: Decoder, state, drafts: Drafts, scored: ForwardOut, path_BT, chain_B, num_B, tokens_BT
 ) -> DecodeState:
     """Stage 4: commit the first ``num_B`` nodes of the accepted path (the root and the accepted
     draft tokens) into the target cache, and the drafter's state after it (``Drafter.commit``:
     replica ``chain_B`` drew the accepted path; ``Drafter.take``: the path's target features and
     the emitted tokens ``tokens_BT``, for a drafter that reads features)."""
     row_loop = kv_cache.row_loop_for(dec.mesh, state)
-    new_kv, features_BNF = new_kv if isinstance(new_kv, tuple) else (new_kv, None)
-    t_cache = kv_cache.commit(state.target_cache, new_kv, path_BT, num_B, row_loop=row_loop)
+    t_cache = kv_cache.commit(state.target_cache, scored.kv, path_BT, num_B, row_loop=row_loop)
     draft = dec.drafter.commit(dec, state.draft, drafts.state, chain_B, num_B)
-    if features_BNF is not None:  # the accepted path's features, and the token after each
-        path_BTF = jnp.take_along_axis(features_BNF, path_BT[:, :, None], axis=1)
+    if scored.features is not None:  # the accepted path's features, and the token after each
+        path_BTF = jnp.take_along_axis(scored.features, path_BT[:, :, None], axis=1)
         draft = dec.drafter.take(dec, draft, path_BTF, tokens_BT, num_B)
     return dataclasses.replace(state, target_cache=t_cache, draft=draft)
 
@@ -671,9 +449,7 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         if drafts.target_cache is not None:  # with the drafter's scratch slots written
             state = dataclasses.replace(state, target_cache=drafts.target_cache)
     with jax.named_scope("score"):
-        target_lp, target_ok, new_kv, scored_B, logits_BNV = _score(
-            dec, target_params, sampling, state, drafts
-        )
+        target_lp, target_ok, scored, scored_B = _score(dec, target_params, sampling, state, drafts)
         # A chain is verified only up to its first unusable target law: the tokens before it are
         # then decided by usable laws alone (ASpS weighs a whole chain, so an unusable law deeper
         # down would otherwise change them); a bonus drawn from that law is cut below. A slot's
@@ -710,7 +486,7 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
         failed_B = failed_B & ~ended_B
     with jax.named_scope("commit"):
         new_state = _commit(
-            dec, state, drafts, new_kv, path_BT, verdict.draft_index, num_B, verdict.tokens
+            dec, state, drafts, scored, path_BT, verdict.draft_index, num_B, verdict.tokens
         )
     with jax.named_scope("metrics"):
         root_lp_BV = target_lp[:, 0]
@@ -728,7 +504,7 @@ def _spec_step(dec: Decoder, target_params, draft_params, sampling, state):
     new_state = dataclasses.replace(new_state, stats=stats, stop=stop)
     new_state = _record_top_logprobs(dec, new_state, path_lp_BTV, num_B)
     if dec.raw_logprobs:
-        path_logits_BTV = jnp.take_along_axis(logits_BNV, path_BT[:, :, None], axis=1)
+        path_logits_BTV = jnp.take_along_axis(scored.logits, path_BT[:, :, None], axis=1)
         new_state = _record_raw_logprobs(dec, new_state, path_logits_BTV, verdict.tokens, num_B)
     with jax.named_scope("emit"):
         block_lp_BT = _emitted_logprobs(path_lp_BTV, verdict)

@@ -10,13 +10,23 @@ values without writing them; ``kv_cache.commit`` later appends only the accepted
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax.kv_cache import KVBlock, KVCache, cache_mask, commit, init_cache
+from asps_jax.kv_cache import KVCache, cache_mask, commit, init_cache
+from asps_jax.models.output import ForwardOut
 from asps_jax.trees import Tree, attention_mask
+
+
+class Filled(NamedTuple):
+    """A cache after a prefill or refill, and the prompts' features when the forward returns
+    them (``ForwardOut.features``: float[B, P, F], for a learned head), else None."""
+
+    cache: KVCache
+    features: jax.Array | None = None
 
 
 def _check(name: str, x: jax.Array, shape: tuple[int, ...], kind: str) -> None:
@@ -35,8 +45,9 @@ def score_tree(
     tree: Tree,
     valid: jax.Array,  # bool[B, N]
     tree_mask: jax.Array | None = None,  # bool[B, N, N]
-) -> tuple[jax.Array, KVBlock]:
-    """``(logits float32[B, N, V], new_kv [L, B, N, KVH, H])`` for every node of the tree.
+) -> ForwardOut:
+    """The forward's :class:`~asps_jax.models.output.ForwardOut` for every node of the tree:
+    ``logits`` float32[B, N, V], ``kv`` [L, B, N, KVH, H] (and the features it was asked for).
 
     ``forward(params, tokens, positions, mask, cache)`` has the model config bound. ``tree_mask``
     replaces the tree part of the attention mask (default :func:`~asps_jax.trees.attention_mask`;
@@ -73,7 +84,7 @@ def score_chain(
     cache: KVCache | None,
     tokens: jax.Array,  # int32[B, T]
     valid: jax.Array,  # bool[B, T]
-) -> tuple[jax.Array, KVBlock]:
+) -> ForwardOut:
     """Prefill / chain scoring: token ``t`` at position ``lengths[b] + t``, causal over valid ones.
 
     With ``cache=None`` the chain starts at position 0 and the mask is ``[B, T, T]``. Padding is
@@ -94,20 +105,19 @@ def score_chain(
     return forward(params, tokens.astype(jnp.int32), positions_BT, mask_BTT, cache)
 
 
-def prefill_cache(forward, params, cache: KVCache, prompts_BP, num_B):
+def prefill_cache(forward, params, cache: KVCache, prompts_BP, num_B) -> Filled:
     """Commit the first ``num_B`` prompt tokens of each row into ``cache`` (one forward).
 
-    A ``forward`` that returns features (``forward_for(config, features)``) gives
-    ``(cache, features [B, P, F])``: the prompt's, for a learned head."""
+    A ``forward`` that returns features (``forward_for(config, features)``) gives the prompt's
+    too, ``Filled.features`` [B, P, F], for a learned head."""
     rows, width = prompts_BP.shape
     valid_BP = jnp.arange(width)[None, :] < num_B[:, None]
     out = score_chain(forward, params, cache, prompts_BP, valid_BP)
     nodes_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
-    cache = commit(cache, out[1], nodes_BP, num_B)
-    return cache if len(out) == 2 else (cache, out[2])
+    return Filled(commit(cache, out.kv, nodes_BP, num_B), out.features)
 
 
-def prefill_cache_grouped(forward, params, cache: KVCache, prompts_BP, num_B, group: int):
+def prefill_cache_grouped(forward, params, cache: KVCache, prompts_BP, num_B, group: int) -> Filled:
     """:func:`prefill_cache` for a cache whose rows come in groups of ``group`` (a static int)
     that hold one prompt each: cache rows ``g * group .. g * group + group - 1`` take prompt row
     ``g * group * B // rows`` (a prompt's n samples, a draft's K replicas; the last group may be
@@ -119,10 +129,10 @@ def prefill_cache_grouped(forward, params, cache: KVCache, prompts_BP, num_B, gr
     first = np.arange(0, rows, group)  # static: each group's first cache row
     src = first * prompts_BP.shape[0] // rows  # ... and its prompt row
     once = prefill_cache(forward, params, cache.take_rows(first), prompts_BP[src], num_B[src])
-    if isinstance(once, tuple):  # with features: one row of them per prompt row
-        prompt_group = np.arange(prompts_BP.shape[0]) * rows // prompts_BP.shape[0] // group
-        return once[0].take_rows(np.arange(rows) // group), once[1][prompt_group]
-    return once.take_rows(np.arange(rows) // group)
+    features = once.features
+    if features is not None:  # one row of them per prompt row
+        features = features[np.arange(prompts_BP.shape[0]) * rows // prompts_BP.shape[0] // group]
+    return Filled(once.cache.take_rows(np.arange(rows) // group), features)
 
 
 def _write_rows(cache: KVCache, row: KVCache, first, count: int) -> KVCache:
@@ -142,15 +152,15 @@ def _write_rows(cache: KVCache, row: KVCache, first, count: int) -> KVCache:
 
 def refill_rows(
     forward, config, params, cache: KVCache, take_B, prompts_BP, committed_B, replicas: int = 1
-) -> KVCache:
+) -> Filled:
     """Start new prompts in the rows ``take_B`` (bool[B]) of a running cache (continuous
     batching): each taken row's ``replicas`` cache rows (``b * replicas ..``) take its prompt's
     first ``committed_B`` tokens, one single-row prefill forward per row over the prompt width
     only (no attention over the long cache), in the cache's layout and dtype; their lengths are
     set, the other rows unchanged (stale slots past a length are masked, as after a rejection).
 
-    A ``forward`` that returns features gives ``(cache, features [B, P, F])``, the taken rows'
-    prompt features (zeros in the other rows)."""
+    A ``forward`` that returns features gives the taken rows' prompt features too,
+    ``Filled.features`` [B, P, F] (zeros in the other rows)."""
     batch, width = prompts_BP.shape
     (slots_R,) = jnp.nonzero(take_B, size=batch, fill_value=0)  # the rows to fill, in order
     dtype = jax.tree.leaves(cache.k)[0].dtype
@@ -166,18 +176,15 @@ def refill_rows(
         b = slots_R[i]
         row = row_prefill(b, cache.per_layer)
         if features is not None:
-            row, row_features = row
-            features = jax.lax.dynamic_update_slice_in_dim(features, row_features, b, axis=0)
-        return _write_rows(cache, row, b * replicas, replicas), features
+            features = jax.lax.dynamic_update_slice_in_dim(features, row.features, b, axis=0)
+        return _write_rows(cache, row.cache, b * replicas, replicas), features
 
-    shape = jax.eval_shape(lambda: row_prefill(0, cache.per_layer))
-    features = None
-    if isinstance(shape, tuple):
-        features = jnp.zeros((batch,) + shape[1].shape[1:], shape[1].dtype)
+    shape = jax.eval_shape(lambda: row_prefill(0, cache.per_layer)).features
+    features = None if shape is None else jnp.zeros((batch,) + shape.shape[1:], shape.dtype)
     # The work of a refill is its prompts' tokens, whatever the number of rows.
     cache, features = jax.lax.fori_loop(0, jnp.sum(take_B), fill, (cache, features))
     take = jnp.repeat(take_B, replicas)
     cache = dataclasses.replace(
         cache, lengths=jnp.where(take, jnp.repeat(committed_B, replicas), cache.lengths)
     )
-    return cache if features is None else (cache, features)
+    return Filled(cache, features)

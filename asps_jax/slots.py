@@ -6,8 +6,11 @@ bucket; rows of length 0 pad ``N`` to a bucket). The loop carries ``B`` slots, a
 step, a slot whose row finished (EOS, its budget, a stop string, its constraint's end, an unusable
 law) hands its outputs and statistics to the per-prompt :class:`Results` and is emptied; when some
 slot is empty and prompts remain, one ``lax.cond`` refills every empty slot with the next prompts
-(:func:`asps_jax.decode._refill`: one prefill forward over the ``B`` slots, the others writing
-nothing). Nothing returns to the host until every prompt is done.
+(:meth:`Decoder.insert <asps_jax.decode.Decoder.insert>`: one single-row prefill forward per slot
+filled, over the prompt width, the other slots unchanged). The loop reads the decoder through its
+public slot seam only: :meth:`~asps_jax.decode.Decoder.empty` (the ``B`` empty slots),
+:meth:`~asps_jax.decode.Decoder.insert` and :meth:`~asps_jax.decode.Decoder.step`. Nothing returns
+to the host until every prompt is done.
 
 Reproducibility: prompt ``i``'s key is ``fold_in(key, i)`` (as for a one-batch call) and each of
 its steps is keyed by its own number of generated tokens; its sampling parameters and budget are
@@ -93,8 +96,7 @@ def _refill(dec, target_params, draft_params, prompts: Prompts, s: SlotState) ->
 
     def fill(s):
         at = jnp.clip(jnp.where(take, idx, 0), 0, prompts.lengths.shape[0] - 1)
-        state = decode._refill(
-            dec,
+        state = dec.insert(
             target_params,
             draft_params,
             s.state,
@@ -139,18 +141,8 @@ def _retire(s: SlotState) -> SlotState:
 def _start(dec, target_params, draft_params, prompts: Prompts, stop, batch: int) -> SlotState:
     width = prompts.tokens.shape[1]
     n = prompts.lengths.shape[0]
-    empty = jnp.zeros((batch,), jnp.int32)
-    state = decode._prefill(
-        dec,
-        target_params,
-        draft_params,
-        jnp.zeros((batch, width), jnp.int32),
-        empty,  # length 0: every slot starts done (empty)
-        jnp.broadcast_to(prompts.keys[:1], (batch,)),
-        stop,
-        jnp.ones((batch,), jnp.int32),
-        run_forward=False,
-    )
+    keys = jnp.broadcast_to(prompts.keys[:1], (batch,))
+    state = dec.empty(target_params, draft_params, keys, width, stop)  # every slot done (empty)
     out_width = state.tokens.shape[1]
     top_shape = (n, out_width, dec.top_logprobs)
     results = Results(
@@ -174,7 +166,7 @@ def _body(dec, target_params, draft_params, prompts: Prompts, s: SlotState) -> S
     the prefill forward and of the step in the program: the first iteration fills every slot.)"""
     s = _refill(dec, target_params, draft_params, prompts, s)
     sampling = slot_sampling(prompts.sampling, s.prompt)
-    state = decode._step(dec, target_params, draft_params, sampling, s.state)
+    state = dec.step(target_params, draft_params, sampling, s.state)
     return _retire(dataclasses.replace(s, state=state))
 
 

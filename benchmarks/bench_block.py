@@ -28,7 +28,7 @@ from bench_drafters import run, text_prompts
 from harness import fill_quick, median_call_s
 
 import asps_jax
-from asps_jax import decode, sampler
+from asps_jax import decode, decode_state, sampler
 
 BLOCK, HEAD = "block:tinyshakespeare-block", "eagle3:tinyshakespeare-eagle3"
 
@@ -51,7 +51,7 @@ def stage_costs(target, drafter, prompts, max_new_tokens: int, **kw) -> tuple[fl
                            max_new_tokens=max_new_tokens, eos_token_id=-1, **kw)  # fmt: skip
     dec, args = call.decoder, call.inputs.kwargs()
     tp, dp, sampling = args["target_params"], args["draft_params"], args["sampling"]
-    state = jax.jit(decode._prefill, static_argnums=0)(
+    state = jax.jit(decode_state.prefill, static_argnums=0)(
         dec, tp, dp, args["prompts_BP"], args["prompt_lengths_B"], args["row_keys_B"]
     )
     step = jax.jit(lambda tp, dp, s, st: decode._step(dec, tp, dp, s, st))

@@ -35,7 +35,7 @@ from test_self_draft import PROMPT, VOCAB, N
 from test_verify_chain import code_outcome
 
 import asps_jax
-from asps_jax import decode, trees
+from asps_jax import decode, decode_state, trees
 from asps_jax.drafters import block
 from asps_jax.drafters import block_model as bm
 from asps_jax.models.cards import MODELS_DIR
@@ -110,7 +110,7 @@ LAW_PROMPTS = [PROMPT, PROMPT[:2], [3], [2, 2, 0, 1]] * 2
 def _run(dec, target_params, draft_params, sampling, prompts, lengths, keys):
     """Prefill and STEPS steps in one program: each step's draft laws by root path, then the
     emitted tokens and counts."""
-    state = decode._prefill(dec, target_params, draft_params, prompts, lengths, keys)
+    state = decode_state.prefill(dec, target_params, draft_params, prompts, lengths, keys)
     nodes = dec.spec.tree.layout.chain_nodes
 
     def body(state, _):

@@ -265,7 +265,7 @@ def test_every_node_law_is_processed_from_its_own_path(models, method, shape):
     @jax.jit
     def laws(inputs, state):
         drafts = decode._draft(dec, inputs.draft_params, inputs.sampling, state)
-        target_lp, _, _, _, _ = decode._score(
+        target_lp, _, _, _ = decode._score(
             dec, inputs.target_params, inputs.sampling, state, drafts
         )
         return drafts, target_lp

@@ -32,7 +32,7 @@ from multidraft_reference import continuation_error, tree_law
 from test_self_draft import PROMPT, VOCAB, N, _cli, _laws, _outcome
 
 import asps_jax
-from asps_jax import decode, drafters, kv_cache, scoring
+from asps_jax import decode, decode_state, drafters, kv_cache, scoring
 from asps_jax.drafters import head
 from asps_jax.models.base import forward_for, run_params
 from asps_jax.models.cards import MODELS_DIR
@@ -218,9 +218,10 @@ def test_head_forward_is_the_numpy_head(tiny):
         fused = head.fuse(params, features[None])
         hidden = jnp.concatenate([fused, own[None].astype(fused.dtype)], axis=1)
         mask = jnp.tril(jnp.ones((1, T, T), bool))
-        logits, out, _ = head.forward(
+        step = head.forward(
             tiny.config, params, hidden, tokens[None], jnp.arange(T)[None], mask, None
         )
+        logits, out = step.logits, step.features
         return logits[0], out[0], head.target_logits(params, logits, VOCAB)[0]
 
     logits, out, placed = run(
@@ -243,7 +244,7 @@ STEPS = 3
 def _run(dec, target_params, draft_params, sampling, prompts, lengths, keys):
     """Prefill and STEPS steps in one program: each step's draft laws and tokens by root path
     (``_draft``, as the step draws them), then the emitted tokens and counts after the step."""
-    state = decode._prefill(dec, target_params, draft_params, prompts, lengths, keys)
+    state = decode_state.prefill(dec, target_params, draft_params, prompts, lengths, keys)
     nodes = dec.spec.tree.layout.chain_nodes
 
     def body(state, _):
@@ -643,7 +644,7 @@ BAD_HEADS = [
         dict(config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}}),
         r"reads target layers \[0, 1, 3\], the target has 3 \(ids 0 .. 2\)",
     ),
-    # Issue 66: wrong-typed config fields, t2d, integer weights (asps_jax/drafters/head_checks.py).
+    # Issue 66: wrong-typed config fields, t2d, integer weights (asps_jax/models/eagle3_checks.py).
     ("zero_heads", dict(config={"num_attention_heads": 0}), _field("num_attention_heads", 0)),
     ("str_hidden", dict(config={"hidden_size": "16"}), _field("hidden_size", "'16'")),
     ("bool_kv", dict(config={"num_key_value_heads": True}), _field("num_key_value_heads", True)),

@@ -27,7 +27,7 @@ from multidraft_laws import node_law
 from multidraft_reference import continuation_error, tree_law
 
 import asps_jax
-from asps_jax import decode, drafters, kv_cache
+from asps_jax import decode, decode_state, drafters, kv_cache
 from asps_jax.drafters import self_layers as selfdraft
 from asps_jax.models import LlamaConfig, MistralConfig, Model, Qwen3Config, own_model
 from asps_jax.models.base import run_params
@@ -207,7 +207,7 @@ def _both_runs(shared, separate, target_params, draft_params, sampling, prompts,
     (``_draft``, as the step draws them), the emitted tokens and counts after each step."""
     out = []
     for dec in (shared, separate):
-        state = decode._prefill(dec, target_params, draft_params, prompts, lengths, keys)
+        state = decode_state.prefill(dec, target_params, draft_params, prompts, lengths, keys)
 
         def body(state, _, dec=dec):
             drafts = decode._draft(dec, draft_params, sampling, state)
@@ -245,7 +245,7 @@ def test_shared_cache_gives_the_laws_of_a_separate_cache(models):
     separate = dataclasses.replace(shared, drafter=drafters.ModelDraft(shared.drafter.config))
     arrays = [args[k] for k in ("target_params", "draft_params", "prompts_BP")]
     arrays += [args["prompt_lengths_B"], args["row_keys_B"]]
-    state = jax.eval_shape(functools.partial(decode._prefill, shared), *arrays)
+    state = jax.eval_shape(functools.partial(decode_state.prefill, shared), *arrays)
     assert state.draft is None  # no draft cache: the target's is read
     (laws, tokens, counts), (sep_laws, sep_tokens, sep_counts) = _both_runs(
         shared,

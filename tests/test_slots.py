@@ -16,7 +16,7 @@ import pytest
 from test_decode import write_pair
 
 import asps_jax
-from asps_jax import compile_cache, decode, slots
+from asps_jax import compile_cache, decode, sampler, slots
 
 # Seven prompts (the prompt set pads to 8 rows), ragged; budgets from 1 to 12.
 PROMPTS = [[1, 5, 3], [2], [4, 4, 7, 1, 9], [3, 8], [6, 2, 2, 10], [11], [5, 9, 1]]
@@ -241,3 +241,30 @@ def test_size_check_counts_slots_and_the_prompt_set(pair):
     # 16-token bucket at 4 bytes.
     assert sum(slots.values()) - sum(eight.values()) == 64 * (2 * 4 * 19 + 4 * 16)
     assert sum(slots.values()) < sum(all_rows.values()) / 4
+
+
+@pytest.mark.slow
+def test_the_public_slot_seam_matches_prefill(pair):
+    """``Decoder.empty`` then ``Decoder.insert`` of some rows gives those rows the state
+    ``Decoder.prefill`` gives (the per-row fields exactly, the caches to float rounding: one
+    forward per row against one over the batch); a row not taken stays empty. (The loop over
+    the seam, ``slots.run``, is checked against ``Decoder.generate`` above.)"""
+    target, draft = pair
+    call = sampler.prepare(
+        target, draft, PROMPTS[:4], key=jax.random.key(7), max_new_tokens=6, method="asps",
+        num_draft_tokens=2, eos_token_id=EOS,
+    )  # fmt: skip
+    dec, inputs = call.decoder, call.inputs
+    tp, dp = inputs.target_params, inputs.draft_params
+    want = dec.prefill(**inputs.prefill_kwargs())
+    keys, prompts = inputs.row_keys_B, inputs.prompts_BP
+    empty = dec.empty(tp, dp, keys, prompts.shape[1], inputs.stop)
+    assert bool(np.all(np.asarray(empty.done)))
+    take = np.arange(len(keys)) != 1  # row 1 stays empty
+    got = dec.insert(tp, dp, empty, take, prompts, inputs.prompt_lengths_B, keys, want.budget)
+    for name in ("root", "tokens", "num_generated", "budget"):
+        np.testing.assert_array_equal(getattr(got, name)[take], getattr(want, name)[take])
+    assert bool(got.done[1]) and not bool(np.any(np.asarray(got.done)[take][:3]))
+    np.testing.assert_array_equal(got.target_cache.lengths[take], want.target_cache.lengths[take])
+    for a, b in zip(got.target_cache.stacked(), want.target_cache.stacked(), strict=True):
+        np.testing.assert_allclose(np.asarray(a)[:, take], np.asarray(b)[:, take], atol=1e-5)

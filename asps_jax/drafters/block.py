@@ -35,9 +35,9 @@ import numpy as np
 from asps_jax import footprint, kv_cache
 from asps_jax.drafters import block_model as bm
 from asps_jax.drafters.base import Drafter, Proposal, load_named
-from asps_jax.drafters.head import target_logits
 from asps_jax.drafters.model import rollout_proposal
 from asps_jax.models.base import Model
+from asps_jax.models.eagle3 import target_logits
 
 PREFIX = "block:"
 

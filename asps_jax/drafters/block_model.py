@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax import kv_cache
-from asps_jax.drafters.head import check_matches as head_check
-from asps_jax.drafters.head import default_feature_layers, random_params
-from asps_jax.drafters.head import trainable as trainable  # the same learned subset
 from asps_jax.models import loader
+from asps_jax.models.eagle3 import check_matches as head_check
+from asps_jax.models.eagle3 import default_feature_layers, random_params
+from asps_jax.models.eagle3 import trainable as trainable  # the same learned subset
 from asps_jax.models.layers import rms_norm
 from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
 
@@ -212,7 +212,7 @@ def param_shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
 
 def init_params(c: BlockConfig, key, embed, d2t, std: float = 0.02, dtype=jnp.float32) -> dict:
     """Random weights ~ N(0, std), norm scales 1, with the target's ``embed [V, E]`` and ``d2t``
-    (the head's :func:`~asps_jax.drafters.head.random_params` of :func:`param_shapes`)."""
+    (the head's :func:`~asps_jax.models.eagle3.random_params` of :func:`param_shapes`)."""
     return random_params(param_shapes(c), key, embed, d2t, std, dtype)
 
 
@@ -416,5 +416,5 @@ def save(path, config: BlockConfig, params: dict, *, embed: bool = False) -> Pat
 
 def check_matches(c: BlockConfig, target, where: str) -> None:
     """A one-line error unless the drafter ``c`` fits ``target`` (feature width, layers, vocab:
-    the head's checks, :func:`asps_jax.drafters.head.check_matches`)."""
+    the head's checks, :func:`asps_jax.models.eagle3.check_matches`)."""
     head_check(c, target, where, noun="drafter", kind="a block drafter")

@@ -93,7 +93,7 @@ class ModelDraft(Drafter):
         group = dec.samples * dec.spec.tree.num_chains
         return scoring.prefill_cache_grouped(
             forward_for(self.config), params, state, prompts_BP, committed_B, group
-        )
+        ).cache
 
     def refill(self, dec, params, state, take_B, prompts_BP, committed_B):
         # The K replicas of a slot all start from its prompt.
@@ -101,7 +101,7 @@ class ModelDraft(Drafter):
         return scoring.refill_rows(
             forward_for(self.config), self.config, params, state, take_B, prompts_BP,
             committed_B, k,
-        )  # fmt: skip
+        ).cache  # fmt: skip
 
     def propose(self, dec, params, sampling, state) -> Proposal:
         spec, k = dec.spec, dec.spec.tree.num_chains
@@ -135,7 +135,8 @@ def own_feed(forward, params, mesh, rows: int):
 
     def feed(cache, token_R, depth):
         del depth
-        logits_R1V, new_kv = scoring.score_chain(forward, params, cache, token_R[:, None], valid_R1)
+        out = scoring.score_chain(forward, params, cache, token_R[:, None], valid_R1)
+        logits_R1V, new_kv = out.logits, out.kv
         return kv_cache.commit(cache, new_kv, nodes_R1, ones_R, row_loop=row_loop), logits_R1V
 
     return feed

@@ -237,7 +237,8 @@ def shared_feed(forward, params, cache: kv_cache.KVCache, token_R, depth, layers
     view = kv_cache.KVCache(
         k=_first(cache.k, layers), v=_first(cache.v, layers), lengths=base_B + depth * chains
     )
-    logits_BKV, new_kv = forward(params, token_R.reshape(batch, chains), positions_BK, mask, view)
+    out = forward(params, token_R.reshape(batch, chains), positions_BK, mask, view)
+    logits_BKV, new_kv = out.logits, out.kv
     nodes_BK = jnp.broadcast_to(chain_K, (batch, chains))
     written = kv_cache.commit(
         view, new_kv, nodes_BK, jnp.full((batch,), chains, jnp.int32), row_loop=row_loop

@@ -92,8 +92,8 @@ def target_pass(head_config, target_config, target_params, tokens_BT):
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     forward = forward_for(target_config, head_config.feature_layers)
-    logits_BTV, _, features_BTF = forward(target_params, tokens_BT, positions, causal, None)
-    return jax.lax.stop_gradient(logits_BTV), jax.lax.stop_gradient(features_BTF)
+    out = forward(target_params, tokens_BT, positions, causal, None)
+    return jax.lax.stop_gradient(out.logits), jax.lax.stop_gradient(out.features)
 
 
 def ttt_logits(head_config, params, features_BTF, tokens_BT, steps: int) -> list[jax.Array]:
@@ -116,9 +116,8 @@ def ttt_logits(head_config, params, features_BTF, tokens_BT, steps: int) -> list
                 v=jnp.concatenate(values, axis=2)[None],
                 lengths=jnp.full((B,), j * W, jnp.int32),
             )
-        logits_BWD, out, new_kv = head_lib.forward(
-            head_config, params, hidden, tokens_BW, positions_BW, mask, cache
-        )
+        step = head_lib.forward(head_config, params, hidden, tokens_BW, positions_BW, mask, cache)
+        logits_BWD, out, new_kv = step.logits, step.features, step.kv
         keys.append(jnp.swapaxes(new_kv.k[0], 1, 2))  # [B, KVH, W, H]
         values.append(jnp.swapaxes(new_kv.v[0], 1, 2))
         out_logits.append(logits_BWD)

@@ -1,6 +1,8 @@
 """The model-family contract, the registry, the ``Model`` record and the target/draft check.
 
-A family is one module (``llama.py``, ``opt.py``, ``gpt2.py``, ``gpt_neo.py``) that satisfies
+A family is one module of :data:`FAMILY_MODULES` (``llama``, ``opt``, ``gpt2``, ``gpt_neo``,
+``qwen2``, ``qwen3``, ``mistral``, ``gemma2``, ``gemma3_text``; the last five on the shared
+``decoder.py``) that satisfies
 :class:`Family`: a hashable config satisfying :class:`ModelConfig`, a pure :class:`Forward`, its
 parameter shapes with logical axes, and its Hugging Face tensor table (``hf_table.HFTensor``
 entries, each owning its layout transform). Nothing outside the module knows the family's names;
@@ -22,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 from asps_jax import platforms
-from asps_jax.kv_cache import KVBlock
+from asps_jax.models.output import ForwardOut
 
 
 @runtime_checkable
@@ -64,7 +66,7 @@ class FirstLayers:
 
 
 class Forward(Protocol):
-    """``forward(config, params, tokens, positions, mask, cache) -> (logits, new_kv)``.
+    """``forward(config, params, tokens, positions, mask, cache) -> ForwardOut``.
 
     * ``tokens`` int32[B, T] and ``positions`` int32[B, T] come from the caller: a tree node at
       depth d after a prefix of length n has position n + d (``scoring.score_tree``);
@@ -72,13 +74,14 @@ class Forward(Protocol):
       cache): ``mask[b, t, j]`` lets token t see key j. Every row has a True entry. Cache slot s
       holds the token at position s, so a family with a local window can derive key positions;
     * ``cache`` a ``KVCache`` [L, B, KVH, S, H] or None; it is only read;
-    * returns float32 logits [B, T, V] and the new keys/values ``KVBlock`` [L, B, T, KVH, H],
-      which the caller commits (only the accepted path) with ``kv_cache.commit``.
+    * returns a :class:`~asps_jax.models.output.ForwardOut`: float32 logits [B, T, V], the new
+      keys/values ``KVBlock`` [L, B, T, KVH, H], which the caller commits (only the accepted
+      path) with ``kv_cache.commit``, and the features asked for (``features=``; else None).
     """
 
     def __call__(
         self, config, params, tokens: jax.Array, positions: jax.Array, mask: jax.Array, cache
-    ) -> tuple[jax.Array, KVBlock]: ...
+    ) -> ForwardOut: ...
 
 
 class Family(Protocol):
@@ -160,9 +163,9 @@ def forward_for(config, features: tuple[int, ...] = ()):
 
     Cached, so equal configs give the *same* function object: passing it as a static argument of
     ``jax.jit`` then hits the compilation cache instead of recompiling per call. ``features``
-    (layer ids): the forward also returns the residual stream entering those layers, as a third
-    value (every family; a user's own forward without a ``features`` argument is a one-line
-    error).
+    (layer ids): the forward also returns the residual stream entering those layers, in
+    ``ForwardOut.features`` (every family; a user's own forward without a ``features`` argument
+    is a one-line error).
     """
     family = family_for_config(config)
     if not features:
@@ -255,7 +258,7 @@ class Model:
 
     @property
     def forward(self):
-        """Pure ``forward(params, tokens, positions, mask, cache) -> (logits, new_kv)``."""
+        """Pure ``forward(params, tokens, positions, mask, cache) -> ForwardOut``."""
         return forward_for(self.config)
 
     @property

@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from asps_jax.models.output import ForwardOut
 from asps_jax.models.quant import einsum
 
 # HF ``hidden_act`` / ``activation_function`` names. "gelu_new" is GPT-2's tanh approximation.
@@ -262,14 +263,15 @@ def scan_layers(layer, x, xs, features: tuple[int, ...]):
     return x, ys, list(inputs)
 
 
-def with_features(logits, new_kv, streams: list, features: tuple[int, ...]):
-    """A forward's result: ``(logits, new_kv)``, plus the residual streams ``streams[i]`` of the
-    layers ``features`` concatenated on the last axis when any are asked for."""
+def with_features(logits, new_kv, streams: list, features: tuple[int, ...]) -> ForwardOut:
+    """A forward's result, :class:`~asps_jax.models.output.ForwardOut`: the logits, the new keys
+    / values and, when ``features`` asks for any, the residual streams ``streams[i]`` of those
+    layers concatenated on the last axis."""
     if not features:
-        return logits, new_kv
+        return ForwardOut(logits, new_kv)
     if any(not 0 <= i < len(streams) for i in features):
         raise ValueError(f"features: layer ids must lie in [0, {len(streams) - 1}], got {features}")
-    return logits, new_kv, jnp.concatenate([streams[i] for i in features], axis=-1)
+    return ForwardOut(logits, new_kv, jnp.concatenate([streams[i] for i in features], axis=-1))
 
 
 def lm_logits(x_BTE: jax.Array, head: jax.Array, tied: bool) -> jax.Array:

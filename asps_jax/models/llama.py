@@ -328,7 +328,7 @@ def forward(
     ``features`` (static layer ids): also return ``float[B, T, len(features) * E]``, the
     residual stream entering each listed layer (Hugging Face's ``hidden_states[i]``; ``L`` is the
     last layer's output before the final norm), concatenated: what a learned head reads
-    (:mod:`asps_jax.drafters.head`). The result is then ``(logits, new_kv, features)``.
+    (:mod:`asps_jax.drafters.head`), in the result's ``features`` (``models.output.ForwardOut``).
     """
     check_inputs(config, tokens, positions, mask, cache)
     c = config

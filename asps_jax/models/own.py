@@ -37,6 +37,7 @@ import numpy as np
 
 from asps_jax.kv_cache import KVBlock, KVCache
 from asps_jax.models.layers import check_inputs
+from asps_jax.models.output import ForwardOut
 
 RULE = "the forward contract (docs/design.md, Models)"
 
@@ -143,7 +144,8 @@ def check_output(config: OwnConfig, out, tokens: jax.Array, cache) -> tuple[jax.
 
 def _forward(config: OwnConfig, params, tokens, positions, mask, cache):
     check_inputs(config, tokens, positions, mask, cache)
-    return check_output(config, config.apply(params, tokens, positions, mask, cache), tokens, cache)
+    out = config.apply(params, tokens, positions, mask, cache)
+    return ForwardOut(*check_output(config, out, tokens, cache))
 
 
 def _param_shapes(config: OwnConfig):

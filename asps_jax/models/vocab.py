@@ -52,12 +52,10 @@ def _inner_family(config: SharedVocab):
 
 
 def _forward(config: SharedVocab, params, tokens, positions, mask, cache):
-    logits, new_kv = _inner_family(config).forward(
-        config.inner, params, tokens, positions, mask, cache
-    )
-    logits = logits[..., : config.vocab_size]
+    out = _inner_family(config).forward(config.inner, params, tokens, positions, mask, cache)
+    logits = out.logits[..., : config.vocab_size]
     real = jnp.arange(config.vocab_size) < config.num_tokens
-    return jnp.where(real, logits, -jnp.inf), new_kv
+    return dataclasses.replace(out, logits=jnp.where(real, logits, -jnp.inf))
 
 
 def _prepare_params(config: SharedVocab, params, wide: bool = False):

@@ -1,4 +1,4 @@
-"""The checks of an EAGLE-3 head's files (:mod:`asps_jax.drafters.head`): ``config.json``'s fields
+"""The checks of an EAGLE-3 head's files (:mod:`asps_jax.models.eagle3`): ``config.json``'s fields
 by type and range, the weights' dtypes, and the vocabulary maps ``d2t`` / ``t2d``.
 
 Each refusal is one :class:`~asps_jax.models.loader.CheckpointError` line (a ``ValueError``) that
@@ -123,7 +123,7 @@ def _layers(d: dict, where: str) -> tuple[int, ...] | None:
 
 
 def config_fields(d: dict, where: str) -> dict:
-    """The :class:`~asps_jax.drafters.head.HeadConfig` fields of an EAGLE-3 ``config.json``
+    """The :class:`~asps_jax.models.eagle3.HeadConfig` fields of an EAGLE-3 ``config.json``
     ``d`` (``feature_layers`` None: the target's defaults), checked as the module docstring
     says."""
     arch = d.get("architectures") or []
