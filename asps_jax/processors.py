@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,22 +31,12 @@ from asps_jax.logspace import NEG_INF, log_normalize
 
 
 def validate_sampling_args(temperature=None, top_k=None, top_p=None, min_p=None) -> None:
-    """Raise ``ValueError`` for sampling parameters outside their domain (host-side check)."""
-    if temperature is not None:
-        t = float(temperature)
-        # The loop runs in float32: a temperature beyond its range would become inf there.
-        if not (0.0 <= t <= float(jnp.finfo(jnp.float32).max)):
-            raise ValueError(
-                f"temperature must be a finite number >= 0 (at most 3.4e38), got {temperature!r}"
-            )
-    if top_k is not None and (float(top_k) != int(top_k) or int(top_k) < 0):
-        raise ValueError(f"top_k must be an integer >= 0 (0 or None disables it), got {top_k!r}")
-    if top_p is not None:
-        p = float(top_p)
-        if not (0.0 < p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if min_p is not None and not (0.0 <= float(min_p) <= 1.0):
-        raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {min_p!r}")
+    """Raise ``ValueError`` for sampling parameters outside their domain (host-side check, by
+    their declarations: :data:`CONTROLS`)."""
+    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    for name, value in given.items():
+        if value is not None and not CONTROL[name].check(float(value)):
+            raise ValueError(f"{name} must be {CONTROL[name].expected}, got {value!r}")
 
 
 @known_keywords()
@@ -242,6 +234,77 @@ def ngram_window(sizes) -> int:
     return 0 if largest <= 0 else max(4, 1 << (largest - 1).bit_length())
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _in_float32(v: float) -> bool:
+    """``v`` stays finite in float32."""
+    return math.isfinite(v) and abs(v) <= _F32_MAX
+
+
+def _integral(v: float) -> bool:
+    return math.isfinite(v) and v == int(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Control:
+    """One per-row numeric sampling control, declared once: the :class:`SamplingParams` field and
+    the :class:`~asps_jax.sampling.Sampling` field of that name (whose metadata "control" it is).
+
+    Attributes:
+      name: the keyword (``sample(top_p=...)``), the ``Sampling`` and ``SamplingParams`` field.
+      dtype: the dtype of its per-row array in the loop.
+      neutral: the value that turns it off, which a call that does not give it gets (a name:
+        that control's value, ``draft_temperature``'s is the temperature's).
+      check: valid(v) for each value as a Python float, checked when a ``Sampling`` is made, in
+        float32 where that matters (what the device uses: 1e39 is finite here and inf there).
+      expected: what a valid value is, the end of the one-line error "NAME must be EXPECTED, got
+        VALUE".
+      role: "filter": a filter of :func:`process_logits`, compiled only when the call gives it
+        (:attr:`SamplingParams.filters`); "penalty": a path-dependent penalty of
+        :mod:`asps_jax.penalties` (:attr:`SamplingParams.penalized`); "limit": a length control
+        (:attr:`SamplingParams.limited`); "" for the rest.
+    """
+
+    name: str
+    dtype: type
+    neutral: float | str
+    check: Callable[[float], bool]
+    expected: str
+    role: str = ""
+
+
+_TEMPERATURE = "a finite number >= 0 (at most 3.4e38)"
+_FLOAT32 = "a finite number that float32 holds (0 disables it; |value| at most 3.4e38)"
+
+CONTROLS = (
+    Control("temperature", jnp.float32, 1.0, lambda v: 0.0 <= v <= _F32_MAX, _TEMPERATURE),
+    Control("draft_temperature", jnp.float32, "temperature", lambda v: 0.0 <= v <= _F32_MAX,
+            _TEMPERATURE),
+    Control("top_k", jnp.int32, 0, lambda v: _integral(v) and v >= 0,
+            "an integer >= 0 (0 or None disables it)", "filter"),
+    Control("top_p", jnp.float32, 1.0, lambda v: 0.0 < v <= 1.0 and np.float32(v) > 0,
+            "in (0, 1]", "filter"),
+    Control("min_p", jnp.float32, 0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 disables it)",
+            "filter"),
+    Control("repetition_penalty", jnp.float32, 1.0,
+            lambda v: 0.0 < v <= _F32_MAX and np.float32(v) > 0,
+            "a finite number > 0 that float32 holds (1 disables it; at most 3.4e38)", "penalty"),
+    Control("presence_penalty", jnp.float32, 0.0, _in_float32, _FLOAT32, "penalty"),
+    Control("frequency_penalty", jnp.float32, 0.0, _in_float32, _FLOAT32, "penalty"),
+    Control("no_repeat_ngram_size", jnp.int32, 0, lambda v: _integral(v) and v >= 0,
+            "an integer >= 0 (0 disables it)"),
+    Control("min_tokens", jnp.int32, 0, lambda v: _integral(v) and 0 <= v < 2**31,
+            "an integer >= 0 and at most 2**31 - 1 (0 disables it; from max_new_tokens on it "
+            "bans EOS throughout)", "limit"),
+)  # fmt: skip
+"""Every per-row numeric sampling control, in the order they are checked. Adding one: a
+:class:`Control` here, its field in :class:`SamplingParams` and in
+:class:`~asps_jax.sampling.Sampling`, and the code that applies it (docs/design.md)."""
+
+CONTROL = {c.name: c for c in CONTROLS}
+
+
 def _laid_out(sharding: str):
     """An array field (no default) with its layout over the batch: ``dataclasses.field``
     metadata "sharding", in the vocabulary of :func:`asps_jax.sharding.shard_inputs`."""
@@ -335,34 +398,39 @@ class SamplingParams:
         draft_temperature=None,
         eos_ids=(),
         *,
-        min_p=None,
-        repetition_penalty=None,
-        presence_penalty=None,
-        frequency_penalty=None,
-        no_repeat_ngram_size=None,
         logit_bias=None,
         constraint=None,
         draft_stop=None,
-        min_tokens=None,
         bad_words=None,
+        **controls,
     ):
-        """``constraint``: None, or ``(classes int32[V], next int32[S, C], final bool[S],
-        start int32[B])`` from
-        :func:`asps_jax.constraints.stack`. A control or filter left None is absent: its code is
-        not compiled (:attr:`filters`, :attr:`penalized`)."""
-        given = dict(top_k=top_k, top_p=top_p, min_p=min_p)
-        filters = tuple(name for name, value in given.items() if value is not None)
-        penalized = any(
-            v is not None
-            for v in (repetition_penalty, presence_penalty, frequency_penalty, logit_bias)
-        )
+        """``controls``: the other numeric controls of :data:`CONTROLS` (``min_p=...``), each a
+        scalar or one per row. ``constraint``: None, or ``(classes int32[V], next int32[S, C],
+        final bool[S], start int32[B])`` from :func:`asps_jax.constraints.stack`. A control or
+        filter left None is absent: its code is not compiled (:attr:`filters`,
+        :attr:`penalized`, :attr:`limited`)."""
+        unknown = sorted(set(controls) - set(CONTROL))
+        if unknown:
+            raise TypeError(f"SamplingParams.make() got an unexpected keyword {unknown[0]!r}")
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, **controls)
+        given.update(draft_temperature=draft_temperature)
 
         def rows(value, dtype, default):
             value = default if value is None else value
             return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
 
-        t = rows(temperature, jnp.float32, 1.0)
-        ngram = rows(no_repeat_ngram_size, jnp.int32, 0)
+        values = {}
+        for c in CONTROLS:  # a neutral value that names a control: that control's rows
+            off = isinstance(c.neutral, str) and given.get(c.name) is None
+            values[c.name] = (
+                values[c.neutral] if off else rows(given.get(c.name), c.dtype, c.neutral)
+            )
+
+        def role(name):
+            return tuple(
+                c.name for c in CONTROLS if c.role == name and given.get(c.name) is not None
+            )
+
         bias = jnp.zeros((batch, 1), jnp.float32)
         if logit_bias is not None:
             bias = jnp.asarray(logit_bias, jnp.float32)
@@ -371,33 +439,33 @@ class SamplingParams:
         if bad_words is not None and np.asarray(bad_words).size:
             words = jnp.asarray(bad_words, jnp.int32)
             words = jnp.broadcast_to(words, (batch,) + words.shape[-2:])
+        ngram = values["no_repeat_ngram_size"]
         return cls(
-            temperature=t,
-            draft_temperature=t
-            if draft_temperature is None
-            else rows(draft_temperature, jnp.float32, 1.0),
-            top_k=rows(top_k, jnp.int32, 0),
-            top_p=rows(top_p, jnp.float32, 1.0),
+            **values,
             eos_ids=jnp.asarray(list(eos_ids) or [-1], jnp.int32),
-            min_p=rows(min_p, jnp.float32, 0.0),
-            repetition_penalty=rows(repetition_penalty, jnp.float32, 1.0),
-            presence_penalty=rows(presence_penalty, jnp.float32, 0.0),
-            frequency_penalty=rows(frequency_penalty, jnp.float32, 0.0),
-            no_repeat_ngram_size=ngram,
             logit_bias=bias,
             dfa_classes=jnp.zeros((1,), jnp.int32) if constraint is None else constraint[0],
             dfa_next=jnp.full((1, 1), -1, jnp.int32) if constraint is None else constraint[1],
             dfa_final=jnp.zeros((1,), bool) if constraint is None else constraint[2],
             dfa_start=rows(None if constraint is None else constraint[3], jnp.int32, 0),
             draft_stop=rows(draft_stop, jnp.float32, 0.0),
-            min_tokens=rows(min_tokens, jnp.int32, 0),
             bad_words=words,
             ngram_window=ngram_window(np.asarray(ngram).reshape(-1).tolist()),
             constrained=constraint is not None,
-            filters=filters,
-            penalized=penalized,
-            limited=min_tokens is not None,
+            filters=role("filter"),
+            penalized=bool(role("penalty")) or logit_bias is not None,
+            limited=bool(role("limit")),
         )
+
+    @staticmethod
+    def declarations() -> tuple[Control, ...]:
+        """:data:`CONTROLS`, the per-row numeric controls' declarations."""
+        return CONTROLS
+
+    @staticmethod
+    def control(name: str) -> Control:
+        """The declaration of the control ``name``."""
+        return CONTROL[name]
 
     @classmethod
     def array_fields(cls) -> tuple[str, ...]:
