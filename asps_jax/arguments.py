@@ -24,7 +24,7 @@ import numpy as np
 
 from asps_jax import drafters, footprint
 from asps_jax.checks import check_int, check_keywords  # noqa: F401  (the entry points')
-from asps_jax.sampling import Sampling
+from asps_jax.controls.sampling import Sampling
 from asps_jax.verify import options as method_options
 
 MAX_ROWS = 1 << 22

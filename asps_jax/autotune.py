@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from asps_jax.sampling import Sampling
+from asps_jax.controls.sampling import Sampling
 from asps_jax.verify import registry
 
 

@@ -55,19 +55,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from asps_jax import (
-    constraints,
-    kv_cache,
-    penalties,
-    scoring,
-    sharding,
-    statistics,
-    stopping,
-    trees,
-)
+from asps_jax import kv_cache, scoring, sharding, statistics, trees
+from asps_jax.controls import constraints, penalties, stopping
+from asps_jax.controls.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.drafters.base import Drafter, Proposal, step_keys, unusable_depths
 from asps_jax.models import forward_for
-from asps_jax.processors import SamplingParams, logits_ok, sample_token
 from asps_jax.statistics import DecodeStats
 from asps_jax.verify import Verdict
 from asps_jax.verify.acceptance import identical_drafts_acceptance
@@ -137,7 +129,7 @@ class DecodeState:
       row_keys: typed PRNG keys [B], one base key per row.
       stats: the per-row :class:`~asps_jax.statistics.DecodeStats`.
       history: each row's committed text and token counts, for the path-dependent controls
-        (:class:`~asps_jax.penalties.History`).
+        (:class:`~asps_jax.controls.penalties.History`).
       top_logprobs: ``(ids int32[B, max_new_tokens + D + 1, k], logprobs float32[...,k])``, the
         k most likely tokens of the processed target law of each emitted token
         (``Decoder.top_logprobs`` = k; k = 0 records nothing).
@@ -146,7 +138,7 @@ class DecodeState:
         ``log_softmax(logits)`` at temperature 1 with no control, filter or constraint; 0.0
         after the row's end.
       stop: the stop strings and each row's last bytes of text
-        (:class:`~asps_jax.stopping.StopStrings`); None without stop strings.
+        (:class:`~asps_jax.controls.stopping.StopStrings`); None without stop strings.
       budget: int32[B], each row's ``max_new_tokens`` (at most ``SpecConfig.max_new_tokens``,
         the static output width): a traced value, so budgets within one width share a program.
     """
@@ -257,8 +249,9 @@ class Decoder:
         budget_B=None,
     ) -> DecodeState:
         """Build the caches from right-padded prompts; the last prompt token becomes the root.
-        ``stop``: the call's :class:`~asps_jax.stopping.StopStrings` (None: none); ``budget_B``:
-        int32[B], each row's ``max_new_tokens`` (None: ``spec.max_new_tokens`` for every row)."""
+        ``stop``: the call's :class:`~asps_jax.controls.stopping.StopStrings` (None: none);
+        ``budget_B``: int32[B], each row's ``max_new_tokens`` (None: ``spec.max_new_tokens`` for
+        every row)."""
         return _prefill(
             self,
             target_params,
@@ -611,8 +604,8 @@ def _score(dec: Decoder, target_params, sampling, state, drafts: Drafts):
     """Stage 2: one target forward over the tree's scored slots (``drafts.scored_BN``: a slot
     attends to the scored slots of its root path); returns the processed target log-probs by
     node, float32[B, N, V] (node i: the target after node i), whether each of those laws is
-    usable, bool[B, N] (:func:`asps_jax.processors.logits_ok`), the tree's new keys / values,
-    the number of draft nodes scored per row, int32[B], and the raw logits, [B, N, V]."""
+    usable, bool[B, N] (:func:`asps_jax.controls.processors.logits_ok`), the tree's new keys /
+    values, the number of draft nodes scored per row, int32[B], and the raw logits, [B, N, V]."""
     tree = dec.spec.tree.nodes
     scored_BN = drafts.scored_BN == jnp.arange(tree.num_nodes)[None, :]
     out = scoring.score_tree(

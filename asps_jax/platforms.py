@@ -7,8 +7,8 @@ KV-cache commit's row loop, ``kv_cache.row_loop_for``) read :func:`of`.
 And :func:`default_platforms`: which JAX backends a command line should start where the user chose
 none (``JAX_PLATFORMS`` unset).
 
-(Not ``platform.py``: ``dfa_worker.py`` runs as a script from this folder, where such a file would
-shadow the standard library's ``platform`` module.)
+(Not ``platform.py``: a script run from a folder of the package (``controls/dfa_worker.py`` is
+one) would see such a file shadow the standard library's ``platform`` module.)
 """
 
 from __future__ import annotations

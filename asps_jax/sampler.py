@@ -3,8 +3,8 @@ host edge under ``asps_jax.sample`` / ``stream`` / ``Session`` (:mod:`asps_jax.s
 
 :func:`prepare` validates everything that can be validated before compiling (the method and the
 drafter through :mod:`asps_jax.plan`, the sampling arguments through
-:class:`asps_jax.sampling.Sampling`, prompts, budgets, context length and memory), pads ragged
-prompts to a bucketed width so that calls with different prompt contents and lengths rarely
+:class:`asps_jax.controls.sampling.Sampling`, prompts, budgets, context length and memory), pads
+ragged prompts to a bucketed width so that calls with different prompt contents and lengths rarely
 recompile, derives one key per row, and lowers the call to the static
 :class:`~asps_jax.decode.Decoder` and its :class:`DecodeInputs`.
 """
@@ -28,13 +28,13 @@ from asps_jax import (
     sharding,
     slots,
     statistics,
-    stopping,
 )
 from asps_jax.checks import check_int
+from asps_jax.controls import stopping
+from asps_jax.controls.processors import SamplingParams
+from asps_jax.controls.sampling import HostConstraint, Sampling, bad_words_per_prompt
 from asps_jax.models.base import run_params
 from asps_jax.plan import MAX_TREE_NODES, METHODS, check_memory  # noqa: F401  (the API's names)
-from asps_jax.processors import SamplingParams
-from asps_jax.sampling import HostConstraint, Sampling, bad_words_per_prompt
 from asps_jax.verify import registry
 
 # Prompt width, cache length and batch padding (footprint.py's size estimate pads the same way).
@@ -225,11 +225,11 @@ class DecodeInputs:
     Attributes:
       target_params, draft_params: the models' parameters in their run layout (``draft_params``
         None for ``"ar"``).
-      sampling: the per-row :class:`~asps_jax.processors.SamplingParams`.
+      sampling: the per-row :class:`~asps_jax.controls.processors.SamplingParams`.
       prompts_BP: int32[B, P], right-padded prompts (``B`` a padded batch).
       prompt_lengths_B: int32[B]; 0 for the padding rows (they start done).
       row_keys_B: one PRNG key per row.
-      stop: the call's :class:`~asps_jax.stopping.StopStrings`, or None (with
+      stop: the call's :class:`~asps_jax.controls.stopping.StopStrings`, or None (with
         :attr:`Prepared.slots`, one tail per slot).
       budget_B: int32[B], each row's ``max_new_tokens`` (a traced value, at most the static
         ``SpecConfig.max_new_tokens``); 1 for the padding rows.
@@ -368,8 +368,8 @@ def prepare(
     call (the static :class:`~asps_jax.decode.Decoder`, the :class:`DecodeInputs`, the number of
     rows). Checks (one-line errors, nothing built), lowering, placing (mesh, run layout).
 
-    ``kwargs``: the sampling arguments (:class:`asps_jax.sampling.Sampling`, one value or one per
-    prompt; over ``sampling=``'s fields), the drafters' options, the rest the method's options.
+    ``kwargs``: the sampling arguments (:class:`~asps_jax.controls.sampling.Sampling`, one value
+    or one per prompt, over ``sampling=``'s fields), drafters' options, the method's options.
     ``key`` or ``seed``: a PRNG key or an int, or one per prompt. ``n``: samples per prompt, rows
     ``p * n + i`` (:func:`_samples`: a prompt's samples depend only on its key and index).
     ``max_new_tokens``: an int or one per prompt, a traced per-row value (the static output width
@@ -381,7 +381,7 @@ def prepare(
     ``num_draft_tokens`` defaults to 8 and ``num_drafts`` to 1; ``tree=(w_1, ..., w_D)``: a
     branching tree, ``w_d`` children per node at depth d - 1 (``prod(w)`` root paths). ``stop``:
     at most 16 strings of 1 to 64 UTF-8 bytes; a row ends after the token whose text completes
-    one (kept; :mod:`asps_jax.stopping`)."""
+    one (kept; :mod:`asps_jax.controls.stopping`)."""
     compile_cache.enable_default()  # the persistent cache, as the command line has it
     arguments.check_keywords("prepare", kwargs, arguments.call_keywords(prepare))
     given = arguments.sampling_arguments(sampling, kwargs)  # flat keywords over sampling=

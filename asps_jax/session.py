@@ -33,7 +33,7 @@ def sample(
 
     ``target`` / ``draft`` are :class:`asps_jax.models.Model` (``draft`` may be None for
     ``method="ar"``). See :func:`~asps_jax.sampler.prepare` for the keyword arguments (the
-    sampling arguments: :class:`asps_jax.sampling.Sampling`); extra keyword arguments are
+    sampling arguments: :class:`asps_jax.controls.sampling.Sampling`); extra keyword arguments are
     method options (e.g. ``rule="fixed_order"`` for ``method="is"``). ``return_logprobs=True``
     fills :attr:`SampleOutput.logprobs` (measured in the loop either way: no extra forward, no
     recompile). ``max_new_tokens`` may be one budget per prompt; ``batch_size=B`` runs the
@@ -133,9 +133,9 @@ class Session:
     :class:`SlotSession`. ``compile()`` compiles the first and the next steps ahead of time and
     returns the seconds it took; ``steps()`` yields the new tokens after every compiled step;
     ``result()`` gives the :class:`SampleOutput`. ``constraint``: the call's
-    :class:`~asps_jax.sampling.HostConstraint` under a ``regex`` / ``json_schema`` (None without),
-    which tells whether a row's tokens so far complete its text
-    (:meth:`~asps_jax.sampling.HostConstraint.incomplete_rows`). ``calibration``: with
+    :class:`~asps_jax.controls.sampling.HostConstraint` under a ``regex`` / ``json_schema`` (None
+    without), which tells whether a row's tokens so far complete its text
+    (:meth:`~asps_jax.controls.sampling.HostConstraint.incomplete_rows`). ``calibration``: with
     ``num_draft_tokens="auto"``, the :class:`~asps_jax.autotune.Calibration` that chose n.
     """
 

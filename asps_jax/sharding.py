@@ -38,9 +38,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from asps_jax.checks import known_keywords
+from asps_jax.controls.stopping import StopStrings
 from asps_jax.kv_cache import CACHE_AXES, KVCache
 from asps_jax.models import family_for_config
-from asps_jax.stopping import StopStrings
 
 MESH_AXES = ("data", "model")
 

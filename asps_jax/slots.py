@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import decode
-from asps_jax.processors import SamplingParams
+from asps_jax.controls.processors import SamplingParams
 from asps_jax.statistics import DecodeStats
 
 __all__ = ["Prompts", "Results", "SlotState", "advance", "run", "running", "start"]
@@ -40,7 +40,7 @@ class Prompts:
       lengths: int32[N]; 0 for the rows that pad N to a bucket (never started).
       keys: typed PRNG keys [N], ``fold_in(key, i)`` for prompt i.
       budget: int32[N], each prompt's ``max_new_tokens``.
-      sampling: :class:`~asps_jax.processors.SamplingParams` with one row per prompt.
+      sampling: :class:`~asps_jax.controls.processors.SamplingParams` with one row per prompt.
     """
 
     tokens: jax.Array

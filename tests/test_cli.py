@@ -84,7 +84,7 @@ def test_every_flag_in_one_json_run(capsys):
     # completes "e" or a newline.
     from transformers import AutoTokenizer
 
-    from asps_jax.sampling import bad_word_ids
+    from asps_jax.controls.sampling import bad_word_ids
 
     tok = AutoTokenizer.from_pretrained(str(ROOT / "models" / "tinyshakespeare-target"))
     stopped = 0

@@ -1,4 +1,4 @@
-"""Regex / JSON-schema constraints (asps_jax/constraints.py).
+"""Regex / JSON-schema constraints (asps_jax/controls/constraints.py).
 
 Expected values are independent of the library: a hand-written DFA walked in pure Python with
 NumPy float64 masking (the constrained AR law), exact enumeration of every method's verifier on
@@ -33,9 +33,10 @@ from test_verify_chain import code_outcome
 from test_verify_tree import enumerate_method
 
 import asps_jax
-from asps_jax import constraints, penalties, sampler, trees
+from asps_jax import sampler, trees
+from asps_jax.controls import constraints, penalties
+from asps_jax.controls.processors import SamplingParams
 from asps_jax.drafters import lookup
-from asps_jax.processors import SamplingParams
 from asps_jax.verify.registry import REGISTRY
 
 # --- A hand-written DFA over 4 tokens: every state allows a different set, so the masks vary
@@ -95,8 +96,8 @@ def _process(sampling, history, logits, path, depth, draft):
 
 
 def _library_masked(laws, draft):
-    """The library's processing (asps_jax.penalties.process: the constraint's mask, then the
-    controls and temperature 1) of every prefix's law, each prefix a tree node's path, in one
+    """The library's processing (asps_jax.controls.penalties.process: the constraint's mask, then
+    the controls and temperature 1) of every prefix's law, each prefix a tree node's path, in one
     call: returns float64 laws masked by the library's allowed sets, and the float32 laws."""
     strings = [tab.all_strings(V4, i) for i in range(len(laws))]
     rows = sum(len(x) for x in strings)

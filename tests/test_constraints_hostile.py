@@ -1,5 +1,5 @@
-"""Hostile constraints (asps_jax/constraints.py): patterns and schemas that would exhaust memory
-or abort the process inside outlines-core are refused first, with one-line errors; broken
+"""Hostile constraints (asps_jax/controls/constraints.py): patterns and schemas that would exhaust
+memory or abort the process inside outlines-core are refused first, with one-line errors; broken
 constraint-cache entries are compiled again and rewritten.
 
 Every refusal here is checked to come before outlines-core runs (``_compile`` and
@@ -21,7 +21,7 @@ import numpy as np
 import outlines_core.json_schema
 import pytest
 
-from asps_jax import constraints, dfa_worker
+from asps_jax.controls import constraints, dfa_worker
 
 # Every byte as a token, a few multi-byte tokens and a special token (None): small enough that
 # outlines-core compiles the patterns below in milliseconds.
@@ -396,14 +396,16 @@ def test_a_broken_cache_entry_is_compiled_again_and_rewritten(
     damage(path, fresh)
     before = dict(constraints.STATS)
     monkeypatch.setattr(constraints, "_MEMORY", {})
-    with caplog.at_level(logging.WARNING, logger="asps_jax.constraints"):
+    with caplog.at_level(logging.WARNING, logger="asps_jax.controls.constraints"):
         again = constraints.compile_regex(CACHED, BYTES)
     np.testing.assert_array_equal(again.next, fresh.next)
     np.testing.assert_array_equal(again.classes, fresh.classes)
     np.testing.assert_array_equal(again.final, fresh.final)
     assert again.start == fresh.start
     assert constraints.STATS["compiled"] == before.get("compiled", 0) + 1
-    (notice,) = [r.getMessage() for r in caplog.records if r.name == "asps_jax.constraints"]
+    (notice,) = [
+        r.getMessage() for r in caplog.records if r.name == "asps_jax.controls.constraints"
+    ]
     assert "\n" not in notice and str(path) in notice and "compiled again and rewritten" in notice
     # Rewritten: the next process (a fresh memory) reads it from disk, with no notice.
     caplog.clear()
@@ -412,7 +414,7 @@ def test_a_broken_cache_entry_is_compiled_again_and_rewritten(
     assert constraints.STATS["disk"] == before.get("disk", 0) + 1
     assert constraints.STATS["compiled"] == before.get("compiled", 0) + 1
     np.testing.assert_array_equal(third.next, fresh.next)
-    assert not [r for r in caplog.records if r.name == "asps_jax.constraints"]
+    assert not [r for r in caplog.records if r.name == "asps_jax.controls.constraints"]
     assert sorted(p.name for p in (tmp_path / "constraints").iterdir()) == [path.name]
 
 
@@ -484,7 +486,7 @@ def test_a_pattern_that_is_not_unicode_text_names_its_flag(uncached):
 UNDER_A_LIMIT = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-from asps_jax import constraints
+from asps_jax.controls import constraints
 constraints.COMPILE_MEMORY_BYTES = 8 << 30  # the limit is below the builder's bound on any host
 tokens = [bytes([b]) for b in range(256)]
 print(constraints.compile_regex("[a-d]{2}x", tokens).num_states)

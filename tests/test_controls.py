@@ -25,8 +25,9 @@ from controls_reference import law, warped_probs
 from test_decode import PROMPT, VOCAB, _chi_square_pvalue, write_pair
 
 import asps_jax
-from asps_jax import decode, penalties, sampler, trees
-from asps_jax.processors import SamplingParams
+from asps_jax import decode, sampler, trees
+from asps_jax.controls import penalties
+from asps_jax.controls.processors import SamplingParams
 from asps_jax.verify.tree import tree_outcome
 
 # A path-dependent setting: every control changes the law, and differently along each path.

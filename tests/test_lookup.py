@@ -18,7 +18,7 @@ from multidraft_reference import continuation_error, random_laws, tree_law
 from tabular import code, continue_with_target, joint, rows_along
 
 import asps_jax
-from asps_jax import penalties
+from asps_jax.controls import penalties
 from asps_jax.drafters import lookup
 from asps_jax.verify import chain
 

@@ -152,7 +152,7 @@ def test_nan_draft_stops_every_row_before_any_token(models, method, k, temperatu
 
 @pytest.mark.slow
 def test_processors_flag_unusable_laws():
-    from asps_jax.processors import logits_ok, process_logits
+    from asps_jax.controls.processors import logits_ok, process_logits
 
     nan, inf = float("nan"), float("inf")
     rows = np.array([[0.0, 1.0], [nan, 1.0], [inf, 1.0], [-inf, 1.0], [-inf, -inf]], np.float32)

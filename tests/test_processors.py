@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from asps_jax.processors import (
+from asps_jax.controls.processors import (
     SamplingParams,
     process_logits,
     process_logits_from_top,

@@ -22,7 +22,7 @@ from hf_checkpoints import write_tiny_llama
 from test_constraints_hostile import THREE_FIELDS, outlines_index
 
 import asps_jax
-from asps_jax import constraints
+from asps_jax.controls import constraints
 
 # Bounded end to end: a random model finishes it within the budget.
 SMALL_SCHEMA = {

@@ -17,9 +17,10 @@ from hf_checkpoints import load_tiny_pair, write_tiny_llama
 from subprocess_env import xla_flags
 
 import asps_jax
-from asps_jax import drafters, footprint, penalties, plan, sampler, trees
+from asps_jax import drafters, footprint, plan, sampler, trees
+from asps_jax.controls import penalties
+from asps_jax.controls.processors import SamplingParams
 from asps_jax.drafters import self_layers
-from asps_jax.processors import SamplingParams
 from asps_jax.verify import registry
 
 VOCAB = 12

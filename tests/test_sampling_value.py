@@ -19,10 +19,11 @@ import pytest
 from hf_checkpoints import write_peaked_pair
 
 import asps_jax
-from asps_jax import arguments, processors, session
-from asps_jax.processors import CONTROLS, SamplingParams
+from asps_jax import arguments, session
+from asps_jax.controls import processors
+from asps_jax.controls.processors import CONTROLS, SamplingParams
+from asps_jax.controls.sampling import Sampling
 from asps_jax.sampler import prepare
-from asps_jax.sampling import Sampling
 
 VOCAB = 12
 PROMPTS = [[1, 5, 3], [4, 7, 9, 1, 0, 11, 6], [2], [8, 8, 2, 5]]

@@ -28,12 +28,13 @@ from subprocess_env import xla_flags
 from test_cli import cli
 
 import asps_jax
-from asps_jax import footprint, sampler, sharding, stopping
+from asps_jax import footprint, sampler, sharding
+from asps_jax.controls import stopping
+from asps_jax.controls.processors import SamplingParams
+from asps_jax.controls.stopping import StopStrings
 from asps_jax.drafters import head
 from asps_jax.kv_cache import KVCache
 from asps_jax.models import LlamaConfig, llama
-from asps_jax.processors import SamplingParams
-from asps_jax.stopping import StopStrings
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -1,4 +1,4 @@
-"""Stop strings (asps_jax/stopping.py and the decode loop's stop cut).
+"""Stop strings (asps_jax/controls/stopping.py and the decode loop's stop cut).
 
 Expected values: ``tokenizer.decode`` (transformers / tokenizers) for the token byte tables,
 literals and a plain-Python ``bytes`` search for the matcher, an exact enumeration of AR sampling
@@ -20,7 +20,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 import asps_jax
-from asps_jax import decode, stopping
+from asps_jax import decode
+from asps_jax.controls import stopping
 
 CORPUS = [
     "the cat sat on the mat",
@@ -549,7 +550,7 @@ def test_constraints_and_stop_strings_read_one_token_text(name):
     a constraint never allows the id). They used to differ on an added token of byte-level
     alphabet characters ('ÿé', 'aĠb'): the constraints read the byte-level bytes (ff e9, 'a b'),
     as the fast tokenizer's decode does, the stop strings the content's UTF-8 (c3 bf c3 a9)."""
-    from asps_jax import constraints
+    from asps_jax.controls import constraints
 
     if name == "added":
         tok = gpt2_like_tokenizer()

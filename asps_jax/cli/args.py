@@ -11,8 +11,8 @@ import math
 
 from asps_jax import sampler
 from asps_jax.cli import flags
-from asps_jax.sampling import Sampling
-from asps_jax.stopping import validate_stop
+from asps_jax.controls.sampling import Sampling
+from asps_jax.controls.stopping import validate_stop
 from asps_jax.verify.api import TREE_METHODS
 from asps_jax.verify.registry import DEFAULT_METHOD, REFERENCE_METHODS, describe
 
@@ -473,8 +473,9 @@ def _apply_tree(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 def sampling_kwargs(args) -> dict:
     """The arguments of ``sample`` / ``Session`` that come straight from the flags: the method, the
-    draft shape, the sampling arguments (:class:`asps_jax.sampling.Sampling`, one flag each), the
-    stop strings and the drafter's options (one list for the single batch and for ``--prompts``)."""
+    draft shape, the sampling arguments (:class:`asps_jax.controls.sampling.Sampling`, one flag
+    each), the stop strings and the drafter's options (one list for the single batch and for
+    ``--prompts``)."""
     sampling = {name: getattr(args, name) for name in Sampling.names() if hasattr(args, name)}
     sampling.update(
         logit_bias=dict(args.logit_bias) if args.logit_bias else None,

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from asps_jax.processors import logits_ok
+from asps_jax.controls.processors import logits_ok
 
 PURPOSE_DRAFT = 0  # the step key's purpose for drafting (decode folds in the others)
 
@@ -162,8 +162,8 @@ class Drafter:
 
 def finite_laws(logits_V: jax.Array) -> jax.Array:
     """bool ``[...]``: the shared check of a draft law's raw logits ``[..., V]`` (the draft
-    model's, :func:`asps_jax.processors.logits_ok`): no NaN or ``+inf`` and some finite logit.
-    ``Proposal.finite_BKD`` holds it per law."""
+    model's, :func:`asps_jax.controls.processors.logits_ok`): no NaN or ``+inf`` and some finite
+    logit. ``Proposal.finite_BKD`` holds it per law."""
     return logits_ok(logits_V)
 
 

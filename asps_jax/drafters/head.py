@@ -12,7 +12,7 @@ place of the target's features (as it was trained: :mod:`asps_jax.drafters.train
 
 Exactness: the draft law is the softmax of those logits placed on the target's vocabulary
 (probability 0 outside the draft vocabulary: the residual covers those tokens), then processed
-like every drafter's (:func:`asps_jax.penalties.process`: temperature, every control and
+like every drafter's (:func:`asps_jax.controls.penalties.process`: temperature, every control and
 constraint, on each chain's own path). It depends on the committed text and the chain's own
 tokens only, so every verifier (sps, asps, specinfer, spectr, is, tv, tv_wr, is_bv) keeps the
 target's law with it, on chains, K chains and branching trees.

@@ -1,15 +1,15 @@
 """Prompt-lookup drafting: draft chains copied from the row's own text (docs/algorithms.md §9).
 
 The drafter reads each row's committed text, the prompt followed by the generated tokens (the
-root last; :class:`asps_jax.penalties.History`). The last ``m`` tokens (``m = lookup_ngram``) are
-searched for among the earlier text; the continuation of an occurrence (the tokens after it, up to
-``lookup_max`` and never past the root) is a draft chain. Chain k is the k-th most recent *distinct*
-continuation: candidates are taken from the most recent occurrence backwards, and a continuation
-equal, token for token over the whole window, to one taken before is skipped. A row with fewer
-than K distinct continuations gets chains of length 0, and a row with no occurrence drafts nothing
-that step (it emits the target's token). A constrained row (regex / JSON schema) cuts every
-continuation before its first token the constraint forbids at its node (the DFA walked from the
-row's committed state along the continuation); an occurrence whose continuation is then empty is
+root last; :class:`asps_jax.controls.penalties.History`). The last ``m`` tokens (``m =
+lookup_ngram``) are searched for among the earlier text; the continuation of an occurrence (the
+tokens after it, up to ``lookup_max`` and never past the root) is a draft chain. Chain k is the k-th
+most recent *distinct* continuation: candidates are taken from the most recent occurrence backwards,
+and a continuation equal, token for token over the whole window, to one taken before is skipped. A
+row with fewer than K distinct continuations gets chains of length 0, and a row with no occurrence
+drafts nothing that step (it emits the target's token). A constrained row (regex / JSON schema) cuts
+every continuation before its first token the constraint forbids at its node (the DFA walked from
+the row's committed state along the continuation); an occurrence whose continuation is then empty is
 no match, so the next most recent one is taken.
 
 Each chain is a deterministic function of the committed text (and the row's committed
@@ -30,7 +30,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from asps_jax import constraints, footprint
+from asps_jax import footprint
+from asps_jax.controls import constraints
 from asps_jax.drafters.base import Drafter, Proposal
 from asps_jax.logspace import NEG_INF
 
@@ -118,7 +119,7 @@ def lookup_drafts(
     """The lookup chains of every row: ``(tokens int32[B, K, D], logprobs float32[B, K, D, V],
     lengths int32[B, K])``; ``logprobs`` are the point-mass laws (0 at the token, -inf
     elsewhere; at depths past a chain's length a point mass on token 0, never read). With a
-    constrained ``sampling`` (:class:`~asps_jax.processors.SamplingParams`), each row's
+    constrained ``sampling`` (:class:`~asps_jax.controls.processors.SamplingParams`), each row's
     candidates are cut before their first token its constraint forbids (:func:`row_candidates`).
     """
     constrained = sampling is not None and sampling.constrained

@@ -8,10 +8,10 @@ draft tokens): when every draft token is accepted the cache then already holds t
 block, and rolling back is only a matter of resetting the per-row lengths (:meth:`ModelDraft.
 commit`, which also syncs the replicas to the one whose path was accepted).
 
-Each drafted token is drawn through :func:`asps_jax.penalties.process` (the sampling controls on
-the chain's own path), and the log-law it was drawn from is returned: verification must compare
-against exactly that law. A branching tree (``SpecConfig.widths``) draws every node's children
-from one law with one key (:class:`~asps_jax.trees.BranchingPlan`). The confidence stop
+Each drafted token is drawn through :func:`asps_jax.controls.penalties.process` (the sampling
+controls on the chain's own path), and the log-law it was drawn from is returned: verification must
+compare against exactly that law. A branching tree (``SpecConfig.widths``) draws every node's
+children from one law with one key (:class:`~asps_jax.trees.BranchingPlan`). The confidence stop
 (``draft_stop="confidence:τ"``, docs/algorithms.md §10) is the rollout's option: a chain stops
 growing at the first draft law whose top probability is below the row's τ, and the loop ends
 when every chain has, so the draft forwards after that are saved.
@@ -27,11 +27,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from asps_jax import footprint, kv_cache, penalties, scoring, sharding
+from asps_jax import footprint, kv_cache, scoring, sharding
+from asps_jax.controls import penalties
+from asps_jax.controls.processors import sample_token
 from asps_jax.drafters.base import Drafter, Proposal, chain_keys, finite_laws
 from asps_jax.draws import draw_without_replacement
 from asps_jax.models import forward_for
-from asps_jax.processors import sample_token
 
 
 @dataclasses.dataclass(frozen=True)

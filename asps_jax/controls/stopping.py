@@ -1,8 +1,8 @@
 """Stop strings: a row ends after the first occurrence of a stop string in its generated text.
 
 The text is the UTF-8 bytes of the generated tokens. Each token's bytes come from the one table
-per tokenizer that constraints read too (:func:`asps_jax.tokenbytes.token_bytes`), laid out as
-device arrays once (:func:`token_byte_table`); special tokens add no bytes. Matching runs on
+per tokenizer that constraints read too (:func:`asps_jax.controls.tokenbytes.token_bytes`), laid out
+as device arrays once (:func:`token_byte_table`); special tokens add no bytes. Matching runs on
 device, inside the jitted loop, once per step on the emitted block (:func:`advance`): the
 block's bytes are laid out after the last ``Ls - 1`` bytes of the row's earlier text (its
 *tail*, carried in the decode state), and every window ending at a new byte is compared with
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax.tokenbytes import token_bytes
+from asps_jax.controls.tokenbytes import token_bytes
 
 __all__ = [
     "MAX_STOP_BYTES",

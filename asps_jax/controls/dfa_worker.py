@@ -3,8 +3,8 @@
 outlines-core's index builder runs in Rust: a pattern whose automaton explodes (a top-level
 bounded string of a JSON schema, say, whose unanchored search automaton grows exponentially)
 either exhausts the memory or aborts the whole process (``memory allocation ... failed``), and
-neither can be caught in Python. :func:`asps_jax.constraints.compile_regex` therefore runs this
-file as a script in a child process (``python dfa_worker.py``; it imports nothing of asps_jax,
+neither can be caught in Python. :func:`asps_jax.controls.constraints.compile_regex` therefore runs
+this file as a script in a child process (``python dfa_worker.py``; it imports nothing of asps_jax,
 so the child starts in a fraction of a second) under an address-space limit, and reads the table
 back; the parent gives one-line errors for a child that ran out of memory or time. A lower
 address-space limit the caller runs under (``ulimit -v``) is inherited and kept, never raised.

@@ -12,7 +12,7 @@ state to the same next state. The tokens that every state treats alike form a cl
 is kept as ``classes int32[V]`` (each token's class) with ``next int32[S, C]`` over the classes —
 an exact rewrite of the dense ``S x V`` table (``δ(s, x) = next[s, classes[x]]``) that is a few
 hundred columns wide instead of V: a 436-state JSON schema over cl100k_base (100 261 ids) has 190
-classes (0.33 MB instead of 175 MB). :mod:`asps_jax.dfa_worker` builds it without the dense
+classes (0.33 MB instead of 175 MB). :mod:`asps_jax.controls.dfa_worker` builds it without the dense
 table.
 
 Device side. The DFAs of a batch are stacked into one table over their joint classes (tokens that
@@ -62,7 +62,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asps_jax import compile_cache, dfa_worker, tokenbytes
+from asps_jax import compile_cache
+from asps_jax.controls import dfa_worker, tokenbytes
 
 MAX_TABLE_ENTRIES = 1 << 26
 """The bound on ``states x token classes`` of a batch's stacked DFA table (int32: 256 MiB)."""
@@ -131,8 +132,9 @@ def _one_line(err) -> str:
 
 def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
     """The byte string each token id in ``[0, vocab_size)`` adds to the text — the table stop
-    strings read too (:func:`asps_jax.tokenbytes.token_bytes`) — with None where a constraint
-    never allows the id: special tokens, ids the tokenizer does not have, tokens of no text."""
+    strings read too (:func:`asps_jax.controls.tokenbytes.token_bytes`) — with None where a
+    constraint never allows the id: special tokens, ids the tokenizer does not have, tokens of no
+    text."""
     special = tokenbytes.special_ids(tokenizer)
     pieces = tokenbytes.token_bytes(tokenizer, vocab_size)
     return [None if i in special or not piece else piece for i, piece in enumerate(pieces)]
@@ -268,8 +270,9 @@ def _half_the_memory() -> int:
 
 COMPILE_MEMORY_BYTES = max(2 << 30, _half_the_memory())
 """The address space outlines-core may use to build one DFA (half the physical memory, at least
-2 GiB), in a child process (:mod:`asps_jax.dfa_worker`): past it the child stops and the pattern
-is refused in one line, where the index builder would exhaust the memory or abort the process."""
+2 GiB), in a child process (:mod:`asps_jax.controls.dfa_worker`): past it the child stops and the
+pattern is refused in one line, where the index builder would exhaust the memory or abort the
+process."""
 
 COMPILE_SECONDS = 120.0
 """The time outlines-core may take to build one DFA (seconds): past it the child is stopped and
@@ -279,9 +282,10 @@ search automaton explodes inside outlines-core) until the memory limit, minutes 
 
 
 def _compile(pattern: str, tokens: list[bytes | None], key: str, what: str) -> TokenDFA:
-    """outlines-core's DFA of ``pattern``, built in a child process (:mod:`asps_jax.dfa_worker`)
-    bounded by :data:`COMPILE_MEMORY_BYTES` (or the caller's lower address-space limit) and
-    :data:`COMPILE_SECONDS`, so that no pattern can take this process down."""
+    """outlines-core's DFA of ``pattern``, built in a child process
+    (:mod:`asps_jax.controls.dfa_worker`) bounded by :data:`COMPILE_MEMORY_BYTES` (or the caller's
+    lower address-space limit) and :data:`COMPILE_SECONDS`, so that no pattern can take this
+    process down."""
     if importlib.util.find_spec("outlines_core") is None:  # pragma: no cover - a dependency
         raise ValueError(f"{what}: constraints need outlines-core (pip install outlines-core)")
     if all(t is None for t in tokens):

@@ -1,7 +1,7 @@
 """The bytes each token id adds to a text: one table per tokenizer, read by every part that
-matches text: stop strings (:mod:`asps_jax.stopping`) and regex / JSON-schema constraints
-(:mod:`asps_jax.constraints`), so that a stop string and a pattern see the same text for the
-same token.
+matches text: stop strings (:mod:`asps_jax.controls.stopping`) and regex / JSON-schema constraints
+(:mod:`asps_jax.controls.constraints`), so that a stop string and a pattern see the same text for
+the same token.
 
 Byte-level BPE (GPT-2's byte-to-unicode alphabet), SentencePiece-style vocabularies (``▁`` is a
 space, ``<0xNN>`` a raw byte), a slow tokenizer's added tokens (their content, as written; a

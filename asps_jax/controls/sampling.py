@@ -1,7 +1,7 @@
 """The sampling arguments of a call as one typed value, :class:`Sampling`: validated once
 (one-line errors naming the argument), documented once, and lowered once into the per-row
-:class:`~asps_jax.processors.SamplingParams` of the compiled loop (:meth:`Sampling.lower`), with the
-host's view of the rows' constraints (:class:`HostConstraint`).
+:class:`~asps_jax.controls.processors.SamplingParams` of the compiled loop (:meth:`Sampling.lower`),
+with the host's view of the rows' constraints (:class:`HostConstraint`).
 
 Every sampling argument may be one value for all prompts or one per prompt (``logit_bias``: one
 ``{token id: bias}`` dict, or one per prompt; ``regex`` / ``json_schema``: one pattern, or one per
@@ -19,15 +19,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from asps_jax import constraints
+from asps_jax.controls import constraints
+from asps_jax.controls.processors import CONTROL, CONTROLS, SamplingParams
 from asps_jax.logspace import F32_MAX
-from asps_jax.processors import SamplingParams
 
 
 def _control(name: str, default=None):
-    """The field of a numeric control, its declaration (:data:`asps_jax.processors.CONTROLS`) as
-    its metadata "control"."""
-    return dataclasses.field(default=default, metadata=dict(control=SamplingParams.control(name)))
+    """The field of a numeric control, its declaration (one of
+    :data:`asps_jax.controls.processors.CONTROLS`) as its metadata "control"."""
+    return dataclasses.field(default=default, metadata=dict(control=CONTROL[name]))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -87,10 +87,10 @@ class Sampling:
 
     @classmethod
     def controls(cls):
-        """The declarations (:class:`~asps_jax.processors.Control`) of the numeric fields, in
-        :data:`~asps_jax.processors.CONTROLS`' order."""
+        """The declarations (:class:`~asps_jax.controls.processors.Control`) of the numeric
+        fields, in :data:`~asps_jax.controls.processors.CONTROLS`' order."""
         declared = {f.name for f in dataclasses.fields(cls) if "control" in f.metadata}
-        return tuple(c for c in SamplingParams.declarations() if c.name in declared)
+        return tuple(c for c in CONTROLS if c.name in declared)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -173,8 +173,8 @@ def _per_row(name: str, value, batch: int, padded: int):
 
 
 def _constraint_rows(target, regex, json_schema, batch: int, padded: int):
-    """The stacked constraint tables of the rows (:func:`asps_jax.constraints.stack`), or None
-    when no row is constrained."""
+    """The stacked constraint tables of the rows (:func:`asps_jax.controls.constraints.stack`), or
+    None when no row is constrained."""
 
     def per_row(name, value):
         if value is None:
@@ -428,8 +428,8 @@ def _eos_ids(target, eos_token_id) -> tuple[int, ...]:
 class HostConstraint:
     """The stacked constraint tables of a call, kept on the host to tell which rows' text the
     constraint accepts (:meth:`incomplete_rows`): ``classes int32[V]``, ``next int32[S, C]``,
-    ``final bool[S]``, ``start int32[rows]`` (:func:`asps_jax.constraints.stack`) and the EOS
-    ids."""
+    ``final bool[S]``, ``start int32[rows]`` (:func:`asps_jax.controls.constraints.stack`) and the
+    EOS ids."""
 
     classes: np.ndarray
     next: np.ndarray

@@ -6,7 +6,7 @@ is transformers' (``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPL
 ``MinPLogitsWarper``): temperature, then top-k (ties at the k-th value are kept), then top-p (the
 smallest set of most likely tokens whose mass reaches ``top_p``, keeping at least one token), then
 min-p (tokens less likely than ``min_p`` times the most likely one go). The path-dependent controls
-(logit bias, penalties, n-grams) come before all of these, in :mod:`asps_jax.penalties`.
+(logit bias, penalties, n-grams) come before all of these, in :mod:`asps_jax.controls.penalties`.
 
 ``temperature``, ``top_k`` and ``top_p`` may be Python numbers or traced scalars: changing them does
 not recompile. ``temperature == 0`` gives a point mass on the (first) argmax; ``top_k <= 0`` or
@@ -49,8 +49,9 @@ def process_logits(
 ) -> jax.Array:
     """Map logits ``[..., V]`` to float32 log-probabilities ``[..., V]`` (``-inf`` = excluded).
 
-    NaN logits are treated as ``-inf``; a row with no finite logit stays all ``-inf`` (callers that
-    sample from it must check, see ``decode``).
+    NaN logits are treated as ``-inf``; a row with every logit ``-inf`` stays all ``-inf`` (callers
+    that sample from it must check, see ``decode``); ``+inf`` counts as the largest logit (its law
+    is unusable by :func:`logits_ok`).
     """
     logits, scaled, greedy = _scaled(logits_V, temperature)
     vocab = logits.shape[-1]
@@ -167,7 +168,8 @@ def _finish(logits, scaled, greedy, min_p):
     # --- Greedy: point mass on the first argmax of the raw logits ---
     # (a row with no finite logit has no argmax: it stays all -inf, as at temperature > 0).
     argmax = jnp.argmax(logits, axis=-1)
-    has_finite = jnp.any(jnp.isfinite(logits), axis=-1, keepdims=True)
+    # (NaN is -inf here; a row with +inf logits fails `logits_ok` and emits nothing.)
+    has_finite = jnp.max(logits, axis=-1, keepdims=True) > NEG_INF
     point = jnp.where(jax.nn.one_hot(argmax, vocab, dtype=bool) & has_finite, 0.0, NEG_INF)
     return jnp.where(greedy, point, logprobs)
 
@@ -216,9 +218,9 @@ def logits_ok(logits_V: jax.Array) -> jax.Array:
     """bool ``[...]``: the law of ``logits[..., V]`` is usable, i.e. no logit is NaN or ``+inf``
     and at least one is finite (``-inf`` masks a token and is fine). The decoding loop stops a row
     at the first law that is not."""
-    logits = jnp.asarray(logits_V)
-    clean = jnp.all(~jnp.isnan(logits) & (logits != jnp.inf), axis=-1)
-    return clean & jnp.any(jnp.isfinite(logits), axis=-1)
+    # One reduction (one all-reduce where the vocabulary is split over chips): the largest logit
+    # is NaN when any is (max propagates NaN), +inf when any is, and -inf when none is finite.
+    return jnp.isfinite(jnp.max(jnp.asarray(logits_V), axis=-1))
 
 
 def sample_token(key: jax.Array, logprobs_V: jax.Array) -> jax.Array:
@@ -249,7 +251,8 @@ def _integral(v: float) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Control:
     """One per-row numeric sampling control, declared once: the :class:`SamplingParams` field and
-    the :class:`~asps_jax.sampling.Sampling` field of that name (whose metadata "control" it is).
+    the :class:`~asps_jax.controls.sampling.Sampling` field of that name (whose metadata "control"
+    it is).
 
     Attributes:
       name: the keyword (``sample(top_p=...)``), the ``Sampling`` and ``SamplingParams`` field.
@@ -300,7 +303,7 @@ CONTROLS = (
 )  # fmt: skip
 """Every per-row numeric sampling control, in the order they are checked. Adding one: a
 :class:`Control` here, its field in :class:`SamplingParams` and in
-:class:`~asps_jax.sampling.Sampling`, and the code that applies it (docs/design.md)."""
+:class:`~asps_jax.controls.sampling.Sampling`, and the code that applies it (docs/design.md)."""
 
 CONTROL = {c.name: c for c in CONTROLS}
 
@@ -356,9 +359,9 @@ class SamplingParams:
         ``NoBadWordsLogitsProcessor``); int32[B, 0, 1] when no row has one.
       limited: static bool, the call gives ``min_tokens`` (else none of its code is compiled;
         ``bad_words`` is compiled when W > 0, its shape).
-    See :mod:`asps_jax.constraints`.
+    See :mod:`asps_jax.controls.constraints`.
     The controls (bias, penalties, n-grams) depend on each node's path: they are applied by
-    :mod:`asps_jax.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
+    :mod:`asps_jax.controls.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
     """
 
     # Each array field declares its layout (read by :meth:`row_fields` and by
@@ -406,8 +409,8 @@ class SamplingParams:
     ):
         """``controls``: the other numeric controls of :data:`CONTROLS` (``min_p=...``), each a
         scalar or one per row. ``constraint``: None, or ``(classes int32[V], next int32[S, C],
-        final bool[S], start int32[B])`` from :func:`asps_jax.constraints.stack`. A control or
-        filter left None is absent: its code is not compiled (:attr:`filters`,
+        final bool[S], start int32[B])`` from :func:`asps_jax.controls.constraints.stack`. A
+        control or filter left None is absent: its code is not compiled (:attr:`filters`,
         :attr:`penalized`, :attr:`limited`)."""
         unknown = sorted(set(controls) - set(CONTROL))
         if unknown:
@@ -457,16 +460,6 @@ class SamplingParams:
             limited=bool(role("limit")),
         )
 
-    @staticmethod
-    def declarations() -> tuple[Control, ...]:
-        """:data:`CONTROLS`, the per-row numeric controls' declarations."""
-        return CONTROLS
-
-    @staticmethod
-    def control(name: str) -> Control:
-        """The declaration of the control ``name``."""
-        return CONTROL[name]
-
     @classmethod
     def array_fields(cls) -> tuple[str, ...]:
         """The names of the array fields (the static ``ngram_window`` left out)."""
@@ -481,7 +474,7 @@ class SamplingParams:
     def process(self, logits_BV: jax.Array, *, draft: bool = False) -> jax.Array:
         """Row-wise :func:`process_logits` of ``logits[B, ..., V]`` with each row's parameters
         (temperature, top-k, top-p, min-p; the path-dependent controls come first, see
-        :func:`asps_jax.penalties.process`)."""
+        :func:`asps_jax.controls.penalties.process`)."""
         temperature = self.draft_temperature if draft else self.temperature
         # Only the filters the call gives are compiled (static); among those, batch-level
         # predicates skip the ones no row uses at run time (real branches: a per-row cond under

@@ -9,7 +9,7 @@ exactness for the processed target process (docs/api.md §3, the sampling contro
 
 The order is transformers' ``generate`` order: logit bias, repetition penalty, presence /
 frequency penalties, no-repeat n-grams; temperature, top-k, top-p and min-p follow in
-:func:`asps_jax.processors.process_logits`.
+:func:`asps_jax.controls.processors.process_logits`.
 
 * repetition penalty θ (transformers' ``RepetitionPenaltyLogitsProcessor``): a logit of a token
   of the prompt + generated text becomes ``l / θ`` if ``l > 0`` else ``l · θ``;
@@ -32,7 +32,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from asps_jax import constraints
+from asps_jax.controls import constraints
 from asps_jax.logspace import F32_MAX, NEG_INF
 
 
@@ -47,7 +47,7 @@ class History:
       tokens: int32[B, H], the prompt then the generated tokens (the root last), -1 after.
       length: int32[B], the number of tokens in ``tokens``.
       dfa: int32[B], each row's constraint state after its generated tokens (-1: none generated
-        yet, the row's start state; see :mod:`asps_jax.constraints`).
+        yet, the row's start state; see :mod:`asps_jax.controls.constraints`).
     """
 
     counts: jax.Array
@@ -260,8 +260,8 @@ def process(sampling, history: History, logits_BXV, path_BXD, depth_X, *, draft=
     controls, then ``sampling.process``: temperature, top-k, top-p, min-p), and whether each law
     is usable, bool[B, X] (bans can remove every token).
 
-    A node whose constraint state allows nothing (:mod:`asps_jax.constraints`: the text ends
-    there) is usable: its draft law is empty (no child is drawn from it) and its target law a
+    A node whose constraint state allows nothing (:mod:`asps_jax.controls.constraints`: the text
+    ends there) is usable: its draft law is empty (no child is drawn from it) and its target law a
     point mass on token 0, whose slot ``constraints.dead_slots`` drops.
     """
     depth_BX = jnp.broadcast_to(jnp.asarray(depth_X, jnp.int32), logits_BXV.shape[:2])
