@@ -3,9 +3,11 @@
 Draft sampling, target verification and the bonus token all go through :func:`process_logits`, so
 the law a draft token was sampled from is exactly the law verification compares against. The order
 is transformers' (``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLogitsWarper`` ->
-``MinPLogitsWarper``): temperature, then top-k (ties at the k-th value are kept), then top-p (the
-smallest set of most likely tokens whose mass reaches ``top_p``, keeping at least one token), then
-min-p (tokens less likely than ``min_p`` times the most likely one go). The path-dependent controls
+``MinPLogitsWarper`` -> ``TypicalLogitsWarper``): temperature, then top-k (ties at the k-th value
+are kept), then top-p (the smallest set of most likely tokens whose mass reaches ``top_p``, keeping
+at least one token), then min-p (tokens less likely than ``min_p`` times the most likely one go),
+then typical-p (the tokens whose surprisal is closest to the entropy, up to ``typical_p`` of mass).
+Each numeric control is declared once, in :data:`CONTROLS`. The path-dependent controls
 (logit bias, penalties, n-grams) come before all of these, in :mod:`asps_jax.controls.penalties`.
 
 ``temperature``, ``top_k`` and ``top_p`` may be Python numbers or traced scalars: changing them does
@@ -46,6 +48,7 @@ def process_logits(
     top_k: int | jax.Array | None = None,
     top_p: float | jax.Array | None = None,
     min_p: float | jax.Array | None = None,
+    typical_p: float | jax.Array | None = None,
 ) -> jax.Array:
     """Map logits ``[..., V]`` to float32 log-probabilities ``[..., V]`` (``-inf`` = excluded).
 
@@ -83,7 +86,7 @@ def process_logits(
         threshold = jnp.where(cut == 0, NEG_INF, _from_key(cut))[..., None]
         scaled = jnp.where((scaled < threshold) & (p < 1.0), NEG_INF, scaled)
 
-    return _finish(logits, scaled, greedy, min_p)
+    return _finish(logits, scaled, greedy, min_p, typical_p)
 
 
 def process_logits_from_top(
@@ -92,6 +95,7 @@ def process_logits_from_top(
     top_k: int | jax.Array | None = None,
     top_p: float | jax.Array | None = None,
     min_p: float | jax.Array | None = None,
+    typical_p: float | jax.Array | None = None,
     *,
     width: int = 64,
 ) -> tuple[jax.Array, jax.Array]:
@@ -132,7 +136,8 @@ def process_logits_from_top(
         threshold = jnp.min(jnp.where(above < p[..., None], values, jnp.inf), -1, keepdims=True)
         exact &= (p >= 1.0) | (above[..., -1] >= p)
         scaled = jnp.where((scaled < threshold) & (p[..., None] < 1.0), NEG_INF, scaled)
-    return _finish(logits, scaled, greedy, min_p), exact | jnp.broadcast_to(greedy, rows)
+    finished = _finish(logits, scaled, greedy, min_p, typical_p)
+    return finished, exact | jnp.broadcast_to(greedy, rows)
 
 
 def _scaled(logits_V, temperature):
@@ -153,8 +158,8 @@ def _k_eff(top_k, vocab):
     return jnp.where((k <= 0) | (k >= vocab), vocab, k)
 
 
-def _finish(logits, scaled, greedy, min_p):
-    """Normalise the filtered logits, apply min-p, and the greedy point mass."""
+def _finish(logits, scaled, greedy, min_p, typical_p=None):
+    """Normalise the filtered logits, apply min-p and typical-p, and the greedy point mass."""
     vocab = logits.shape[-1]
     logprobs = log_normalize(scaled)
 
@@ -164,6 +169,8 @@ def _finish(logits, scaled, greedy, min_p):
         mp = jnp.asarray(min_p, jnp.float32)
         cut = jnp.max(logprobs, axis=-1, keepdims=True) + jnp.log(jnp.where(mp > 0, mp, 1.0))
         logprobs = log_normalize(jnp.where((logprobs < cut) & (mp > 0), NEG_INF, logprobs))
+    if typical_p is not None:
+        logprobs = _typical(logprobs, typical_p)
 
     # --- Greedy: point mass on the first argmax of the raw logits ---
     # (a row with no finite logit has no argmax: it stays all -inf, as at temperature > 0).
@@ -172,6 +179,24 @@ def _finish(logits, scaled, greedy, min_p):
     has_finite = jnp.max(logits, axis=-1, keepdims=True) > NEG_INF
     point = jnp.where(jax.nn.one_hot(argmax, vocab, dtype=bool) & has_finite, 0.0, NEG_INF)
     return jnp.where(greedy, point, logprobs)
+
+
+def _typical(logprobs, typical_p):
+    """--- Step 5: typical-p (transformers' ``TypicalLogitsWarper``, ``min_tokens_to_keep`` 1):
+    rank the tokens by how far their surprisal is from the law's entropy, ``|-log p - H|``
+    ascending, and keep them up to the first at which their mass reaches ``typical_p`` (ties at
+    its distance kept); 1 keeps the law as it is. The distance at the cut is found by bisection
+    over its order keys (no sort over V): the smallest with at least ``typical_p`` of mass at or
+    below it."""
+    mass = jnp.asarray(typical_p, jnp.float32)
+    probs = jnp.exp(logprobs)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * logprobs, 0.0), -1, keepdims=True)
+    keys = _order_keys(jnp.abs(-logprobs - entropy))  # +inf (excluded tokens) last
+    cut = _bisect(
+        keys, lambda t: jnp.sum(jnp.where(keys <= t[..., None], probs, 0.0), -1) >= mass, False
+    )  # (never reached, in float32 rounding: 2**32 - 1, every token kept)
+    typical = log_normalize(jnp.where(keys <= cut[..., None], logprobs, NEG_INF))
+    return jnp.where(mass < 1.0, typical, logprobs)
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -290,6 +315,8 @@ CONTROLS = (
             "in (0, 1]", "filter"),
     Control("min_p", jnp.float32, 0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 disables it)",
             "filter"),
+    Control("typical_p", jnp.float32, 1.0, lambda v: 0.0 < v <= 1.0 and np.float32(v) > 0,
+            "in (0, 1] (1 disables it)", "filter"),
     Control("repetition_penalty", jnp.float32, 1.0,
             lambda v: 0.0 < v <= _F32_MAX and np.float32(v) > 0,
             "a finite number > 0 that float32 holds (1 disables it; at most 3.4e38)", "penalty"),
@@ -342,8 +369,8 @@ class SamplingParams:
       dfa_start: int32[B], each row's start state.
       constrained: static bool, some row has a constraint (else none of its code is compiled).
       filters: static, the names of the filters the call gives (``"top_k"``, ``"top_p"``,
-        ``"min_p"``): only their code is compiled (their values stay arrays: changing one does
-        not recompile; giving one the call did not give compiles once).
+        ``"min_p"``, ``"typical_p"``): only their code is compiled (their values stay arrays:
+        changing one does not recompile; giving one the call did not give compiles once).
       penalized: static bool, the call gives a repetition, presence or frequency penalty or a
         logit bias (else none of that code is compiled).
       draft_stop: float32[B], the confidence stop τ of each row (``draft_stop="confidence:τ"``:
@@ -359,9 +386,11 @@ class SamplingParams:
         ``NoBadWordsLogitsProcessor``); int32[B, 0, 1] when no row has one.
       limited: static bool, the call gives ``min_tokens`` (else none of its code is compiled;
         ``bad_words`` is compiled when W > 0, its shape).
+      typical_p: float32[B], 1 disables.
     See :mod:`asps_jax.controls.constraints`.
     The controls (bias, penalties, n-grams) depend on each node's path: they are applied by
-    :mod:`asps_jax.controls.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
+    :mod:`asps_jax.controls.penalties`; :meth:`process` does temperature, top-k, top-p, min-p and
+    typical-p.
     """
 
     # Each array field declares its layout (read by :meth:`row_fields` and by
@@ -385,6 +414,7 @@ class SamplingParams:
     draft_stop: jax.Array = _laid_out("rows")
     min_tokens: jax.Array = _laid_out("rows")
     bad_words: jax.Array = _laid_out("rows")
+    typical_p: jax.Array = _laid_out("rows")
     ngram_window: int = dataclasses.field(default=0, metadata=dict(static=True))
     constrained: bool = dataclasses.field(default=False, metadata=dict(static=True))
     filters: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
@@ -473,7 +503,7 @@ class SamplingParams:
 
     def process(self, logits_BV: jax.Array, *, draft: bool = False) -> jax.Array:
         """Row-wise :func:`process_logits` of ``logits[B, ..., V]`` with each row's parameters
-        (temperature, top-k, top-p, min-p; the path-dependent controls come first, see
+        (temperature, top-k, top-p, min-p, typical-p; the path-dependent controls come first, see
         :func:`asps_jax.controls.penalties.process`)."""
         temperature = self.draft_temperature if draft else self.temperature
         # Only the filters the call gives are compiled (static); among those, batch-level
@@ -482,30 +512,37 @@ class SamplingParams:
         top_k = self.top_k if "top_k" in self.filters else None
         top_p = self.top_p if "top_p" in self.filters else None
         min_p = self.min_p if "min_p" in self.filters else None
+        typical_p = self.typical_p if "typical_p" in self.filters else None
+        cuts = (min_p, typical_p)  # applied to the normalised law, after top-k and top-p
 
         def filtered(logits):
             # The thresholds from each row's 64 largest logits (one partial sort), and where
             # some row's cut may lie past them (top-k over 64, a top-p nucleus wider than 64
             # tokens) the 64 passes of process_logits' bisection for the batch.
             fast, exact = jax.vmap(process_logits_from_top)(
-                logits, temperature, top_k, top_p, min_p
+                logits, temperature, top_k, top_p, *cuts
             )
 
             def bisected(logits):
-                return jax.vmap(process_logits)(logits, temperature, top_k, top_p, min_p)
+                return jax.vmap(process_logits)(logits, temperature, top_k, top_p, *cuts)
 
             return jax.lax.cond(jnp.all(exact), lambda _: fast, bisected, logits)
 
-        def min_p_only(logits):  # min-p needs no sort
-            return jax.vmap(process_logits)(logits, temperature, None, None, min_p)
+        def cuts_only(logits):  # min-p and typical-p need no sort
+            return jax.vmap(process_logits)(logits, temperature, None, None, *cuts)
 
         def temperature_only(logits):  # no V-sized sort: the common case, and much cheaper
             return jax.vmap(process_logits)(logits, temperature)
 
         def unsorted(logits):
-            if min_p is None:
+            if min_p is None and typical_p is None:
                 return temperature_only(logits)
-            return jax.lax.cond(jnp.any(min_p > 0.0), min_p_only, temperature_only, logits)
+            used = jnp.zeros((), bool)
+            if min_p is not None:
+                used |= jnp.any(min_p > 0.0)
+            if typical_p is not None:
+                used |= jnp.any(typical_p < 1.0)
+            return jax.lax.cond(used, cuts_only, temperature_only, logits)
 
         if top_k is None and top_p is None:
             return unsorted(logits_BV)

@@ -41,6 +41,8 @@ class Sampling:
       draft_temperature: the temperature a draft model samples at (default: ``temperature``);
         the output law does not depend on it.
       min_p: tokens below ``min_p`` times the most likely one's probability are dropped.
+      typical_p: locally typical sampling (transformers' ``TypicalLogitsWarper``): the tokens
+        whose surprisal is closest to the law's entropy are kept, up to ``typical_p`` of mass.
       repetition_penalty, presence_penalty, frequency_penalty: the penalties on tokens already in
         the row's text (transformers' and OpenAI's definitions).
       no_repeat_ngram_size: n; a token that would repeat an n-gram of the row's text is banned.
@@ -75,6 +77,7 @@ class Sampling:
     json_schema: Any = None
     min_tokens: Any = _control("min_tokens")
     bad_words: Any = None
+    typical_p: Any = _control("typical_p")
 
     def __post_init__(self):
         for control in self.controls():  # in the declarations' order
