@@ -5,8 +5,9 @@ sampling arguments, and anything but a ``Sampling`` is a one-line error. Also: e
 control is declared once (``processors.CONTROLS``), a field of ``Sampling`` and of
 ``SamplingParams`` alike.
 
-Most checks compare :func:`asps_jax.sampler.prepare`'s lowering (nothing compiled); the one run
-uses test_long_lived_sampler.py's shapes (vocabulary 12, n = 2, M = 6), so its loop is shared.
+The checks compare :func:`asps_jax.sampler.prepare`'s lowering: the same static decoder and the
+same input arrays are the same compiled program on the same values, so the same draws (nothing is
+compiled here).
 """
 
 from __future__ import annotations
@@ -120,21 +121,14 @@ def test_every_control_is_declared_once():
     assert processors.CONTROL["top_p"].role == "filter"
 
 
-@pytest.mark.slow
-def test_sample_and_sampler_take_a_sampling_value(pair):
-    """``sample`` and a ``Sampler`` given ``sampling=`` draw what the flat keywords draw (one
-    compiled loop for all, test_long_lived_sampler.py's greedy one); a ``Session`` takes it too
-    and so does ``stream``, which checks its keywords as ``Session`` does (their lowering is
-    ``prepare``'s, compared above)."""
-    call = dict(max_new_tokens=6, seed=[3, 4, 5, 6])
-    given = Sampling(temperature=[1.0, 0.7, 0.0, 1.0], eos_token_id=-1)
-    flat = asps_jax.sample(*pair, PROMPTS, **call, **OPTIONS, temperature=[1.0, 0.7, 0.0, 1.0],
-                           eos_token_id=-1)  # fmt: skip
-    out = asps_jax.sample(*pair, PROMPTS, **call, **OPTIONS, sampling=given)
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(flat.tokens))
-    sampler = asps_jax.Sampler(*pair, sampling=dataclasses.replace(given, temperature=0.3),
-                               **OPTIONS)  # fmt: skip
-    out = sampler(PROMPTS, **call, temperature=[1.0, 0.7, 0.0, 1.0])  # replaces the field
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(flat.tokens))
-    asps_jax.Session(*pair, PROMPTS, **call, **OPTIONS, sampling=given)
+def test_sampler_session_and_stream_take_a_sampling_value(pair):
+    """A ``Sampler`` made with ``sampling=`` lowers a call that replaces one of its fields to the
+    flat keywords' call (its options merged as its ``__call__`` merges them; nothing compiled); a
+    ``Session`` takes ``sampling=``, and so does ``stream``, which checks its keywords as
+    ``Session`` does."""
+    sampler = asps_jax.Sampler(*pair, sampling=Sampling(**{**FLAT, "temperature": 0.3}), **OPTIONS)
+    merged = arguments.call_options(sampler.options, dict(temperature=FLAT["temperature"]))
+    merged = {k: v for k, v in merged.items() if k not in OPTIONS}
+    _assert_same_call(_lowered(pair, **merged), _lowered(pair, **FLAT))
+    asps_jax.Session(*pair, PROMPTS, seed=0, max_new_tokens=6, sampling=Sampling(**FLAT))
     assert "sampling" in session._KEYWORDS  # stream's and Session's keywords
