@@ -83,6 +83,7 @@ except ImportError as e:  # pragma: no cover - exercised only without tunix
         "tensorboardX jaxtyping wadler-lindig sentencepiece perfetto pandas"
     ) from None
 
+from asps_jax.controls.sampling import Sampling
 from asps_jax.models import LlamaConfig, Model, Qwen2Config, Qwen3Config
 from asps_jax.models.base import forward_for, run_params
 from asps_jax.session import Sampler
@@ -112,15 +113,10 @@ _SET_PER_CALL = (
     "return_logprobs",
     "raw_logprobs",
 )
-_NOT_TUNIX = (
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "no_repeat_ngram_size",
-    "min_p",
-    "regex",
-    "json_schema",
-    "stop",
+_NOT_TUNIX = tuple(  # every other sampling argument (draft_temperature: the law stays), sampling=
+    n
+    for n in (*Sampling.names(), "stop", "sampling")
+    if n not in (*_SET_PER_CALL, "draft_temperature")
 )
 
 
