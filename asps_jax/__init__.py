@@ -2,14 +2,15 @@
 
 Public API (docs/api.md): verification (:func:`verify_chain`, :func:`verify_drafts`,
 :func:`optimal_acceptance`), models (:func:`load_model`), sampling (:func:`sample`,
-:func:`stream`, :class:`Sampler` for long-lived use, :func:`make_mesh` for sharding,
+:func:`stream`, :class:`Sampler` for long-lived use, :class:`Sampling` for their sampling
+arguments as one value, :func:`make_mesh` for sharding,
 :func:`init_distributed` for several processes), and the shared logits processor
 (:func:`process_logits`).
 """
 
 from importlib import metadata as _metadata
 
-from asps_jax.controls import process_logits
+from asps_jax.controls import Sampling, process_logits
 from asps_jax.models import Model, check_compatible, load_model
 from asps_jax.sampler import NonFiniteLogitsError, SampleOutput
 from asps_jax.session import Sampler, Session, sample, stream
@@ -27,6 +28,7 @@ __all__ = [
     "NonFiniteLogitsError",
     "SampleOutput",
     "Sampler",
+    "Sampling",
     "Session",
     "ShardingRules",
     "Verdict",

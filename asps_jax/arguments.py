@@ -48,6 +48,32 @@ def call_keywords(prepare) -> frozenset[str]:
     )
 
 
+def sampling_arguments(sampling, kwargs: dict) -> dict:
+    """The sampling arguments of a call, taken out of ``kwargs``: the flat keywords given
+    (``temperature=...``), over the fields of ``sampling`` (a :class:`Sampling`, or None) where
+    it is given: a flat keyword beside ``sampling=`` replaces that field, as
+    ``dataclasses.replace(sampling, ...)`` would (docs/api.md)."""
+    given = {name: kwargs.pop(name) for name in Sampling.names() if name in kwargs}
+    if sampling is None:
+        return given
+    if not isinstance(sampling, Sampling):
+        raise ValueError(
+            f"sampling must be an asps_jax.Sampling (or None), got {type(sampling).__name__}"
+        )
+    fields = {name: getattr(sampling, name) for name in Sampling.names()}
+    return {**{k: v for k, v in fields.items() if v is not None}, **given}
+
+
+def call_options(options: dict, call: dict) -> dict:
+    """A :class:`~asps_jax.session.Sampler` call's keywords over the sampler's ``options``: a
+    keyword of the call replaces the sampler's, and the call's ``sampling=`` (a whole
+    :class:`Sampling`) replaces every sampling argument of the sampler's, flat or not."""
+    if call.get("sampling") is not None:
+        dropped = {"sampling", *Sampling.names()}
+        options = {k: v for k, v in options.items() if k not in dropped}
+    return {**options, **call}
+
+
 def check_rows(n, num_prompts: int) -> int:
     """``n`` as an int >= 1, refused in one line naming it when ``num_prompts x n`` rows pass
     :data:`MAX_ROWS` (before anything is repeated)."""

@@ -134,6 +134,6 @@ def calibrate(
 
 
 # What the "ar" baseline takes of the call: the target's sampling arguments and the call's own.
-_SAMPLE_ARGS = ("stop", "mesh", "prompt_lengths") + tuple(
+_SAMPLE_ARGS = ("stop", "mesh", "prompt_lengths", "sampling") + tuple(
     name for name in Sampling.names() if name != "draft_temperature"
 )

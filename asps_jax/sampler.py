@@ -360,14 +360,15 @@ def prepare(
     top_logprobs=0,
     raw_logprobs=False,
     batch_size=None,
+    sampling=None,
     **kwargs,
 ) -> Prepared:
     """Validate the arguments of :func:`asps_jax.sample` and lower them: the :class:`Prepared`
     call (the static :class:`~asps_jax.decode.Decoder`, the :class:`DecodeInputs`, the number of
     rows). Checks (one-line errors, nothing built), lowering, placing (mesh, run layout).
 
-    ``kwargs``: the sampling arguments (:class:`asps_jax.controls.sampling.Sampling`, each one value
-    or one per prompt), the drafters' options (``drafters.OPTIONS``), the rest the method's options.
+    ``kwargs``: the sampling arguments (:class:`~asps_jax.controls.sampling.Sampling`, one value
+    or one per prompt, over ``sampling=``'s fields), drafters' options, the method's options.
     ``key`` or ``seed``: a PRNG key or an int, or one per prompt. ``n``: samples per prompt, rows
     ``p * n + i`` (:func:`_samples`: a prompt's samples depend only on its key and index).
     ``max_new_tokens``: an int or one per prompt, a traced per-row value (the static output width
@@ -382,7 +383,7 @@ def prepare(
     one (kept; :mod:`asps_jax.controls.stopping`)."""
     compile_cache.enable_default()  # the persistent cache, as the command line has it
     arguments.check_keywords("prepare", kwargs, arguments.call_keywords(prepare))
-    given = {name: kwargs.pop(name) for name in Sampling.names() if name in kwargs}
+    given = arguments.sampling_arguments(sampling, kwargs)  # flat keywords over sampling=
     drafting = drafters.options(kwargs)  # the rest of kwargs: the method's options
     prompts, prompt_lengths, max_new_tokens, given, key = _samples(
         n, key, seed, prompts, prompt_lengths, max_new_tokens, given, target.vocab_size

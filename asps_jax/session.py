@@ -480,7 +480,7 @@ class Sampler:
                 self.draft,
                 prompts,
                 max_new_tokens=max_new_tokens,
-                **{**self.options, **kwargs},
+                **arguments.call_options(self.options, kwargs),
             )
         finally:
             self._compiles += compile_cache.compiles()["programs"] - before

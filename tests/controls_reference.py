@@ -4,8 +4,8 @@ independent of ``asps_jax``: one law from one row of logits and the text before 
 ``text`` is the prompt followed by the generated tokens, ``generated`` how many of its last tokens
 were generated (presence / frequency count those only; ``min_tokens`` bans the EOS ids while
 fewer were). Order as transformers' ``generate``: logit bias, repetition penalty, presence /
-frequency, no-repeat n-grams, the min-tokens and bad-words bans, temperature, top-k, top-p, min-p
-(the bans are -inf: their place among the logit controls changes nothing).
+frequency, no-repeat n-grams, the min-tokens and bad-words bans, temperature, top-k, top-p, min-p,
+typical-p (the bans are -inf: their place among the logit controls changes nothing).
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ def controlled_logits(
     return out
 
 
-def warped_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
-    """The law after temperature, top-k, top-p and min-p (greedy: a point mass on the argmax)."""
+def warped_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0):
+    """The law after temperature, top-k, top-p, min-p and typical-p (greedy: a point mass on the
+    argmax)."""
     logits = np.array(logits, np.float64)
     vocab = logits.size
     if temperature == 0:
@@ -80,7 +81,23 @@ def warped_probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     if min_p > 0:
         probs = np.where(probs < min_p * probs.max(), 0.0, probs)
         probs /= probs.sum()
-    return probs
+    return typical_probs(probs, typical_p) if typical_p < 1.0 else probs
+
+
+def typical_probs(probs, typical_p):
+    """Locally typical sampling (Meister et al. 2022; transformers' ``TypicalLogitsWarper`` with
+    ``min_tokens_to_keep`` 1) of the law ``probs``: sort the tokens by the distance of their
+    surprisal ``-log p`` from the entropy ``H``, ascending, and keep them up to the first at
+    which the sorted mass reaches ``typical_p`` (every token at that distance kept)."""
+    probs = np.asarray(probs, np.float64) / np.sum(probs)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        surprisal = -np.log(probs)
+        entropy = np.sum(np.where(probs > 0, probs * surprisal, 0.0))
+        distance = np.where(probs > 0, np.abs(surprisal - entropy), np.inf)
+    order = np.argsort(distance, kind="stable")
+    last = min(int(np.sum(np.cumsum(probs[order]) < typical_p)), probs.size - 1)
+    kept = np.where(distance <= distance[order[last]], probs, 0.0)
+    return kept / kept.sum()
 
 
 def law(logits, text, generated, controls=None, warp=None):

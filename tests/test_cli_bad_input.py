@@ -54,6 +54,7 @@ def _one_line_error(capsys, argv, code=2):
         (["--no-repeat-ngram-size", "-1"], "an integer >= 0"),
         (["--min-tokens", "-1"], "an integer >= 0"),
         (["--min-p", "1.5"], "in [0, 1]"),
+        (["--typical-p", "0"], "a typical-p mass in (0, 1]"),
         (["--logit-bias", "5"], "ID=BIAS"),
         (["--logit-bias", "5=inf"], "ID=BIAS"),
         (["--logit-bias=-2=1"], "ID=BIAS"),

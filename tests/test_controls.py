@@ -1,11 +1,11 @@
 """The sampling controls (logit bias, repetition / presence / frequency penalties, no-repeat
-n-grams, min-p) and top_logprobs.
+n-grams, min-p, typical-p) and top_logprobs.
 
 Expected values come from transformers' own processors (``RepetitionPenaltyLogitsProcessor``,
-``NoRepeatNGramLogitsProcessor``, ``SequenceBiasLogitsProcessor``, ``MinPLogitsWarper`` and the
-warpers; presence / frequency are OpenAI's formula, written out), from transformers forwards and
-``generate``, and from the NumPy reference in controls_reference.py (cross-checked against
-transformers here).
+``NoRepeatNGramLogitsProcessor``, ``SequenceBiasLogitsProcessor``, ``MinPLogitsWarper``,
+``TypicalLogitsWarper`` and the warpers; presence / frequency are OpenAI's formula, written out),
+from transformers forwards and ``generate``, and from the NumPy reference in controls_reference.py
+(cross-checked against transformers here).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def _hf_processed(logits, text, generated, controls, warp):
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
+        TypicalLogitsWarper,
     )
 
     ids = torch.tensor([list(text)], dtype=torch.long)
@@ -85,6 +86,8 @@ def _hf_processed(logits, text, generated, controls, warp):
         scores = TopPLogitsWarper(warp["top_p"])(ids, scores)
     if warp.get("min_p", 0.0) > 0:
         scores = MinPLogitsWarper(warp["min_p"])(ids, scores)
+    if warp.get("typical_p", 1.0) < 1.0:
+        scores = TypicalLogitsWarper(warp["typical_p"])(ids, scores)
     return torch.softmax(scores[0].double(), -1).numpy()
 
 
@@ -327,6 +330,8 @@ LIMITS = dict(min_tokens=NEW, eos_ids=[EOS], bad_words=[[1], [4, 9]])
 SETTINGS = [
     (dict(CONTROLS, logit_bias={3: -np.inf, 5: 1.5, EOS: 1.0}, **LIMITS), WARP),
     (dict(repetition_penalty=0.5, presence_penalty=0.3, frequency_penalty=-0.8, **LIMITS), {}),
+    # typical-p last, after min-p (transformers' TypicalLogitsWarper)
+    (dict(repetition_penalty=1.3, **LIMITS), dict(temperature=0.9, min_p=0.05, typical_p=0.5)),
 ]
 GREEDY_PROMPTS = [PROMPT, [4, 7, 9, 1, 0, 11, 6], [2]]
 GREEDY = dict(
@@ -357,7 +362,8 @@ def run(models):
         if method in done:
             return done[method]
         settings = [s for s in SETTINGS for _ in range(STAT_ROWS)]
-        settings += [(GREEDY, dict(temperature=0.0))] * len(GREEDY_PROMPTS)
+        # (typical-p on the greedy rows: a greedy decode is transformers' with no warper)
+        settings += [(GREEDY, dict(temperature=0.0, typical_p=0.3))] * len(GREEDY_PROMPTS)
         settings += [(GREEDY_EOS, dict(temperature=0.0))]
         per_row = {
             name: [c.get(name, d) for c, _ in settings]
@@ -373,7 +379,7 @@ def run(models):
         per_row.update(
             {
                 name: [w.get(name, d) for _, w in settings]
-                for name, d in (("temperature", 1.0), ("min_p", 0.0))
+                for name, d in (("temperature", 1.0), ("min_p", 0.0), ("typical_p", 1.0))
             }
         )
         done[method] = asps_jax.sample(
@@ -553,6 +559,7 @@ ENUM_CONTROLS = {
     "presence_frequency": dict(presence_penalty=0.9, frequency_penalty=0.6),
     "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
     "min_p": dict(min_p=0.3),
+    "typical_p": dict(typical_p=0.5),
     # text ... 2 0 (2 generated): EOS banned at depths 0 and 1, allowed at depth 2
     "min_tokens": dict(min_tokens=4, eos_ids=[1]),
     "bad_words": dict(bad_words=[[0, 1], [2, 0, 2], [1, 1]]),
@@ -577,7 +584,7 @@ def _processed_tables(raw, controls, temperature, draft):
     others = {k: v for k, v in controls.items() if k != "logit_bias"}
     if "bad_words" in others:
         others["bad_words"] = _left_padded([others["bad_words"]])
-    others_ref = {k: v for k, v in controls.items() if k != "min_p"}
+    others_ref = {k: v for k, v in controls.items() if k not in ("min_p", "typical_p")}
     sampling = SamplingParams.make(1, temperature=temperature, logit_bias=bias, **others)
     history = penalties.History.init(
         jnp.asarray([ENUM_PROMPT]), jnp.asarray([len(ENUM_PROMPT)]), vocab, 8
@@ -597,6 +604,7 @@ def _processed_tables(raw, controls, temperature, draft):
     reach = p.sum(-1, keepdims=True) > 0  # a prefix every token of which is banned: unused
     p = np.where(reach, p / np.where(reach, p.sum(-1, keepdims=True), 1.0), 1.0 / vocab)
     warp = dict(temperature=temperature, min_p=controls.get("min_p", 0.0))
+    warp.update(typical_p=controls.get("typical_p", 1.0))
     ref = np.stack(
         [
             law(row, text + s.tolist(), len(ENUM_GENERATED) + len(s), others_ref, warp)

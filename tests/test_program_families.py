@@ -38,6 +38,7 @@ FAMILIES = {
     "top_k": (2, 3),
     "top_p": (0.9, 0.8),
     "min_p": (0.1, 0.2),
+    "typical_p": (0.5, 0.9),
     "repetition_penalty": (1.2, 1.3),
     "presence_penalty": (0.5, -0.7),
     "frequency_penalty": (0.5, 0.25),

@@ -33,6 +33,7 @@ from tunix.models.qwen3 import model as qwen3  # noqa: E402
 from tunix.rl.rollout import base_rollout, vanilla_rollout  # noqa: E402
 
 from asps_jax import compile_cache  # noqa: E402
+from asps_jax.controls.sampling import Sampling  # noqa: E402
 from asps_jax.integrations.tunix import AspsRollout, AspsSampler, asps_model  # noqa: E402
 
 # 16 tokens: unk 0, bos 1, eos 2, which is also the pad id (as for Llama 3's tokenizers): tunix's
@@ -392,6 +393,8 @@ def test_unsupported_arguments_are_one_line_errors(ours, model, tok):
     for options, words in (
         (dict(temperature=0.5), "each call sets it"),
         (dict(repetition_penalty=1.2), "no such control"),
+        (dict(typical_p=0.5), "no such control"),
+        (dict(sampling=Sampling(min_p=0.1)), "sampling: tunix's samplers have no such control"),
     ):
         with pytest.raises(ValueError, match=words) as e:
             AspsSampler(model, tok, "self:1", **options)

@@ -33,7 +33,7 @@ GROUPS = {
     "drafting": ("--draft-temperature", "--lookup-ngram", "--lookup-max", "--draft-stop"),
     "prompts": ("--prompt", "--max-new-tokens", "--batch-size", "--n", "--seed"),
     "sampling controls": (
-        "--temperature", "--top-k", "--top-p", "--min-p", "--repetition-penalty",
+        "--temperature", "--top-k", "--top-p", "--min-p", "--typical-p", "--repetition-penalty",
         "--presence-penalty", "--frequency-penalty", "--no-repeat-ngram-size", "--logit-bias",
         "--bad-words", "--min-tokens", "--stop",
     ),
@@ -217,6 +217,14 @@ def _sampling(p: argparse.ArgumentParser) -> None:
         metavar="p",
         help="drop tokens less likely than p times the most likely one, after top-k / top-p "
         "(default: off)",
+    )
+    p.add_argument(
+        "--typical-p",
+        type=flags.checked(float, lambda v: 0.0 < v <= 1.0, "a typical-p mass in (0, 1]"),
+        default=None,
+        metavar="p",
+        help="locally typical sampling: keep the tokens whose surprisal is closest to the "
+        "entropy, up to mass p, after min-p (transformers' typical_p; default: off)",
     )
 
 

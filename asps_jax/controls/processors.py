@@ -3,9 +3,11 @@
 Draft sampling, target verification and the bonus token all go through :func:`process_logits`, so
 the law a draft token was sampled from is exactly the law verification compares against. The order
 is transformers' (``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLogitsWarper`` ->
-``MinPLogitsWarper``): temperature, then top-k (ties at the k-th value are kept), then top-p (the
-smallest set of most likely tokens whose mass reaches ``top_p``, keeping at least one token), then
-min-p (tokens less likely than ``min_p`` times the most likely one go). The path-dependent controls
+``MinPLogitsWarper`` -> ``TypicalLogitsWarper``): temperature, then top-k (ties at the k-th value
+are kept), then top-p (the smallest set of most likely tokens whose mass reaches ``top_p``, keeping
+at least one token), then min-p (tokens less likely than ``min_p`` times the most likely one go),
+then typical-p (the tokens whose surprisal is closest to the entropy, up to ``typical_p`` of mass).
+Each numeric control is declared once, in :data:`CONTROLS`. The path-dependent controls
 (logit bias, penalties, n-grams) come before all of these, in :mod:`asps_jax.controls.penalties`.
 
 ``temperature``, ``top_k`` and ``top_p`` may be Python numbers or traced scalars: changing them does
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,22 +33,12 @@ from asps_jax.logspace import NEG_INF, log_normalize
 
 
 def validate_sampling_args(temperature=None, top_k=None, top_p=None, min_p=None) -> None:
-    """Raise ``ValueError`` for sampling parameters outside their domain (host-side check)."""
-    if temperature is not None:
-        t = float(temperature)
-        # The loop runs in float32: a temperature beyond its range would become inf there.
-        if not (0.0 <= t <= float(jnp.finfo(jnp.float32).max)):
-            raise ValueError(
-                f"temperature must be a finite number >= 0 (at most 3.4e38), got {temperature!r}"
-            )
-    if top_k is not None and (float(top_k) != int(top_k) or int(top_k) < 0):
-        raise ValueError(f"top_k must be an integer >= 0 (0 or None disables it), got {top_k!r}")
-    if top_p is not None:
-        p = float(top_p)
-        if not (0.0 < p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if min_p is not None and not (0.0 <= float(min_p) <= 1.0):
-        raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {min_p!r}")
+    """Raise ``ValueError`` for sampling parameters outside their domain (host-side check, by
+    their declarations: :data:`CONTROLS`)."""
+    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    for name, value in given.items():
+        if value is not None and not CONTROL[name].check(float(value)):
+            raise ValueError(f"{name} must be {CONTROL[name].expected}, got {value!r}")
 
 
 @known_keywords()
@@ -54,6 +48,7 @@ def process_logits(
     top_k: int | jax.Array | None = None,
     top_p: float | jax.Array | None = None,
     min_p: float | jax.Array | None = None,
+    typical_p: float | jax.Array | None = None,
 ) -> jax.Array:
     """Map logits ``[..., V]`` to float32 log-probabilities ``[..., V]`` (``-inf`` = excluded).
 
@@ -91,7 +86,7 @@ def process_logits(
         threshold = jnp.where(cut == 0, NEG_INF, _from_key(cut))[..., None]
         scaled = jnp.where((scaled < threshold) & (p < 1.0), NEG_INF, scaled)
 
-    return _finish(logits, scaled, greedy, min_p)
+    return _finish(logits, scaled, greedy, min_p, typical_p)
 
 
 def process_logits_from_top(
@@ -100,6 +95,7 @@ def process_logits_from_top(
     top_k: int | jax.Array | None = None,
     top_p: float | jax.Array | None = None,
     min_p: float | jax.Array | None = None,
+    typical_p: float | jax.Array | None = None,
     *,
     width: int = 64,
 ) -> tuple[jax.Array, jax.Array]:
@@ -140,7 +136,8 @@ def process_logits_from_top(
         threshold = jnp.min(jnp.where(above < p[..., None], values, jnp.inf), -1, keepdims=True)
         exact &= (p >= 1.0) | (above[..., -1] >= p)
         scaled = jnp.where((scaled < threshold) & (p[..., None] < 1.0), NEG_INF, scaled)
-    return _finish(logits, scaled, greedy, min_p), exact | jnp.broadcast_to(greedy, rows)
+    finished = _finish(logits, scaled, greedy, min_p, typical_p)
+    return finished, exact | jnp.broadcast_to(greedy, rows)
 
 
 def _scaled(logits_V, temperature):
@@ -161,8 +158,8 @@ def _k_eff(top_k, vocab):
     return jnp.where((k <= 0) | (k >= vocab), vocab, k)
 
 
-def _finish(logits, scaled, greedy, min_p):
-    """Normalise the filtered logits, apply min-p, and the greedy point mass."""
+def _finish(logits, scaled, greedy, min_p, typical_p=None):
+    """Normalise the filtered logits, apply min-p and typical-p, and the greedy point mass."""
     vocab = logits.shape[-1]
     logprobs = log_normalize(scaled)
 
@@ -172,6 +169,8 @@ def _finish(logits, scaled, greedy, min_p):
         mp = jnp.asarray(min_p, jnp.float32)
         cut = jnp.max(logprobs, axis=-1, keepdims=True) + jnp.log(jnp.where(mp > 0, mp, 1.0))
         logprobs = log_normalize(jnp.where((logprobs < cut) & (mp > 0), NEG_INF, logprobs))
+    if typical_p is not None:
+        logprobs = _typical(logprobs, typical_p)
 
     # --- Greedy: point mass on the first argmax of the raw logits ---
     # (a row with no finite logit has no argmax: it stays all -inf, as at temperature > 0).
@@ -180,6 +179,24 @@ def _finish(logits, scaled, greedy, min_p):
     has_finite = jnp.max(logits, axis=-1, keepdims=True) > NEG_INF
     point = jnp.where(jax.nn.one_hot(argmax, vocab, dtype=bool) & has_finite, 0.0, NEG_INF)
     return jnp.where(greedy, point, logprobs)
+
+
+def _typical(logprobs, typical_p):
+    """--- Step 5: typical-p (transformers' ``TypicalLogitsWarper``, ``min_tokens_to_keep`` 1):
+    rank the tokens by how far their surprisal is from the law's entropy, ``|-log p - H|``
+    ascending, and keep them up to the first at which their mass reaches ``typical_p`` (ties at
+    its distance kept); 1 keeps the law as it is. The distance at the cut is found by bisection
+    over its order keys (no sort over V): the smallest with at least ``typical_p`` of mass at or
+    below it."""
+    mass = jnp.asarray(typical_p, jnp.float32)
+    probs = jnp.exp(logprobs)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * logprobs, 0.0), -1, keepdims=True)
+    keys = _order_keys(jnp.abs(-logprobs - entropy))  # +inf (excluded tokens) last
+    cut = _bisect(
+        keys, lambda t: jnp.sum(jnp.where(keys <= t[..., None], probs, 0.0), -1) >= mass, False
+    )  # (never reached, in float32 rounding: 2**32 - 1, every token kept)
+    typical = log_normalize(jnp.where(keys <= cut[..., None], logprobs, NEG_INF))
+    return jnp.where(mass < 1.0, typical, logprobs)
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -244,6 +261,80 @@ def ngram_window(sizes) -> int:
     return 0 if largest <= 0 else max(4, 1 << (largest - 1).bit_length())
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _in_float32(v: float) -> bool:
+    """``v`` stays finite in float32."""
+    return math.isfinite(v) and abs(v) <= _F32_MAX
+
+
+def _integral(v: float) -> bool:
+    return math.isfinite(v) and v == int(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Control:
+    """One per-row numeric sampling control, declared once: the :class:`SamplingParams` field and
+    the :class:`~asps_jax.controls.sampling.Sampling` field of that name (whose metadata "control"
+    it is).
+
+    Attributes:
+      name: the keyword (``sample(top_p=...)``), the ``Sampling`` and ``SamplingParams`` field.
+      dtype: the dtype of its per-row array in the loop.
+      neutral: the value that turns it off, which a call that does not give it gets (a name:
+        that control's value, ``draft_temperature``'s is the temperature's).
+      check: valid(v) for each value as a Python float, checked when a ``Sampling`` is made, in
+        float32 where that matters (what the device uses: 1e39 is finite here and inf there).
+      expected: what a valid value is, the end of the one-line error "NAME must be EXPECTED, got
+        VALUE".
+      role: "filter": a filter of :func:`process_logits`, compiled only when the call gives it
+        (:attr:`SamplingParams.filters`); "penalty": a path-dependent penalty of
+        :mod:`asps_jax.penalties` (:attr:`SamplingParams.penalized`); "limit": a length control
+        (:attr:`SamplingParams.limited`); "" for the rest.
+    """
+
+    name: str
+    dtype: type
+    neutral: float | str
+    check: Callable[[float], bool]
+    expected: str
+    role: str = ""
+
+
+_TEMPERATURE = "a finite number >= 0 (at most 3.4e38)"
+_FLOAT32 = "a finite number that float32 holds (0 disables it; |value| at most 3.4e38)"
+
+CONTROLS = (
+    Control("temperature", jnp.float32, 1.0, lambda v: 0.0 <= v <= _F32_MAX, _TEMPERATURE),
+    Control("draft_temperature", jnp.float32, "temperature", lambda v: 0.0 <= v <= _F32_MAX,
+            _TEMPERATURE),
+    Control("top_k", jnp.int32, 0, lambda v: _integral(v) and v >= 0,
+            "an integer >= 0 (0 or None disables it)", "filter"),
+    Control("top_p", jnp.float32, 1.0, lambda v: 0.0 < v <= 1.0 and np.float32(v) > 0,
+            "in (0, 1]", "filter"),
+    Control("min_p", jnp.float32, 0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 disables it)",
+            "filter"),
+    Control("typical_p", jnp.float32, 1.0, lambda v: 0.0 < v <= 1.0 and np.float32(v) > 0,
+            "in (0, 1] (1 disables it)", "filter"),
+    Control("repetition_penalty", jnp.float32, 1.0,
+            lambda v: 0.0 < v <= _F32_MAX and np.float32(v) > 0,
+            "a finite number > 0 that float32 holds (1 disables it; at most 3.4e38)", "penalty"),
+    Control("presence_penalty", jnp.float32, 0.0, _in_float32, _FLOAT32, "penalty"),
+    Control("frequency_penalty", jnp.float32, 0.0, _in_float32, _FLOAT32, "penalty"),
+    Control("no_repeat_ngram_size", jnp.int32, 0, lambda v: _integral(v) and v >= 0,
+            "an integer >= 0 (0 disables it)"),
+    Control("min_tokens", jnp.int32, 0, lambda v: _integral(v) and 0 <= v < 2**31,
+            "an integer >= 0 and at most 2**31 - 1 (0 disables it; from max_new_tokens on it "
+            "bans EOS throughout)", "limit"),
+)  # fmt: skip
+"""Every per-row numeric sampling control, in the order they are checked. Adding one: a
+:class:`Control` here, its field in :class:`SamplingParams` and in
+:class:`~asps_jax.controls.sampling.Sampling`, and the code that applies it (docs/design.md)."""
+
+CONTROL = {c.name: c for c in CONTROLS}
+
+
 def _laid_out(sharding: str):
     """An array field (no default) with its layout over the batch: ``dataclasses.field``
     metadata "sharding", in the vocabulary of :func:`asps_jax.sharding.shard_inputs`."""
@@ -278,8 +369,8 @@ class SamplingParams:
       dfa_start: int32[B], each row's start state.
       constrained: static bool, some row has a constraint (else none of its code is compiled).
       filters: static, the names of the filters the call gives (``"top_k"``, ``"top_p"``,
-        ``"min_p"``): only their code is compiled (their values stay arrays: changing one does
-        not recompile; giving one the call did not give compiles once).
+        ``"min_p"``, ``"typical_p"``): only their code is compiled (their values stay arrays:
+        changing one does not recompile; giving one the call did not give compiles once).
       penalized: static bool, the call gives a repetition, presence or frequency penalty or a
         logit bias (else none of that code is compiled).
       draft_stop: float32[B], the confidence stop τ of each row (``draft_stop="confidence:τ"``:
@@ -295,9 +386,11 @@ class SamplingParams:
         ``NoBadWordsLogitsProcessor``); int32[B, 0, 1] when no row has one.
       limited: static bool, the call gives ``min_tokens`` (else none of its code is compiled;
         ``bad_words`` is compiled when W > 0, its shape).
+      typical_p: float32[B], 1 disables.
     See :mod:`asps_jax.controls.constraints`.
     The controls (bias, penalties, n-grams) depend on each node's path: they are applied by
-    :mod:`asps_jax.controls.penalties`; :meth:`process` does temperature, top-k, top-p and min-p.
+    :mod:`asps_jax.controls.penalties`; :meth:`process` does temperature, top-k, top-p, min-p and
+    typical-p.
     """
 
     # Each array field declares its layout (read by :meth:`row_fields` and by
@@ -321,6 +414,7 @@ class SamplingParams:
     draft_stop: jax.Array = _laid_out("rows")
     min_tokens: jax.Array = _laid_out("rows")
     bad_words: jax.Array = _laid_out("rows")
+    typical_p: jax.Array = _laid_out("rows")
     ngram_window: int = dataclasses.field(default=0, metadata=dict(static=True))
     constrained: bool = dataclasses.field(default=False, metadata=dict(static=True))
     filters: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
@@ -337,34 +431,39 @@ class SamplingParams:
         draft_temperature=None,
         eos_ids=(),
         *,
-        min_p=None,
-        repetition_penalty=None,
-        presence_penalty=None,
-        frequency_penalty=None,
-        no_repeat_ngram_size=None,
         logit_bias=None,
         constraint=None,
         draft_stop=None,
-        min_tokens=None,
         bad_words=None,
+        **controls,
     ):
-        """``constraint``: None, or ``(classes int32[V], next int32[S, C], final bool[S],
-        start int32[B])`` from
-        :func:`asps_jax.controls.constraints.stack`. A control or filter left None is absent: its
-        code is not compiled (:attr:`filters`, :attr:`penalized`)."""
-        given = dict(top_k=top_k, top_p=top_p, min_p=min_p)
-        filters = tuple(name for name, value in given.items() if value is not None)
-        penalized = any(
-            v is not None
-            for v in (repetition_penalty, presence_penalty, frequency_penalty, logit_bias)
-        )
+        """``controls``: the other numeric controls of :data:`CONTROLS` (``min_p=...``), each a
+        scalar or one per row. ``constraint``: None, or ``(classes int32[V], next int32[S, C],
+        final bool[S], start int32[B])`` from :func:`asps_jax.controls.constraints.stack`. A
+        control or filter left None is absent: its code is not compiled (:attr:`filters`,
+        :attr:`penalized`, :attr:`limited`)."""
+        unknown = sorted(set(controls) - set(CONTROL))
+        if unknown:
+            raise TypeError(f"SamplingParams.make() got an unexpected keyword {unknown[0]!r}")
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, **controls)
+        given.update(draft_temperature=draft_temperature)
 
         def rows(value, dtype, default):
             value = default if value is None else value
             return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
 
-        t = rows(temperature, jnp.float32, 1.0)
-        ngram = rows(no_repeat_ngram_size, jnp.int32, 0)
+        values = {}
+        for c in CONTROLS:  # a neutral value that names a control: that control's rows
+            off = isinstance(c.neutral, str) and given.get(c.name) is None
+            values[c.name] = (
+                values[c.neutral] if off else rows(given.get(c.name), c.dtype, c.neutral)
+            )
+
+        def role(name):
+            return tuple(
+                c.name for c in CONTROLS if c.role == name and given.get(c.name) is not None
+            )
+
         bias = jnp.zeros((batch, 1), jnp.float32)
         if logit_bias is not None:
             bias = jnp.asarray(logit_bias, jnp.float32)
@@ -373,32 +472,22 @@ class SamplingParams:
         if bad_words is not None and np.asarray(bad_words).size:
             words = jnp.asarray(bad_words, jnp.int32)
             words = jnp.broadcast_to(words, (batch,) + words.shape[-2:])
+        ngram = values["no_repeat_ngram_size"]
         return cls(
-            temperature=t,
-            draft_temperature=t
-            if draft_temperature is None
-            else rows(draft_temperature, jnp.float32, 1.0),
-            top_k=rows(top_k, jnp.int32, 0),
-            top_p=rows(top_p, jnp.float32, 1.0),
+            **values,
             eos_ids=jnp.asarray(list(eos_ids) or [-1], jnp.int32),
-            min_p=rows(min_p, jnp.float32, 0.0),
-            repetition_penalty=rows(repetition_penalty, jnp.float32, 1.0),
-            presence_penalty=rows(presence_penalty, jnp.float32, 0.0),
-            frequency_penalty=rows(frequency_penalty, jnp.float32, 0.0),
-            no_repeat_ngram_size=ngram,
             logit_bias=bias,
             dfa_classes=jnp.zeros((1,), jnp.int32) if constraint is None else constraint[0],
             dfa_next=jnp.full((1, 1), -1, jnp.int32) if constraint is None else constraint[1],
             dfa_final=jnp.zeros((1,), bool) if constraint is None else constraint[2],
             dfa_start=rows(None if constraint is None else constraint[3], jnp.int32, 0),
             draft_stop=rows(draft_stop, jnp.float32, 0.0),
-            min_tokens=rows(min_tokens, jnp.int32, 0),
             bad_words=words,
             ngram_window=ngram_window(np.asarray(ngram).reshape(-1).tolist()),
             constrained=constraint is not None,
-            filters=filters,
-            penalized=penalized,
-            limited=min_tokens is not None,
+            filters=role("filter"),
+            penalized=bool(role("penalty")) or logit_bias is not None,
+            limited=bool(role("limit")),
         )
 
     @classmethod
@@ -414,7 +503,7 @@ class SamplingParams:
 
     def process(self, logits_BV: jax.Array, *, draft: bool = False) -> jax.Array:
         """Row-wise :func:`process_logits` of ``logits[B, ..., V]`` with each row's parameters
-        (temperature, top-k, top-p, min-p; the path-dependent controls come first, see
+        (temperature, top-k, top-p, min-p, typical-p; the path-dependent controls come first, see
         :func:`asps_jax.controls.penalties.process`)."""
         temperature = self.draft_temperature if draft else self.temperature
         # Only the filters the call gives are compiled (static); among those, batch-level
@@ -423,30 +512,37 @@ class SamplingParams:
         top_k = self.top_k if "top_k" in self.filters else None
         top_p = self.top_p if "top_p" in self.filters else None
         min_p = self.min_p if "min_p" in self.filters else None
+        typical_p = self.typical_p if "typical_p" in self.filters else None
+        cuts = (min_p, typical_p)  # applied to the normalised law, after top-k and top-p
 
         def filtered(logits):
             # The thresholds from each row's 64 largest logits (one partial sort), and where
             # some row's cut may lie past them (top-k over 64, a top-p nucleus wider than 64
             # tokens) the 64 passes of process_logits' bisection for the batch.
             fast, exact = jax.vmap(process_logits_from_top)(
-                logits, temperature, top_k, top_p, min_p
+                logits, temperature, top_k, top_p, *cuts
             )
 
             def bisected(logits):
-                return jax.vmap(process_logits)(logits, temperature, top_k, top_p, min_p)
+                return jax.vmap(process_logits)(logits, temperature, top_k, top_p, *cuts)
 
             return jax.lax.cond(jnp.all(exact), lambda _: fast, bisected, logits)
 
-        def min_p_only(logits):  # min-p needs no sort
-            return jax.vmap(process_logits)(logits, temperature, None, None, min_p)
+        def cuts_only(logits):  # min-p and typical-p need no sort
+            return jax.vmap(process_logits)(logits, temperature, None, None, *cuts)
 
         def temperature_only(logits):  # no V-sized sort: the common case, and much cheaper
             return jax.vmap(process_logits)(logits, temperature)
 
         def unsorted(logits):
-            if min_p is None:
+            if min_p is None and typical_p is None:
                 return temperature_only(logits)
-            return jax.lax.cond(jnp.any(min_p > 0.0), min_p_only, temperature_only, logits)
+            used = jnp.zeros((), bool)
+            if min_p is not None:
+                used |= jnp.any(min_p > 0.0)
+            if typical_p is not None:
+                used |= jnp.any(typical_p < 1.0)
+            return jax.lax.cond(used, cuts_only, temperature_only, logits)
 
         if top_k is None and top_p is None:
             return unsorted(logits_BV)

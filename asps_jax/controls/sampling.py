@@ -20,8 +20,14 @@ import jax
 import numpy as np
 
 from asps_jax.controls import constraints
-from asps_jax.controls.processors import SamplingParams
+from asps_jax.controls.processors import CONTROL, CONTROLS, SamplingParams
 from asps_jax.logspace import F32_MAX
+
+
+def _control(name: str, default=None):
+    """The field of a numeric control, its declaration (one of
+    :data:`asps_jax.controls.processors.CONTROLS`) as its metadata "control"."""
+    return dataclasses.field(default=default, metadata=dict(control=CONTROL[name]))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -35,6 +41,8 @@ class Sampling:
       draft_temperature: the temperature a draft model samples at (default: ``temperature``);
         the output law does not depend on it.
       min_p: tokens below ``min_p`` times the most likely one's probability are dropped.
+      typical_p: locally typical sampling (transformers' ``TypicalLogitsWarper``): the tokens
+        whose surprisal is closest to the law's entropy are kept, up to ``typical_p`` of mass.
       repetition_penalty, presence_penalty, frequency_penalty: the penalties on tokens already in
         the row's text (transformers' and OpenAI's definitions).
       no_repeat_ngram_size: n; a token that would repeat an n-gram of the row's text is banned.
@@ -52,30 +60,40 @@ class Sampling:
         per prompt.
     """
 
-    temperature: Any = 1.0
-    top_k: Any = None
-    top_p: Any = None
-    draft_temperature: Any = None
-    min_p: Any = None
-    repetition_penalty: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    no_repeat_ngram_size: Any = None
+    # A numeric control's field carries its declaration (metadata "control": dtype, neutral value,
+    # check, role); the check, the lowering and SamplingParams.make iterate them.
+    temperature: Any = _control("temperature", 1.0)
+    top_k: Any = _control("top_k")
+    top_p: Any = _control("top_p")
+    draft_temperature: Any = _control("draft_temperature")
+    min_p: Any = _control("min_p")
+    repetition_penalty: Any = _control("repetition_penalty")
+    presence_penalty: Any = _control("presence_penalty")
+    frequency_penalty: Any = _control("frequency_penalty")
+    no_repeat_ngram_size: Any = _control("no_repeat_ngram_size")
     logit_bias: Any = None
     eos_token_id: Any = None
     regex: Any = None
     json_schema: Any = None
-    min_tokens: Any = None
+    min_tokens: Any = _control("min_tokens")
     bad_words: Any = None
+    typical_p: Any = _control("typical_p")
 
     def __post_init__(self):
-        for name, ok, expected in _NUMERIC_CHECKS:
-            value = getattr(self, name)
+        for control in self.controls():  # in the declarations' order
+            value = getattr(self, control.name)
             if value is None:
                 continue
-            for v in _numbers(name, value):
-                if not ok(v):
-                    raise ValueError(f"{name} must be {expected}, got {value!r}")
+            for v in _numbers(control.name, value):
+                if not control.check(v):
+                    raise ValueError(f"{control.name} must be {control.expected}, got {value!r}")
+
+    @classmethod
+    def controls(cls):
+        """The declarations (:class:`~asps_jax.controls.processors.Control`) of the numeric
+        fields, in :data:`~asps_jax.controls.processors.CONTROLS`' order."""
+        declared = {f.name for f in dataclasses.fields(cls) if "control" in f.metadata}
+        return tuple(c for c in CONTROLS if c.name in declared)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -87,34 +105,13 @@ class Sampling:
         (the first ``batch`` are the prompts; the padding rows take row 0's values), the rows'
         constraints compiled against the target's tokenizer, and ``draft_stop``, the confidence
         stop τ of a draft model's rollout (None: off)."""
-        vocab = target.vocab_size
-        top_k = self.top_k
-        if top_k is not None:  # top_k >= V keeps every token; clamping keeps it inside int32
-            # (clamped as floats: an int past int64, e.g. 10**20, overflows np.int64)
-            top_k = np.minimum(np.asarray(top_k, np.float64), vocab).astype(np.int64)
-        ngram = self.no_repeat_ngram_size
-        if ngram is not None:
-            # An n-gram longer than the context can never repeat: such a row bans nothing, as
-            # n = 0 does (so the static n-gram window never exceeds the context).
-            ngram = np.asarray(ngram, np.float64)
-            context = target.config.max_position_embeddings
-            ngram = np.where(ngram > context, 0, ngram).astype(np.int32)
         constraint = _constraint_rows(target, self.regex, self.json_schema, batch, padded)
         eos_ids = _eos_ids(target, self.eos_token_id)
         rows = {
-            name: _per_row(name, value, batch, padded)
-            for name, value in (
-                ("temperature", self.temperature),
-                ("top_k", top_k),
-                ("top_p", self.top_p),
-                ("draft_temperature", self.draft_temperature),
-                ("min_p", self.min_p),
-                ("repetition_penalty", self.repetition_penalty),
-                ("presence_penalty", self.presence_penalty),
-                ("frequency_penalty", self.frequency_penalty),
-                ("no_repeat_ngram_size", ngram),
-            )
+            c.name: _per_row(c.name, _bounded(c.name, getattr(self, c.name), target), batch, padded)
+            for c in self.controls()
         }
+        vocab = target.vocab_size
         bias = _logit_bias_rows(self.logit_bias, batch, padded, vocab)
         _check_min_tokens(self.min_tokens, bias, eos_ids, batch)
         params = SamplingParams.make(
@@ -123,11 +120,26 @@ class Sampling:
             logit_bias=bias,
             constraint=constraint,
             draft_stop=draft_stop,
-            min_tokens=_per_row("min_tokens", self.min_tokens, batch, padded),
             bad_words=_bad_words_rows(target, self.bad_words, batch, padded, vocab),
             **rows,
         )
         return params, None if constraint is None else HostConstraint(*constraint, eos_ids)
+
+
+def _bounded(name: str, value, target):
+    """A control's value as the target bounds it: ``top_k >= V`` keeps every token (clamped as
+    floats, inside int32: an int past int64, e.g. 10**20, overflows np.int64); an n-gram longer
+    than the context can never repeat, so such a row bans nothing, as n = 0 does (and the static
+    n-gram window never exceeds the context). The others as given."""
+    if value is None:
+        return None
+    if name == "top_k":
+        return np.minimum(np.asarray(value, np.float64), target.vocab_size).astype(np.int64)
+    if name == "no_repeat_ngram_size":
+        ngram = np.asarray(value, np.float64)
+        context = target.config.max_position_embeddings
+        return np.where(ngram > context, 0, ngram).astype(np.int32)
+    return value
 
 
 def _check_min_tokens(min_tokens, bias, eos_ids: tuple[int, ...], batch: int) -> None:
@@ -236,33 +248,6 @@ def _is_real(v) -> bool:
 def _in_float32(v: float) -> bool:
     """``v`` stays finite in float32."""
     return math.isfinite(v) and abs(v) <= F32_MAX
-
-
-def _integral(v: float) -> bool:
-    return math.isfinite(v) and v == int(v)
-
-
-# Every numeric sampling argument: (name, valid(value), what is expected). Each is checked in
-# float32, what the device uses: 1e39 is finite here and inf there.
-_NUMERIC_CHECKS = (
-    ("temperature", lambda v: 0.0 <= v <= F32_MAX, "a finite number >= 0 (at most 3.4e38)"),
-    ("draft_temperature", lambda v: 0.0 <= v <= F32_MAX,
-     "a finite number >= 0 (at most 3.4e38)"),
-    ("top_k", lambda v: _integral(v) and v >= 0, "an integer >= 0 (0 or None disables it)"),
-    ("top_p", lambda v: 0.0 < v <= 1.0 and np.float32(v) > 0, "in (0, 1]"),
-    ("min_p", lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 disables it)"),
-    ("repetition_penalty", lambda v: 0.0 < v <= F32_MAX and np.float32(v) > 0,
-     "a finite number > 0 that float32 holds (1 disables it; at most 3.4e38)"),
-    ("presence_penalty", _in_float32,
-     "a finite number that float32 holds (0 disables it; |value| at most 3.4e38)"),
-    ("frequency_penalty", _in_float32,
-     "a finite number that float32 holds (0 disables it; |value| at most 3.4e38)"),
-    ("no_repeat_ngram_size", lambda v: _integral(v) and v >= 0,
-     "an integer >= 0 (0 disables it)"),
-    ("min_tokens", lambda v: _integral(v) and 0 <= v < 2**31,
-     "an integer >= 0 and at most 2**31 - 1 (0 disables it; from max_new_tokens on it bans "
-     "EOS throughout)"),
-)  # fmt: skip
 
 
 def bad_word_ids(tokenizer, word: str) -> list[list[int]]:

@@ -16,6 +16,7 @@ from flax import nnx
 from tunix.generate import base_sampler
 from tunix.generate import tokenizer_adapter as tok_adapter
 
+from asps_jax.controls import Sampling
 from asps_jax.integrations.tunix_weights import DEFAULT_MAX_LENGTH, Tracked
 from asps_jax.models.base import forward_for, run_params
 from asps_jax.session import Sampler
@@ -36,15 +37,10 @@ _SET_PER_CALL = (
     "return_logprobs",
     "raw_logprobs",
 )
-_NOT_TUNIX = (
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "no_repeat_ngram_size",
-    "min_p",
-    "regex",
-    "json_schema",
-    "stop",
+_NOT_TUNIX = tuple(  # every other sampling argument (draft_temperature: the law stays), sampling=
+    n
+    for n in (*Sampling.names(), "stop", "sampling")
+    if n not in (*_SET_PER_CALL, "draft_temperature")
 )
 
 
