@@ -242,14 +242,19 @@ def test_statistical_law(tiny, method, kw):
     assert np.mean(np.asarray(out.stats["tokens_per_step"])) > 1.2
 
 
+# The greedy test's call and the Sampler test's share one compiled program (the whole block
+# drafted, 8 new tokens; the temperature is a per-row value).
+RUN_PROMPT = [3, 1, 4, 1, 0]
+RUN = dict(method="asps", num_draft_tokens=BLOCK, eos_token_id=-1)
+
+
 @pytest.mark.slow
 def test_greedy_is_transformers_greedy(tiny):
     """At T = 0 the block drafter's run emits transformers' greedy continuation."""
-    prompt = [3, 1, 4, 1, 0]
+    prompt = RUN_PROMPT
     out = asps_jax.sample(
-        tiny.target, tiny.spec, [prompt], seed=0, max_new_tokens=8, method="asps",
-        num_draft_tokens=BLOCK, temperature=0.0, eos_token_id=-1,
-    )  # fmt: skip
+        tiny.target, tiny.spec, [prompt], seed=0, max_new_tokens=8, temperature=0.0, **RUN
+    )
     text = list(prompt)
     with torch.no_grad():  # transformers' greedy decoding, token by token (no EOS stop)
         for _ in range(8):
@@ -381,15 +386,14 @@ def test_bad_use_is_a_one_line_error(tiny):
 def test_sampler_update_params_keeps_the_block_drafter(tiny):
     """A ``Sampler`` with a block drafter takes new target weights without recompiling and then
     samples what ``sample`` does with them (the drafter keeps its own weights)."""
-    kw = dict(method="asps", num_draft_tokens=N, eos_token_id=-1)
-    sampler = asps_jax.Sampler(tiny.target, tiny.spec, **kw)
-    sampler([PROMPT], max_new_tokens=4, seed=0)
+    sampler = asps_jax.Sampler(tiny.target, tiny.spec, **RUN)
+    sampler([RUN_PROMPT], max_new_tokens=8, seed=0)
     new = jax.tree.map(lambda a: a * 0.9, tiny.target.params)
     sampler.update_params(new)
     before = sampler.compiles
-    out = sampler([PROMPT], max_new_tokens=4, seed=1)
+    out = sampler([RUN_PROMPT], max_new_tokens=8, seed=1)
     assert sampler.compiles == before
-    want = asps_jax.sample(sampler.target, tiny.spec, [PROMPT], max_new_tokens=4, seed=1, **kw)
+    want = asps_jax.sample(sampler.target, tiny.spec, [RUN_PROMPT], max_new_tokens=8, seed=1, **RUN)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
 
 
