@@ -91,8 +91,8 @@ LONGEST_MODULES_FIRST = (
     "test_tpu.py",  # 200 (CPU-s)
     "test_sharding.py",  # 170 (CPU-s)
     "test_verify_multi.py",  # 165
-    "test_block.py",  # 150 (CPU-s)
     "test_decode_trees.py",  # 139
+    "test_block.py",  # 131 (CPU-s)
     "test_head.py",  # 121
     "test_families.py",  # 113
     "test_verify_tree.py",  # 107
