@@ -1,5 +1,6 @@
-"""scripts/benchmark.py: a smoke run through ``main([...])`` on tiny random checkpoints written by
-transformers, checking the table and JSON structure and that the figures are sane; flag errors."""
+"""benchmarks/benchmark.py: a smoke run through ``main([...])`` on tiny random checkpoints written
+by transformers, checking the table and JSON structure and that the figures are sane; flag errors.
+The other benchmark scripts of benchmarks/: their smoke runs, --quick and their helps."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ import numpy as np
 import pytest
 from subprocess_env import xla_flags
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "benchmark.py"
 
 
 def _load_script():
+    # The suite's scripts import benchmarks/harness.py (and each other) by name, as
+    # `python benchmarks/<script>.py` does: the folder stays on the path for the other loads.
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -231,6 +236,7 @@ def test_help_documents_every_flag():
 BENCH_SCRIPTS = (
     "benchmark", "bench_cost_ratio", "bench_device", "bench_drafters", "bench_longtail",
     "bench_model", "bench_quant", "bench_self_draft", "bench_tunix", "bench_verify", "bench_vocab",
+    "bench_block",
 )  # fmt: skip
 
 
@@ -243,8 +249,8 @@ class _Parsed(Exception):
 
 
 def _script_parser(name: str, monkeypatch) -> argparse.ArgumentParser:
-    """The parser of ``scripts/<name>.py``'s ``main``, caught at its ``parse_args``: importing the
-    script defines things only, and ``main`` stops before it runs anything."""
+    """The parser of ``benchmarks/<name>.py``'s ``main``, caught at its ``parse_args``: importing
+    the script defines things only, and ``main`` stops before it runs anything."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))  # undone after the test, the scripts' too
     spec = importlib.util.spec_from_file_location(f"help_{name}", SCRIPT.with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
@@ -372,7 +378,7 @@ def test_task_templates_follow_the_papers():
 
 @pytest.mark.slow
 def test_cost_ratio_smoke_beside_transformers(tmp_path, capsys):
-    """scripts/bench_cost_ratio.py --smoke: the pair is written once as HF checkpoints (a second
+    """benchmarks/bench_cost_ratio.py --smoke: the pair is written once as HF checkpoints (a second
     call reuses them), and ours prints beside transformers generate and assisted generation at
     the same n, with tokens per step, CPU and wall time, and the race's fit beside the forward."""
     pytest.importorskip("torch")
@@ -421,7 +427,8 @@ def test_cost_ratio_smoke_beside_transformers(tmp_path, capsys):
 
 
 def test_cost_ratio_says_its_memory_need_where_less_is_free(monkeypatch, capsys):
-    """Issue 65: the kernel killed it at 8.6 GB with nothing said; its --quick peaked at 10.9."""
+    """Issue 65: the kernel killed it at 8.6 GB with nothing said; its --quick peaked at 10.9 GB
+    at the 0.5B shape, and builds a smaller pair now (3.7 GB measured), which it says too."""
     spec = importlib.util.spec_from_file_location(
         "bench_cost_ratio_memory", SCRIPT.with_name("bench_cost_ratio.py")
     )
@@ -433,6 +440,10 @@ def test_cost_ratio_says_its_memory_need_where_less_is_free(monkeypatch, capsys)
     assert capsys.readouterr().err == (
         "bench_cost_ratio: needs about 12 GB of memory at the 0.5B shape and 2.0 GB is free; it "
         "may be killed (--smoke runs tiny shapes)\n"
+    )
+    cost.warn_memory("bench_cost_ratio", cost.QUICK_NEEDS_GB, "--quick's shape")
+    assert capsys.readouterr().err.startswith(
+        "bench_cost_ratio: needs about 4 GB of memory at --quick's shape and 2.0 GB is free"
     )
     pages["SC_AVPHYS_PAGES"] *= 8  # 16 GB free: nothing said
     cost.warn_memory("bench_cost_ratio")
@@ -454,8 +465,8 @@ def test_cost_ratio_refuses_an_unknown_drafter(capsys):
 
 @pytest.mark.slow
 def test_bench_model_smoke(tmp_path, capsys):
-    """scripts/bench_model.py: ours beside transformers per workload (a Llama checkpoint)."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_model.py"
+    """benchmarks/bench_model.py: ours beside transformers per workload (a Llama checkpoint)."""
+    script = SCRIPT.with_name("bench_model.py")
     spec = importlib.util.spec_from_file_location("bench_model", script)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -503,15 +514,17 @@ def test_without_torch_the_transformers_columns_are_skipped_up_front(
     )
 
 
-def _run_script(name: str, *argv: str, path: Path | None = None) -> subprocess.CompletedProcess:
-    """``scripts/<name> *argv --repeats 1`` in a subprocess on the CPU at -O0 (the figures are
+def _run_script(
+    name: str, *argv: str, path: Path | None = None, folder: str = "benchmarks"
+) -> subprocess.CompletedProcess:
+    """``<folder>/<name> *argv --repeats 1`` in a subprocess on the CPU at -O0 (the figures are
     not the point, the script's path through prepare / compile / run is); it must succeed.
     ``path``: a folder put first on the import path (modules that shadow installed ones)."""
     root = Path(__file__).resolve().parents[1]
     search = os.pathsep.join(str(p) for p in (path, root) if p is not None)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), PYTHONPATH=search)
     run = subprocess.run(
-        [sys.executable, str(root / "scripts" / name), *argv, "--repeats", "1"],
+        [sys.executable, str(root / folder / name), *argv, "--repeats", "1"],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
@@ -520,10 +533,12 @@ def _run_script(name: str, *argv: str, path: Path | None = None) -> subprocess.C
 
 @pytest.mark.slow
 def test_bench_device_smoke(tmp_path):
-    """scripts/bench_device.py --smoke on the CPU: random tiny target and draft, AR and a tree
-    method, ms per step beside the roofline measured in the same run."""
+    """bench_device.py --smoke on the CPU: random tiny target and draft, AR and a tree method, ms
+    per step beside the roofline measured in the same run; run through scripts/bench_device.py,
+    the path the device instructions name (it runs benchmarks/bench_device.py)."""
     out = tmp_path / "device.json"
-    run = _run_script("bench_device.py", "--smoke", "--methods", "ar,tv", "--json", str(out))
+    argv = ("--smoke", "--methods", "ar,tv", "--json", str(out))
+    run = _run_script("bench_device.py", *argv, folder="scripts")
     report = json.loads(out.read_text())
     assert report["meta"]["platform"] == "cpu" and report["meta"]["roofline_ms"] > 0
     assert [(r["batch"], r["method"]) for r in report["rows"]] == [(2, "ar"), (2, "tv")]
@@ -536,8 +551,9 @@ def test_bench_device_smoke(tmp_path):
 
 
 def test_bench_device_refuses_an_unknown_method(capsys):
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
-    spec = importlib.util.spec_from_file_location("bench_device", script)
+    spec = importlib.util.spec_from_file_location(
+        "bench_device", SCRIPT.with_name("bench_device.py")
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--smoke", "--methods", "ar,beam"]) == 2
@@ -547,7 +563,7 @@ def test_bench_device_refuses_an_unknown_method(capsys):
 
 @pytest.mark.slow
 def test_bench_vocab_smoke(tmp_path):
-    """scripts/bench_vocab.py --smoke: tiny random models over the first 300 cl100k ids, a plain
+    """benchmarks/bench_vocab.py --smoke: tiny random models over the first 300 cl100k ids, a plain
     step and one under a regex, the ratio printed against the plain step of the same run."""
     out = tmp_path / "vocab.json"
     argv = ["--smoke", "--vocabs", "300", "--methods", "asps", "--batches", "2"]
@@ -569,8 +585,8 @@ def test_bench_vocab_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_bench_quant_smoke(tmp_path):
-    """scripts/bench_quant.py --smoke: AR per weight format on a tiny shape (fewer bytes per token
-    each step down), and the logit error of the bundled target against its float32 upcast."""
+    """benchmarks/bench_quant.py --smoke: AR per weight format on a tiny shape (fewer bytes per
+    token each step down), and the logit error of the bundled target against its float32 upcast."""
     out = tmp_path / "quant.json"
     run = _run_script("bench_quant.py", "--smoke", "--json", str(out))
     report = json.loads(out.read_text())
@@ -583,3 +599,42 @@ def test_bench_quant_smoke(tmp_path):
     assert error["bfloat16"]["max_abs_logit"] > 0  # the same weights, bfloat16 activations
     assert 0 < error["int8"]["kl_mean"] < error["int4:16"]["kl_mean"] < 0.1
     assert "logit error on the bundled target" in run.stdout
+
+
+def test_the_suite_map_lists_every_script_and_its_sections_exist():
+    """benchmarks/README.md maps each script to its sections of docs/benchmarks.md: every script
+    of the suite is in it, and every file and section it names exists (read, nothing run)."""
+    import re
+
+    suite = SCRIPT.parent
+    readme = (suite / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `([^`]+\.py)` \|[^|]*\| (.+) \|$", readme, re.M)
+    named = {name for name, _ in rows}
+    assert {p.name for p in suite.glob("*.py")} - {"harness.py"} <= named
+    docs = (suite.parent / "docs/benchmarks.md").read_text(encoding="utf-8")
+    headings = re.findall(r"^#+\s+(.*)$", docs, re.M)
+    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+    for name, cell in rows:
+        assert (suite / name).is_file(), name
+        anchors = re.findall(r"\(\.\./docs/benchmarks\.md#([\w-]+)\)", cell)
+        assert anchors and set(anchors) <= slugs, (name, set(anchors) - slugs)
+
+
+def test_harness_interleaves_side_by_side_and_stamps_every_json_row(tmp_path):
+    """benchmarks/harness.py: side_by_side calls each candidate once per round, the order turned
+    by one each round, warm-up rounds untimed; write_json records the machine in every row."""
+    import harness
+
+    calls = []
+    candidates = {name: (lambda r, name=name: calls.append((name, r))) for name in "abc"}
+    timed = harness.side_by_side(candidates, repeats=2, warmup=1)
+    assert calls == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1),
+                     ("c", 2), ("a", 2), ("b", 2)]  # fmt: skip
+    assert [len(timed[n]["times"]) for n in "abc"] == [2, 2, 2] and timed["a"]["ratio"] == 1.0
+    out = tmp_path / "rows.json"
+    harness.write_json(str(out), {"config": {"n": 4}, "rows": [{"tokens": 3}, {"tokens": 5}]})
+    written = json.loads(out.read_text())
+    assert written["config"] == {"n": 4} and [r["tokens"] for r in written["rows"]] == [3, 5]
+    for row in written["rows"]:
+        assert row["machine"]["cpus"] == os.cpu_count() and len(row["machine"]["load"]) == 3
+        assert row["machine"]["jax"] and row["machine"]["devices"]

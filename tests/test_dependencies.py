@@ -1,7 +1,7 @@
 """pyproject.toml declares what the code imports, and nothing that it does not: every runtime
-dependency and every optional group (except the test tools) is imported somewhere in asps_jax/
-or scripts/, and every third-party module they import is declared; the suite's XLA flags are
-only those the installed jaxlib knows (jax is not pinned)."""
+dependency and every optional group (except the test tools) is imported somewhere in asps_jax/,
+scripts/ or benchmarks/, and every third-party module they import is declared; the suite's XLA
+flags are only those the installed jaxlib knows (jax is not pinned)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,13 @@ def _name(requirement: str) -> str:
     return IMPORT_NAMES.get(name, name)
 
 
+def _scripts() -> list[Path]:
+    """The programs outside the package: scripts/ and the benchmark suite."""
+    return [*(ROOT / "scripts").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+
+
 def _imported() -> set[str]:
-    files = [*(ROOT / "asps_jax").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]
+    files = [*(ROOT / "asps_jax").rglob("*.py"), *_scripts()]
     found = (m for f in files for m in IMPORT.findall(f.read_text(encoding="utf-8")))
     return {(a or b).lower() for a, b in found}
 
@@ -46,9 +51,11 @@ def test_declared_dependencies_are_imported_and_imports_declared():
             used |= {_name(r) for r in requirements}
     assert "chex" not in used and "safetensors" not in used
     unused = sorted(used - imported)
-    assert not unused, f"declared but never imported by asps_jax/ or scripts/: {unused}"
+    assert not unused, (
+        f"declared but never imported by asps_jax/, scripts/ or benchmarks/: {unused}"
+    )
     declared = used | {_name(r) for r in extras["test"]}
-    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}  # one script imports another
+    scripts = {p.stem for p in _scripts()}  # one script imports another (or the harness)
     third_party = imported - set(sys.stdlib_module_names) - {"asps_jax", *scripts}
     undeclared = sorted(third_party - declared)
     assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"

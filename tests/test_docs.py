@@ -218,7 +218,7 @@ def test_readme_model_table_is_the_cards():
 def test_every_script_help_opens_with_a_whole_sentence():
     """A script's ``--help`` opens with its docstring's first paragraph (not its first line, which
     can stop mid-sentence), and that paragraph ends a sentence."""
-    for script in sorted((ROOT / "scripts").glob("*.py")):
+    for script in sorted([*(ROOT / "scripts").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
         source = script.read_text(encoding="utf-8")
         if "ArgumentParser(" not in source:
             continue

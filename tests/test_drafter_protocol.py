@@ -141,3 +141,35 @@ def test_a_non_finite_draft_law_of_any_drafter_raises(tiny):
         asps_jax.sample(model, Broken(), [PROMPT], key=jax.random.key(0), max_new_tokens=2,
                         num_draft_tokens=2)  # fmt: skip
     assert int(err.value.output.lengths[0]) == 0
+
+
+NUMBERS = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 12: "twelve", 13: "thirteen"}
+
+
+def test_the_docs_count_and_name_the_protocols_methods():
+    """design.md's "Adding a drafter" and drafters/base.py's docstring say how many methods the
+    protocol has and name each: counted from ``Drafter``'s source (the methods above its
+    ``# Device`` banner are the host's), so a method added or removed shows here."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "asps_jax/drafters/base.py").read_text(encoding="utf-8")
+    banner = next(i for i, line in enumerate(source.splitlines(), 1) if "# Device" in line)
+    (cls,) = [n for n in ast.parse(source).body if getattr(n, "name", "") == "Drafter"]
+    methods = [f for f in cls.body if isinstance(f, ast.FunctionDef) and not f.decorator_list]
+    host = [f.name for f in methods if f.lineno < banner]
+    device = [f.name for f in methods if f.lineno > banner]
+    assert "check" in host and "propose" in device
+    design = (root / "docs/design.md").read_text(encoding="utf-8")
+    section = re.search(r"^## Adding a drafter\n(.*?)(?=^## )", design, re.M | re.S).group(1)
+    assert f"Its {NUMBERS[len(host) + len(device)]} methods" in section
+    assert f"- {NUMBERS[len(host)]} on the host" in section
+    assert f"- {NUMBERS[len(device)]} in the compiled step" in section
+    assert [m for m in host + device if f"`{m}(" not in section and f"`{m}`" not in section] == []
+    (row,) = [line for line in design.splitlines() if line.startswith("asps_jax/drafters/base.py")]
+    assert [m for m in host + device if not re.search(rf"\b{m}\b", row)] == []
+    doc = ast.get_docstring(ast.parse(source))
+    assert f"through {NUMBERS[len(device)]} device methods" in doc
+    assert [m for m in device if f":meth:`Drafter.{m}`" not in doc] == []

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ("train_tiny.py", "benchmark.py", "sample.py")
+SCRIPTS = ("scripts/train_tiny.py", "benchmarks/benchmark.py", "scripts/sample.py")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def clone(tmp_path_factory) -> Path:
 def test_help_runs_from_a_fresh_clone(clone, script):
     env = dict(os.environ, PYTHONPATH=str(clone), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, str(clone / "scripts" / script), "--help"],
+        [sys.executable, str(clone / script), "--help"],
         cwd=clone,
         capture_output=True,
         text=True,

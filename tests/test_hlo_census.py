@@ -151,10 +151,10 @@ def test_the_cli_starts_the_cpu_alone_where_there_is_no_accelerator(monkeypatch)
 
 @pytest.fixture
 def bench_tpu(monkeypatch):
-    """``scripts/bench_tpu.py`` as a module, its environment and path undone after the test."""
+    """``benchmarks/bench_tpu.py`` as a module, its environment and path undone after the test."""
     for name in ("TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD", "ASPS_JAX_NO_CACHE"):
         monkeypatch.setenv(name, os.environ.get(name, "1"))
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     monkeypatch.delitem(sys.modules, "bench_tpu", raising=False)
     return importlib.import_module("bench_tpu")
 

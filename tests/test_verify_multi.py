@@ -500,12 +500,13 @@ def test_edge_cases(method):
 
 
 def _load_bench_verify(monkeypatch):
-    """scripts/bench_verify.py as a module (scripts/ is not a package)."""
+    """benchmarks/bench_verify.py as a module (benchmarks/ is not a package)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_verify.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_verify.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # it imports harness by name
     spec = importlib.util.spec_from_file_location("bench_verify", path)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
@@ -515,7 +516,7 @@ def _load_bench_verify(monkeypatch):
 
 @pytest.mark.slow
 def test_bench_script_smoke(tmp_path, monkeypatch):
-    """scripts/bench_verify.py through main([...]): a multi-draft method implies the --drafts
+    """benchmarks/bench_verify.py through main([...]): a multi-draft method implies the --drafts
     suite; table rows and JSON for one method."""
     import json
 

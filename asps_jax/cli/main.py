@@ -9,7 +9,7 @@ statistics block follows. Compiled programs are cached on disk (asps_jax.compile
 second run with the same shapes starts in seconds. Errors in the arguments or the environment exit
 with a one-line explanation; third-party notices that do not apply here are silenced. With
 JAX_PLATFORMS unset on a machine without an accelerator, JAX starts the CPU backend alone (an
-installed libtpu, e.g. for scripts/bench_tpu.py, is not started where there is no TPU).
+installed libtpu, e.g. for benchmarks/bench_tpu.py, is not started where there is no TPU).
 
 Several processes (multi-host: one process per host of a TPU pod slice, or several CPU
 processes) run the same command with the same prompts and seed, each with ``--distributed`` (JAX

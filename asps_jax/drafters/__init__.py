@@ -1,7 +1,7 @@
 """The drafters: who proposes the draft tree each step, one file each behind one protocol.
 
 * :mod:`~asps_jax.drafters.base`: the :class:`Drafter` protocol and the :class:`Proposal` it
-  returns (read it first: the host questions and the five device methods);
+  returns (read it first: the host questions and the six device methods);
 * :mod:`~asps_jax.drafters.model`: a separate draft model with K cache replicas per row
   (``draft=<Model>``), its rollout and the confidence stop (``draft_stop``);
 * :mod:`~asps_jax.drafters.self_layers`: the target's first L layers (``draft="self:L"``),

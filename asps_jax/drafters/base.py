@@ -4,7 +4,7 @@ A drafter is a frozen, hashable value (static under ``jax.jit``: it is a field o
 :class:`~asps_jax.decode.Decoder`, so two equal drafters share a compiled program). It answers the
 host's questions once per call (:meth:`Drafter.check`, :meth:`Drafter.footprint`,
 :meth:`Drafter.cache_slots`) and, inside the compiled step, keeps a state of its own (a draft KV
-cache, nothing, or scratch slots in the target's cache) through five device methods:
+cache, nothing, or scratch slots in the target's cache) through six device methods:
 
 * :meth:`Drafter.init` / :meth:`Drafter.prefill`: its state for a batch, then with the prompts'
   committed tokens;
@@ -12,7 +12,9 @@ cache, nothing, or scratch slots in the target's cache) through five device meth
 * :meth:`Drafter.propose`: the step's K root paths (tokens, the laws they were drawn from, which
   laws were usable, each path's usable length) as a :class:`Proposal`;
 * :meth:`Drafter.commit`: its state after verification accepted a path (the replica that drew it
-  and the number of slots committed).
+  and the number of slots committed);
+* :meth:`Drafter.take`: with :attr:`Drafter.feature_layers`, its state after taking the accepted
+  path's target features (a learned head's input).
 
 The loop owns everything else: the common cuts of a proposal (budget, EOS, unusable laws), the
 tree layout by node, the target forward, verification and the emitted block. Exactness needs one

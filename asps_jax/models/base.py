@@ -224,7 +224,7 @@ def run_params(model, params=None, *, wide: bool = False):
     ``llama.py``); on an accelerator the stored parameters themselves (:func:`scan_layout_for`).
     ``wide``: the copy for calls of two or more rows per forward (a target scoring a chain or a
     tree, a batch); one model used both ways holds both copies. Abstract parameters
-    (``jax.ShapeDtypeStruct``, to lower a call without weights: ``scripts/bench_tpu.py``) give
+    (``jax.ShapeDtypeStruct``, to lower a call without weights: ``benchmarks/bench_tpu.py``) give
     the run layout's shapes.
     """
     params = model.params if params is None else params

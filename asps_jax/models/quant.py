@@ -292,7 +292,7 @@ def quantize_model(model, spec, *, what: str = ""):
     quantize = functools.partial(
         quantize_params, model.config, spec=scheme, what=what, model=model.name
     )
-    # Abstract parameters (ShapeDtypeStruct, scripts/bench_tpu.py) give the quantized shapes.
+    # Abstract parameters (ShapeDtypeStruct, benchmarks/bench_tpu.py) give the quantized shapes.
     abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(model.params))
     params = jax.eval_shape(quantize, model.params) if abstract else quantize(model.params)
     scheme = fitted(model.config, model.params, scheme)

@@ -6,7 +6,7 @@ data/tinyshakespeare.txt, a blank line, then the passage's first quarter again; 
 to go on (a continuation of text seen in the prompt). Rows: AR, the draft model (asps, n), prompt
 lookup (asps, n, ``lookup_ngram``), at each ``--temperatures``.
 
-``stop`` (the ~0.5B / llama-68m-shaped random pair of scripts/bench_cost_ratio.py, its
+``stop`` (the ~0.5B / llama-68m-shaped random pair of benchmarks/bench_cost_ratio.py, its
 checkpoints): AR, asps at fixed n, and asps at n_max with ``draft_stop="confidence:τ"`` for each
 ``--taus``, random prompts as there.
 
@@ -19,9 +19,9 @@ cost per draft token (one drafting forward of the batch) against the target's on
 Per row: tokens per step (mean over all steps of all runs), wall tokens/s (median of
 ``--repeats`` compiled runs, compilation excluded), the draft tokens verified per step.
 
-    python scripts/bench_drafters.py copy [--n 4] [--temperatures 0 1] [--max-new-tokens 64]
-    python scripts/bench_drafters.py stop [--n 4 8] [--taus 0.3 0.5 0.7] [--max-new-tokens 32]
-    python scripts/bench_drafters.py head [--n 4 8] [--temperatures 1 0.7] [--max-new-tokens 64]
+    python benchmarks/bench_drafters.py copy [--n 4] [--temperatures 0 1] [--max-new-tokens 64]
+    python benchmarks/bench_drafters.py stop [--n 4 8] [--taus 0.3 0.5 0.7] [--max-new-tokens 32]
+    python benchmarks/bench_drafters.py head [--n 4 8] [--temperatures 1 0.7] [--max-new-tokens 64]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from harness import median_call_s
 
 import asps_jax
 from asps_jax import decode, sampler
@@ -123,16 +124,6 @@ def text_prompts(tokenizer, count: int, chars: int) -> list[list[int]]:
     return prompts
 
 
-def _median_call_s(fn, *args, repeats: int = 30) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def draft_costs(target, draft, rows: int, slots: int) -> dict:
     """Seconds of one drafting forward of ``rows`` rows over ``slots`` cached positions: the
     target's one-token forward, the draft model's, ``self:2``'s (two target layers) and the
@@ -150,7 +141,7 @@ def draft_costs(target, draft, rows: int, slots: int) -> dict:
         tokens, positions = jnp.ones((rows, 1), jnp.int32), jnp.full((rows, 1), slots - 1)
         mask = jnp.ones((rows, 1, slots + 1), bool)
         fn = jax.jit(lambda p, c: model.forward(p, tokens, positions, mask, c)[0])
-        return _median_call_s(fn, params, cache)
+        return median_call_s(fn, params, cache)
 
     head = draft_model(target, HEAD)
     c = head.config
@@ -168,7 +159,7 @@ def draft_costs(target, draft, rows: int, slots: int) -> dict:
         "target": model_cost(target),
         "draft model": model_cost(draft),
         "self:2": model_cost(draft_model(target, "self:2")),
-        "eagle3 head": _median_call_s(head_fn, head.params, cache),
+        "eagle3 head": median_call_s(head_fn, head.params, cache),
     }
 
 
@@ -205,7 +196,6 @@ def bench_head(args) -> None:
 
 
 def bench_stop(args) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_cost_ratio import CHECKPOINTS, DRAFT, TARGET, checkpoint_pair
 
     paths = checkpoint_pair((TARGET, DRAFT), 0.2, 0.07, 0, CHECKPOINTS / "bench_cost_ratio")
@@ -236,7 +226,7 @@ def main(argv=None) -> int:
         help="Benchmark to run: copy = AR, the draft model and prompt lookup on a copy-heavy "
         "task (the bundled tiny Shakespeare pair); stop = AR, asps at fixed n and "
         "confidence-stopped asps chains at the realistic cost ratio (the random ~0.5B / "
-        "llama-68m pair of scripts/bench_cost_ratio.py); head = the bundled EAGLE-3 head beside "
+        "llama-68m pair of benchmarks/bench_cost_ratio.py); head = the bundled EAGLE-3 head beside "
         "the draft model, self:2 and prompt lookup on the bundled target, then each drafter's "
         "cost per draft token.",
     )

@@ -4,7 +4,7 @@ and AR, in one run.
 ``--pair bundled`` (default): the bundled tinyshakespeare pair (target: 4 layers; draft: its own
 small checkpoint), prompts of ``--prompt-tokens`` consecutive corpus tokens (one starting line per
 row). ``--pair random-0.5b``: the random-weight ~0.5B-shaped target and llama-68m-shaped draft of
-``scripts/bench_cost_ratio.py`` (8 layers; acceptance there says how the *random* construction's
+``benchmarks/bench_cost_ratio.py`` (8 layers; acceptance there says how the *random* construction's
 layers perturb the logits, not what a trained model gives), tokens per step only unless
 ``--repeats`` > 0.
 
@@ -15,15 +15,14 @@ Per configuration (AR; each of ``--methods``, default SpS and ASpS, with the dra
 temperature 1: tokens per step (mean over all steps of all rows, with its standard error),
 token-level acceptance, wall tokens/s and CPU tokens/s (medians of ``--repeats`` runs).
 
-    python scripts/bench_self_draft.py [--pair bundled|random-0.5b] [--layers 1 2 3] [--n 4]
-                                       [--quant int8 int4:16] [--drafts 1] [--batch-size 4]
-                                       [--max-new-tokens 128] [--repeats 3]
+    python benchmarks/bench_self_draft.py [--pair bundled|random-0.5b] [--layers 1 2 3] [--n 4]
+                                          [--quant int8 int4:16] [--drafts 1] [--batch-size 4]
+                                          [--max-new-tokens 128] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from harness import write_json
 
 import asps_jax
 from asps_jax import decode, drafters, sampler
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         choices=("bundled", "random-0.5b"),
         default="bundled",
         help="Target and draft model: bundled = the bundled tinyshakespeare pair, random-0.5b = "
-        "the random ~0.5B / llama-68m pair of scripts/bench_cost_ratio.py (default: bundled).",
+        "the random ~0.5B / llama-68m pair of benchmarks/bench_cost_ratio.py (default: bundled).",
     )
     p.add_argument(
         "--layers",
@@ -164,7 +164,6 @@ def main(argv=None) -> int:
         target = asps_jax.load_model("tinyshakespeare-target")
         draft = asps_jax.load_model("tinyshakespeare-draft")
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_cost_ratio import CHECKPOINTS, DRAFT, TARGET, checkpoint_pair
 
         # The checkpoints bench_cost_ratio.py writes once (and reuses): loading them needs a
@@ -195,7 +194,7 @@ def main(argv=None) -> int:
             flush=True,
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows)
     return 0
 
 

@@ -2,7 +2,7 @@
 cost them: the TPU compiler as a second judge of every program the library builds.
 
     pip install -e ".[tpu]"      # libtpu: compiles for TPU topologies without a TPU
-    python scripts/bench_tpu.py --target llama7b --draft llama68m --method asps \\
+    python benchmarks/bench_tpu.py --target llama7b --draft llama68m --method asps \\
         --num-draft-tokens 4 --batch-size 8 --topology v5e:2x2 --mesh model=4
 
 It takes the call ``scripts/sample.py`` takes (method, drafter, n, K, tree, batch, sampling
@@ -53,6 +53,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from harness import machine  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -89,7 +90,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
         help="programs compiled: step (the call's decode step), ar (the AR step at the same "
         "batch); comma-separated (default step,ar)",
     )
-    g.add_argument("--json-out", default=None, metavar="PATH", help="also write rows as JSON")
+    g.add_argument("--json-out", default=None, metavar="PATH", help="also write rows as JSON lines")
     g.add_argument(
         "--hlo-dir", default=None, metavar="DIR", help="write each optimized HLO text here"
     )
@@ -342,7 +343,9 @@ def main(argv=None) -> int:
         print(f"bench_tpu.py: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     if args.json_out:
-        Path(args.json_out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        where = machine()  # the compiling machine and its load (the figures are estimates)
+        lines = (json.dumps(dict(r, machine=where), default=str) + "\n" for r in rows)
+        Path(args.json_out).write_text("".join(lines))
     return 0 if all(r["compiles"] for r in rows) else 1
 
 

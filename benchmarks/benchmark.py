@@ -25,14 +25,13 @@ tokens. Text is encoded by the target's tokenizer (UTF-8 bytes modulo the vocabu
 checkpoint has none). A progress bar runs on stderr when stdout is a terminal (``--quiet`` turns
 it off).
 
-    python scripts/benchmark.py [--quick] [--methods M ...] [--n N ...] [--k K ...] [--json PATH]
-                                [--prompts FILE | --task wmt16|cnndm|dolly] [--quiet]
+    python benchmarks/benchmark.py [--quick] [--methods M ...] [--n N ...] [--k K ...] [--json PATH]
+                                   [--prompts FILE | --task wmt16|cnndm|dolly] [--quiet]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -43,10 +42,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from harness import fill_quick, missing_hf, skip_hf, timed_runs, write_json  # noqa: F401
 from tqdm import tqdm
 
 import asps_jax
-from asps_jax import decode, sampler, statistics
+from asps_jax import sampler, statistics
 from asps_jax.trees import parse_widths
 from asps_jax.verify.registry import REGISTRY
 
@@ -386,28 +386,6 @@ BENCH_SCHEMA = {
 }
 
 
-def timed_runs(prepared, repeats: int, compiled=None):
-    """``prepared``'s whole loop compiled ahead of time (or ``compiled``, that loop compiled
-    already: 0 compile seconds), run once as a warm-up (first-call allocations; when
-    ``repeats > 0``) and then ``max(repeats, 1)`` timed runs: ``(the last run's state, compile
-    seconds, warm-up seconds, run seconds)``."""
-    dynamic = prepared.inputs.kwargs()  # the decoder is compiled in
-    start = time.perf_counter()
-    if compiled is None:
-        compiled = decode.generate.lower(prepared.decoder, **dynamic).compile()
-    compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    if repeats > 0:
-        jax.block_until_ready(compiled(**dynamic))
-    warmup_s = time.perf_counter() - start
-    times = []
-    for _ in range(max(repeats, 1)):
-        start = time.perf_counter()
-        state = jax.block_until_ready(compiled(**dynamic))
-        times.append(time.perf_counter() - start)
-    return state, compile_s, warmup_s, times
-
-
 def run_ours(target, draft, prompts, method, n, k, args, tree=(), controls=None) -> dict:
     sizes = dict(tree=tree) if tree else dict(num_draft_tokens=n, num_drafts=k)
     sizes.update(controls or {})
@@ -680,39 +658,6 @@ def schema_markdown(rows: list[dict], constrained: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def missing_hf() -> str | None:
-    """The package the transformers runs need that is not installed (torch, transformers), or
-    None."""
-    for name in ("torch", "transformers"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            return name
-    return None
-
-
-def fill_quick(parser: argparse.ArgumentParser, args, quick: dict) -> None:
-    """``--quick``: each of ``quick``'s values for the flags left at their defaults."""
-    for name, value in quick.items():
-        if getattr(args, name) == parser.get_default(name):
-            setattr(args, name, value)
-
-
-def skip_hf(script: str, no_hf: bool, what: str = "columns", flag: bool = True) -> bool:
-    """Whether ``script`` skips its transformers runs: asked (``no_hf``), or torch / transformers
-    is not installed (the base install), which one line on stderr says before anything runs;
-    ``flag``: the script has ``--no-hf``."""
-    missing = None if no_hf else missing_hf()
-    if missing:
-        hint = "; --no-hf skips them without this note" if flag else ""
-        print(
-            f"{script}: {missing} is not installed, so the transformers {what} are skipped "
-            f'(pip install -e ".[test]" brings it{hint})',
-            file=sys.stderr,
-        )
-    return no_hf or missing is not None
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -801,19 +746,15 @@ def main(argv=None) -> int:
         print("\n" + schema_markdown(rows, constrained))
     if args.json:
         meta = dict(vars(args), header=header, jax=jax.__version__, prompts=prompts)
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "config": meta,
-                    "ours": rows,
-                    "ours_with_controls": controlled,
-                    "ours_with_json_schema": constrained,
-                    "transformers": hf,
-                    "asps_gain": gains,
-                },
-                f,
-                indent=2,
-            )
+        rows_by_kind = {
+            "config": meta,
+            "ours": rows,
+            "ours_with_controls": controlled,
+            "ours_with_json_schema": constrained,
+            "transformers": hf,
+            "asps_gain": gains,
+        }
+        write_json(args.json, rows_by_kind)
     return 0
 
 

@@ -4,20 +4,20 @@ speculative with ``self:L``) on the same tunix Llama3 module, side by side in on
 The module has the bundled target's shape (hidden 192, 4 layers, 4 query / 2 KV heads, head size
 48) with random weights, and the bundled tokenizer (2,048 tokens). Each sampler draws the same
 prompts (``--batch`` rows, ``--max-new-tokens`` tokens, temperature 1, top-p 1) after one warm-up
-call that compiles; the timed calls alternate between the samplers (``--repeats`` rounds) and the
-median is printed, with our speculative sampler's tokens per step. Needs google-tunix (see
-``.ci/run`` for its light install).
+call that compiles; the timed calls alternate between the samplers (``--repeats`` rounds, the
+order turned each round: ``harness.side_by_side``) and each one's median is printed beside tunix's.
+Needs google-tunix (see ``.ci/run`` for its light install).
 
-Usage: ``python scripts/bench_tunix.py`` (about a minute); ``--quick`` runs 2 rounds of 4 rows.
+Usage: ``python benchmarks/bench_tunix.py`` (about a minute); ``--quick`` runs 2 rounds of 4 rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import numpy as np
+from harness import side_by_side
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,16 +86,13 @@ def main(argv=None) -> None:
     prompts = ["ROMEO:", "JULIET:\nO", "KING HENRY:\nThe", "First Citizen:\nWe"]
     prompts = [prompts[i % len(prompts)] for i in range(args.batch)]
     call = dict(max_generation_steps=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=None)
-    times = {name: [] for name in samplers}
+    # One warm-up round (seed 0: it compiles), then the timed rounds interleaved (seeds 1, 2, ...).
+    rollouts = {
+        name: (lambda r, s=s: s(prompts, seed=r, **call).tokens) for name, s in samplers.items()
+    }
     with jax.numpy_rank_promotion("allow"):  # tunix's own code promotes ranks
-        for s in samplers.values():
-            jax.block_until_ready(s(prompts, seed=0, **call).tokens)
-        for r in range(args.repeats):
-            for name, s in samplers.items():
-                start = time.perf_counter()
-                out = s(prompts, seed=r + 1, **call)
-                jax.block_until_ready(out.tokens)
-                times[name].append(time.perf_counter() - start)
+        timed = side_by_side(rollouts, args.repeats, warmup=1)
+    times = {name: row["times"] for name, row in timed.items()}
     base = np.median(times["tunix native"])
     print(
         f"{args.batch} rows x {args.max_new_tokens} tokens, temperature 1; median of {args.repeats}"

@@ -2,7 +2,7 @@
 token against the memory roofline, and the logit error against full precision.
 
 1. **Speed** (``--shapes``, default the random-weight llama-68m and ~0.5B shapes of
-   ``scripts/bench_model.py``): per weight format (float32, bfloat16, int8 per channel, int4 per
+   ``benchmarks/bench_model.py``): per weight format (float32, bfloat16, int8 per channel, int4 per
    group of ``--group``), AR decoding of ``--new-tokens`` tokens after a 4-token prompt (the
    jitted loop compiled ahead of time), median over ``--repeats`` runs: milliseconds per token
    (CPU and wall), the bytes a one-token forward reads (every matrix at its stored width, int4
@@ -13,8 +13,8 @@ token against the memory roofline, and the logit error against full precision.
    difference from float32 and the mean and largest KL(float32 law || quantized law) over the
    positions.
 
-    python scripts/bench_quant.py [--shapes 68m 0.5b] [--new-tokens 32] [--repeats 3]
-                                  [--group 128] [--json PATH]
+    python benchmarks/bench_quant.py [--shapes 68m 0.5b] [--new-tokens 32] [--repeats 3]
+                                     [--group 128] [--json PATH]
 
 ``--smoke``: a tiny shape, a few tokens, one repeat (a self-test of the script in seconds).
 """
@@ -22,22 +22,20 @@ token against the memory roofline, and the logit error against full precision.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_model import SHAPES, SMOKE_SHAPE, read_bandwidth
+from harness import median_times, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import SHAPES, SMOKE_SHAPE, _median_times, read_bandwidth  # noqa: E402
-
-import asps_jax  # noqa: E402
-from asps_jax import decode, sampler  # noqa: E402
-from asps_jax.models import LlamaConfig, Model, quant  # noqa: E402
-from asps_jax.models.base import forward_for, run_params  # noqa: E402
-from asps_jax.models.llama import init_params  # noqa: E402
+import asps_jax
+from asps_jax import decode, sampler
+from asps_jax.models import LlamaConfig, Model, quant
+from asps_jax.models.base import forward_for, run_params
+from asps_jax.models.llama import init_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,7 +80,7 @@ def ar_ms_per_token(model, new_tokens: int, repeats: int) -> tuple[float, float]
     )
     call = prepared.inputs.kwargs()
     compiled = decode.generate.lower(prepared.decoder, **call).compile()
-    cpu, wall = _median_times(lambda: jax.block_until_ready(compiled(**call)), repeats)
+    cpu, wall = median_times(lambda: jax.block_until_ready(compiled(**call)), repeats)
     return 1e3 * cpu / new_tokens, 1e3 * wall / new_tokens
 
 
@@ -161,7 +159,7 @@ def main(argv=None) -> int:
         nargs="+",
         default=["68m", "0.5b"],
         choices=sorted(SHAPES),
-        help="Random-weight shapes of the speed runs, those of scripts/bench_model.py "
+        help="Random-weight shapes of the speed runs, those of benchmarks/bench_model.py "
         "(default: 68m 0.5b; --quick runs a tiny shape instead).",
     )
     p.add_argument(
@@ -220,7 +218,7 @@ def main(argv=None) -> int:
     print(f"{'format':>9} {'max |dz|':>10} {'KL mean':>10} {'KL max':>10}")
     errors = error(target, tokens, error_group)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(speed=rows, error=errors), indent=1))
+        write_json(args.json, dict(speed=rows, error=errors))
     return 0
 
 

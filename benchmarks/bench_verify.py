@@ -25,10 +25,10 @@ SpecInfer: ``1 - prod_k (1 - sum_y min(q, t_k))`` with the deterministic residua
 times the default ``is`` rule's per-node preparation (one node, K = 4) at the pair's V and at
 V = 32000.
 
-    python scripts/bench_verify.py [--drafts] [--quick] [--methods M ...] [--vocab V]
-                                   [--repeats R] [--json PATH]
-    python scripts/bench_verify.py --real [--positions N] [--ks K ...]
-                                   [--draft-temperatures T ...] [--json PATH]
+    python benchmarks/bench_verify.py [--drafts] [--quick] [--methods M ...] [--vocab V]
+                                      [--repeats R] [--json PATH]
+    python benchmarks/bench_verify.py --real [--positions N] [--ks K ...]
+                                      [--draft-temperatures T ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import platform
 import statistics
 import sys
@@ -46,6 +45,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from harness import write_json
 
 import asps_jax
 from asps_jax.verify import options as verify_options
@@ -332,8 +332,7 @@ def main_real(args, parser) -> int:
         for v, ms in timing_opt.items():
             print(f"optimal (gradient-fitted level race), one node, K = 4, V = {v}: {ms:.2f} ms")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "rule_ms": timing, "optimal_ms": timing_opt}, f, indent=1)
+        write_json(args.json, {"rows": rows, "rule_ms": timing, "optimal_ms": timing_opt})
     return 0
 
 
@@ -438,8 +437,7 @@ def main(argv=None) -> int:
             "machine": platform.machine(),
             "python": platform.python_version(),
         }
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json(args.json, {"meta": meta, "rows": rows})
     return 0
 
 

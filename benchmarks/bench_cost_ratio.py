@@ -42,18 +42,24 @@ where scoring n + 1 tokens costs more than one (a CPU) and what the decoding mac
 Last, the level race's per-node fit (``is`` and ``optimal`` defaults, K = 2, at the target's V) in
 CPU time beside the target's one-token forward, measured in the same run.
 
-``--quick`` (a few minutes at the 0.5B shape, compilation included): n = 4, 16 new tokens, one
-timed run, methods ar and asps, no transformers rows.
+``--quick`` (about 2 minutes on 2 cores, compilation included): n = 4, 16 new tokens, one timed
+run, methods ar and asps, no transformers rows, on a pair of the same construction sized to fit in
+4 GB (``QUICK_TARGET``: hidden 1024, 8 layers, 16 heads, MLP 2816, 168M parameters;
+``QUICK_DRAFT``: hidden 384, 2 layers, 6 heads, MLP 1536, 29M; the same vocabulary of 32,000 and a
+cost ratio c near the full pair's 0.1). It measures everything the full run does (c, k_n, the
+bounds, the level race's fit at V = 32,000), so it checks the whole script and gives the same kind
+of figures in minutes; the figures docs/benchmarks.md quotes are the full pair's.
 
-Memory: the float32 pair is 2.4 GB of weights (target 2.17 GB, draft 0.27 GB), but building it and
-compiling its loops on the device take far more: ``--quick`` peaked at 10.9 GB resident (measured;
-no transformers), and the full run adds the checkpoints' write and transformers' float32 copy of
-both models (one was killed at 8.6 GB while it built the pair). Give it 12 GB or more; ``--smoke``
-(tiny shapes) runs anywhere. The script says so on stderr where less memory is free.
+Memory: the full float32 pair is 2.4 GB of weights (target 2.17 GB, draft 0.27 GB), but building it
+(one random draw for all of a model's weights) and the run layouts of its weights take far more:
+at the 0.5B shape, without transformers, the run peaked at 11.0 GB resident, and the full run adds
+the checkpoints' write and transformers' float32 copy of both models (one was killed at 8.6 GB
+while it built the pair). Give it 12 GB or more; ``--quick`` (its smaller pair) peaks under 4 GB and
+``--smoke`` (tiny shapes) runs anywhere. The script says so on stderr where less memory is free.
 
-    python scripts/bench_cost_ratio.py [--quick] [--n 2 4 8] [--methods ar sps ...] [--no-hf]
-                                       [--drafters model quant:int8] [--checkpoints DIR]
-                                       [--json PATH]
+    python benchmarks/bench_cost_ratio.py [--quick] [--n 2 4 8] [--methods ar sps ...] [--no-hf]
+                                          [--drafters model quant:int8] [--checkpoints DIR]
+                                          [--json PATH]
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_model import SHAPES
+from harness import cpu_wall, fill_quick, skip_hf, write_json
 
 import asps_jax
 from asps_jax import decode, drafters, sampler
@@ -85,27 +93,29 @@ from asps_jax.verify import options as verify_options
 from asps_jax.verify import tokenlevel
 from asps_jax.verify.registry import REGISTRY
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import SHAPES  # noqa: E402
-from benchmark import fill_quick, skip_hf  # noqa: E402
-
-# The shapes of scripts/bench_model.py: a ~0.5B-shaped target, the llama-68m-shaped draft.
+# The shapes of benchmarks/bench_model.py: a ~0.5B-shaped target, the llama-68m-shaped draft.
 TARGET, DRAFT = SHAPES["0.5b"], SHAPES["68m"]
 SMOKE_TARGET = dict(TARGET, vocab_size=256, hidden_size=64, intermediate_size=128)
 SMOKE_TARGET.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
 SMOKE_DRAFT = dict(DRAFT, vocab_size=256, hidden_size=32, intermediate_size=64)
 SMOKE_DRAFT.update(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
+# --quick's pair: the same construction at about a third of the widths, the draft's width and the
+# target's kept in about the full pair's ratio, so that c stays near 0.1 (module docstring).
+QUICK_TARGET = dict(TARGET, hidden_size=1024, intermediate_size=2816)
+QUICK_DRAFT = dict(DRAFT, hidden_size=384, intermediate_size=1536, num_attention_heads=6)
+QUICK_DRAFT.update(num_key_value_heads=6)
 DEFAULT_METHODS = ("ar", "sps", "asps", "specinfer", "is", "is_bv", "tv")
-# --quick: no transformers rows, so no checkpoints written and no torch copy of the pair (the
-# full run's memory peak); the pair is built on the device and stays under 4 GB (docstring).
+# --quick: no transformers rows, so no checkpoints written and no torch copy of the pair; the
+# smaller pair (QUICK_TARGET, QUICK_DRAFT) is built on the device and stays under 4 GB (docstring).
 QUICK = dict(methods=["ar", "asps"], n=[4], max_new_tokens=16, repeats=1, no_hf=True)
 CHECKPOINTS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "asps_jax"
 
 
-NEEDS_GB = 12  # the measured peak of --quick at the 0.5B shape (10.9 GB), rounded up
+NEEDS_GB = 12  # the measured peak at the 0.5B shape, without transformers (11.0 GB), rounded up
+QUICK_NEEDS_GB = 4  # --quick's smaller pair (module docstring)
 
 
-def warn_memory(script: str, needs_gb: float = NEEDS_GB) -> None:
+def warn_memory(script: str, needs_gb: float = NEEDS_GB, shape: str = "the 0.5B shape") -> None:
     """One line on stderr where the machine has less than ``needs_gb`` of memory available."""
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
@@ -113,7 +123,7 @@ def warn_memory(script: str, needs_gb: float = NEEDS_GB) -> None:
         return
     if free < needs_gb:
         print(
-            f"{script}: needs about {needs_gb} GB of memory at the 0.5B shape and {free:.1f} GB "
+            f"{script}: needs about {needs_gb} GB of memory at {shape} and {free:.1f} GB "
             "is free; it may be killed (--smoke runs tiny shapes)",
             file=sys.stderr,
         )
@@ -139,8 +149,8 @@ def build_pair(target_shape, draft_shape, head_std, layer_scale, seed=0):
     for params in (t_params, d_params):
         for name in ("wo", "w_down"):
             params["layers"][name] = params["layers"][name] * layer_scale
-    target = Model(name="random-0.5b", path="", config=t_cfg, params=t_params)
-    draft = Model(name="random-68m", path="", config=d_cfg, params=d_params)
+    target = Model(name=f"random-target-{Et}", path="", config=t_cfg, params=t_params)
+    draft = Model(name=f"random-draft-{Ed}", path="", config=d_cfg, params=d_params)
     return target, draft
 
 
@@ -170,7 +180,7 @@ def fit_seconds(vocab: int, method: str, repeats: int) -> float:
     fn = jax.jit(lambda p, q: tokenlevel.importance_sampling_rules(p, q, alive, cfg).q_sel)
     for _ in range(2):
         jax.block_until_ready(fn(p, qs))
-    cpu, _ = _times(lambda: jax.block_until_ready(fn(p, qs)), repeats)
+    cpu, _ = cpu_wall(lambda: jax.block_until_ready(fn(p, qs)), repeats)
     return statistics.median(cpu)
 
 
@@ -229,7 +239,7 @@ def run_transformers(paths, prompt, ns, args) -> list[dict]:
                 tokens.append(generate(args.max_new_tokens, **extra))
                 steps.append(calls[0])
 
-            cpu, wall = _times(once, args.repeats)
+            cpu, wall = cpu_wall(once, args.repeats)
             cpu_s, wall_s = statistics.median(cpu), statistics.median(wall)
             rows.append(
                 dict(
@@ -250,16 +260,6 @@ def run_transformers(paths, prompt, ns, args) -> list[dict]:
     return rows
 
 
-def _times(fn, repeats: int) -> tuple[list[float], list[float]]:
-    cpu, wall = [], []
-    for _ in range(repeats):
-        c0, w0 = time.process_time(), time.perf_counter()
-        fn()
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
-    return cpu, wall
-
-
 def forward_seconds(
     model, cache_len: int, repeats: int, tokens: int = 1, wide: bool = False
 ) -> tuple[float, float]:
@@ -273,7 +273,7 @@ def forward_seconds(
     tok = jnp.ones((1, tokens), jnp.int32)
     for _ in range(2):
         jax.block_until_ready(step(params, cache, tok))
-    cpu, wall = _times(lambda: jax.block_until_ready(step(params, cache, tok)), repeats)
+    cpu, wall = cpu_wall(lambda: jax.block_until_ready(step(params, cache, tok)), repeats)
     return statistics.median(cpu), statistics.median(wall)
 
 
@@ -310,7 +310,7 @@ def run_method(target, draft, prompt, method, n, args, drafter: str = "model") -
         state = compiled(**dict(call, row_keys_B=next(runs)))
         states.append(jax.block_until_ready(state))
 
-    cpu, wall = _times(run_once, args.repeats)
+    cpu, wall = cpu_wall(run_once, args.repeats)
     hist = []
     tokens = 0
     for state in states:
@@ -409,7 +409,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"Run a short subset, which fills only the flags left at their defaults: {QUICK}.",
+        help="Run a short subset on a smaller pair of the same construction (under 4 GB), which "
+        f"fills only the flags left at their defaults: {QUICK}.",
     )
     p.add_argument(
         "--checkpoints",
@@ -433,9 +434,14 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--drafters: {unknown} name no drafter; give model, self:L, quant:int8 or lookup")
     args.no_hf = skip_hf("bench_cost_ratio", args.no_hf, what="rows")
-    if not args.smoke:
+    if args.smoke:
+        shapes = (SMOKE_TARGET, SMOKE_DRAFT)
+    elif args.quick:
+        shapes = (QUICK_TARGET, QUICK_DRAFT)
+        warn_memory("bench_cost_ratio", QUICK_NEEDS_GB, "--quick's shape")
+    else:
+        shapes = (TARGET, DRAFT)
         warn_memory("bench_cost_ratio")
-    shapes = (SMOKE_TARGET, SMOKE_DRAFT) if args.smoke else (TARGET, DRAFT)
     if args.no_hf:  # no checkpoints to write: the same pair, made on the device
         paths = []
         target, draft = build_pair(*shapes, args.head_std, args.layer_scale, args.seed)
@@ -548,8 +554,7 @@ def main(argv=None) -> int:
         meta["chain_cost_one_row_layout"] = {str(n): k for n, k in chain_cost_one_row.items()}
         meta.update(target_forward_s=t_fwd, draft_forward_s=d_fwd, fit_s=fits)
         meta["checkpoints"] = [str(path) for path in paths]
-        with open(args.json, "w") as f:
-            json.dump({"config": meta, "rows": rows, "transformers": hf}, f, indent=2)
+        write_json(args.json, {"config": meta, "rows": rows, "transformers": hf})
     return 0
 
 

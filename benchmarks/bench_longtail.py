@@ -12,13 +12,12 @@ chunk runs until its longest row is done: what a user without continuous batchin
 program is compiled (and run once) before the timed runs; the figure is the median of
 ``--repeats`` timed runs of the whole workload. Useful tokens/s = sum of the budgets / wall seconds.
 
-    python scripts/bench_longtail.py [--workloads longtail uniform] [--method asps] [--json PATH]
+    python benchmarks/bench_longtail.py [--workloads longtail uniform] [--method asps] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from harness import write_json
 
 import asps_jax
 
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
             device=str(jax.devices()[0]),
             platform=platform.platform(),
         )
-        Path(args.json).write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")
+        write_json(args.json, dict(meta=meta, results=results))
     return 0
 
 

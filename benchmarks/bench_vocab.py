@@ -12,8 +12,8 @@ call's time (compile + run). Features: the controls (repetition, presence and fr
 penalties, top-k, top-p, min-p), no-repeat 3-grams, a logit bias on 16 ids, 4 stop strings, a
 regex, a three-field JSON schema and the top-5 log-probs.
 
-    python scripts/bench_vocab.py [--vocabs 2048,32000,100261,262144] [--methods asps,tv]
-                                  [--batches 4,32] [--features ...] [--smoke] [--json PATH]
+    python benchmarks/bench_vocab.py [--vocabs 2048,32000,100261,262144] [--methods asps,tv]
+                                     [--batches 4,32] [--features ...] [--smoke] [--json PATH]
 """
 
 from __future__ import annotations
@@ -21,20 +21,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.resources
-import json
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_device import random_model  # noqa: E402
+from harness import fill_quick, timed_runs, write_json  # noqa: E402
 
 from asps_jax import sampler
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_device import random_model  # noqa: E402
-from benchmark import fill_quick, timed_runs  # noqa: E402
 
 TARGET = dict(
     hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
@@ -220,7 +216,7 @@ def main(argv=None) -> int:
                     )
     print(markdown(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows)
     return 0
 
 

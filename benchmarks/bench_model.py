@@ -29,25 +29,22 @@ second here, 393 MB at 16). ``roofline/ours`` is the fraction of that bound a wo
 Shapes: ``68m`` (llama-68m: hidden 768, 2 layers, 12 heads, MLP 3072, vocab 32000) and ``0.5b``
 (hidden 2048, 8 layers, 16 heads, MLP 5632, vocab 32000: 0.54B parameters, 2.2 GB in float32).
 
-    python scripts/bench_model.py [--shapes 68m,0.5b] [--widths 2,5,9,17] [--repeats R]
-                                  [--ar-tokens M] [--json PATH]
+    python benchmarks/bench_model.py [--shapes 68m,0.5b] [--widths 2,5,9,17] [--repeats R]
+                                     [--ar-tokens M] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from harness import median_times, skip_hf, write_json
 
 from asps_jax import decode, sampler
 from asps_jax.kv_cache import commit, init_cache
@@ -55,9 +52,6 @@ from asps_jax.models import LlamaConfig, llama, load_model
 from asps_jax.models.base import Model, run_params
 from asps_jax.scoring import score_chain, score_tree
 from asps_jax.trees import build_chain_tree
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchmark  # noqa: E402  (its check for torch / transformers)
 
 SHAPES = {
     "68m": dict(
@@ -91,19 +85,6 @@ SMOKE_SHAPE = dict(
 AR_PROMPT = 4
 
 
-def _median_times(fn, repeats: int, warmup: int = 1) -> tuple[float, float]:
-    """(median CPU seconds, median wall seconds) of ``fn()`` over ``repeats`` calls."""
-    for _ in range(warmup):
-        fn()
-    cpu, wall = [], []
-    for _ in range(repeats):
-        c0, w0 = time.process_time(), time.perf_counter()
-        fn()
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
-    return statistics.median(cpu), statistics.median(wall)
-
-
 def read_bandwidth(repeats: int, nbytes: int) -> tuple[float, float]:
     """Bytes per CPU second and per wall second of a jitted float32 ``x @ W`` over a ``W`` of
     about ``nbytes`` bytes."""
@@ -112,7 +93,7 @@ def read_bandwidth(repeats: int, nbytes: int) -> tuple[float, float]:
     w = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
     x = jnp.ones((1, rows), jnp.float32)
     gemv = jax.jit(lambda x, w: x @ w)
-    cpu, wall = _median_times(lambda: jax.block_until_ready(gemv(x, w)), max(repeats, 5), 2)
+    cpu, wall = median_times(lambda: jax.block_until_ready(gemv(x, w)), max(repeats, 5), 2)
     return w.nbytes / cpu, w.nbytes / wall
 
 
@@ -161,7 +142,7 @@ def _ours(model, tokens: np.ndarray, widths, repeats: int) -> dict:
             "decode": _call(one_token, params, cache, toks[:, :1]),
         }
         run.update({f"chain{w}": _call(chain(w), params, cache, toks[:, :w]) for w in widths})
-        times.update({(name, layout): _median_times(fn, repeats) for name, fn in run.items()})
+        times.update({(name, layout): median_times(fn, repeats) for name, fn in run.items()})
     return times
 
 
@@ -182,7 +163,7 @@ def _ours_ar(model, prompt: np.ndarray, new_tokens: int, repeats: int) -> tuple[
         state = jax.block_until_ready(compiled(**call))
         assert int(state.num_generated[0]) == new_tokens
 
-    cpu, wall = _median_times(run, repeats)
+    cpu, wall = median_times(run, repeats)
     return cpu / new_tokens, wall / new_tokens
 
 
@@ -202,7 +183,7 @@ def _torch(hf, tokens: np.ndarray, widths, repeats: int) -> dict[str, tuple[floa
 
         run = {"prefill": lambda: hf(ids, use_cache=True), "decode": lambda: step(1)}
         run.update({f"chain{w}": lambda w=w: step(w) for w in widths})
-        return {name: _median_times(fn, repeats) for name, fn in run.items()}
+        return {name: median_times(fn, repeats) for name, fn in run.items()}
 
 
 def _torch_ar(hf, prompt: np.ndarray, new_tokens: int, repeats: int) -> tuple[float, float]:
@@ -225,7 +206,7 @@ def _torch_ar(hf, prompt: np.ndarray, new_tokens: int, repeats: int) -> tuple[fl
             out = hf.generate(ids, **kwargs)
         assert out.shape[1] == prompt.shape[1] + new_tokens
 
-    cpu, wall = _median_times(run, repeats)
+    cpu, wall = median_times(run, repeats)
     return cpu / new_tokens, wall / new_tokens
 
 
@@ -385,7 +366,7 @@ def main(argv=None) -> int:
             shapes[name] = SHAPES[name]
     ar_default = args.ar_tokens
 
-    args.no_hf = benchmark.skip_hf("bench_model", False, flag=False)
+    args.no_hf = skip_hf("bench_model", False, flag=False)
     if not args.no_hf:
         import torch
 
@@ -436,8 +417,7 @@ def main(argv=None) -> int:
         meta = dict(
             vars(args), jax=jax.__version__, torch=None if args.no_hf else torch.__version__
         )
-        with open(args.json, "w") as f:
-            json.dump({"config": meta, "rows": rows}, f, indent=2)
+        write_json(args.json, {"config": meta, "rows": rows})
     return 0
 
 

@@ -1,7 +1,7 @@
 """The bundled block drafter beside the bundled EAGLE-3 head and the bundled draft model, one run.
 
 On the bundled tiny Shakespeare target, on prompts that are passages of the text's held-out tail
-(scripts/bench_drafters.py's ``head`` prompts): first the cost of one drafting stage
+(benchmarks/bench_drafters.py's ``head`` prompts): first the cost of one drafting stage
 (``decode._draft``: the whole proposal of the batch, forwards and draws) and of one whole step per
 drafter (``block:tinyshakespeare-block``, ``eagle3:tinyshakespeare-eagle3``,
 ``tinyshakespeare-draft``) at the largest ``--n``, jitted, median of 30 calls; then AR at each
@@ -13,7 +13,8 @@ Per row: tokens per step (mean over all steps of all runs), wall tokens/s (media
 ``--repeats`` compiled runs, compilation excluded), tokens/s over AR's at the same temperature in
 the same run.
 
-    python scripts/bench_block.py [--n 2 4 8] [--temperatures 1 0] [--max-new-tokens 64]
+    python benchmarks/bench_block.py [--quick] [--n 2 4 8] [--temperatures 1 0]
+                                     [--max-new-tokens 64]
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import jax
+from bench_drafters import run, text_prompts
+from harness import fill_quick, median_call_s
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_drafters import _median_call_s, run, text_prompts  # noqa: E402
-
-import asps_jax  # noqa: E402
-from asps_jax import decode, sampler  # noqa: E402
+import asps_jax
+from asps_jax import decode, sampler
 
 BLOCK, HEAD = "block:tinyshakespeare-block", "eagle3:tinyshakespeare-eagle3"
+
+# --quick: one draft length at one temperature, short rows, one timed run.
+QUICK = dict(n=[4], temperatures=[1.0], max_new_tokens=32, repeats=1)
 
 
 def methods(n: int) -> list[tuple[str, dict]]:
@@ -53,24 +55,47 @@ def stage_costs(target, drafter, prompts, max_new_tokens: int, **kw) -> tuple[fl
         dec, tp, dp, args["prompts_BP"], args["prompt_lengths_B"], args["row_keys_B"]
     )
     step = jax.jit(lambda tp, dp, s, st: decode._step(dec, tp, dp, s, st))
-    step_s = _median_call_s(step, tp, dp, sampling, state)
+    step_s = median_call_s(step, tp, dp, sampling, state)
     if drafter is None:
         return float("nan"), step_s
     draft = jax.jit(lambda dp, s, st: decode._draft(dec, dp, s, st))
-    return _median_call_s(draft, dp, sampling, state), step_s
+    return median_call_s(draft, dp, sampling, state), step_s
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", nargs="+", type=int, default=[2, 4, 8], help="draft lengths")
-    p.add_argument("--temperatures", nargs="+", type=float, default=[1.0, 0.0])
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4, help="prompts (rows)")
-    p.add_argument("--chars", type=int, default=400, help="characters per prompt passage")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
-    p.add_argument("--block", default=BLOCK, help="the block drafter (draft= string)")
-    p.add_argument("--all-methods", action="store_true", help="is / is_bv at every temperature")
+    p.add_argument(
+        "--n", nargs="+", type=int, default=[2, 4, 8], help="Draft lengths (default: 2 4 8)."
+    )
+    p.add_argument(
+        "--temperatures",
+        nargs="+",
+        type=float,
+        default=[1.0, 0.0],
+        help="Sampling temperatures (default: 1 0).",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, help="Tokens generated per row (default: 64)."
+    )
+    p.add_argument("--batch", type=int, default=4, help="Prompts (rows) (default: 4).")
+    p.add_argument(
+        "--chars", type=int, default=400, help="Characters per prompt passage (default: 400)."
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="Timed runs per row, their median (default: 3)."
+    )
+    p.add_argument("--block", default=BLOCK, help="The block drafter (a draft= string).")
+    p.add_argument(
+        "--all-methods", action="store_true", help="Run is and is_bv at every temperature."
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"Run a short subset, which fills only the flags left at their defaults: {QUICK}.",
+    )
     args = p.parse_args(argv)
+    if args.quick:
+        fill_quick(p, args, QUICK)
     print(f"load average before: {os.getloadavg()}", flush=True)
     target = asps_jax.load_model("tinyshakespeare-target", dtype="float32")
     draft = asps_jax.load_model("tinyshakespeare-draft", dtype="float32")
