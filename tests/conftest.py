@@ -81,14 +81,18 @@ def pytest_runtest_setup(item):
 
 
 # The modules that take longest, longest first (seconds of test time in a full run on 2 cores,
-# measured 2026-12-06; the others follow in collection order). xdist's ``--dist loadfile`` hands
-# each worker the next whole module in this order, so the run ends on short modules instead of,
-# say, the notebook's 36 s; its own reordering (by number of tests) is turned off. Only the wall
-# time depends on this list.
+# measured 2026-12-06; test_tpu, test_sharding and test_block: CPU-seconds of the file alone,
+# 2026-12-07, its subprocesses included; the others follow in collection order). xdist's
+# ``--dist loadfile`` hands each worker the next whole module in this order, so the run ends on
+# short modules instead of, say, test_tpu's 200 s; its own reordering (by number of tests) is
+# turned off. Only the wall time depends on this list.
 LONGEST_MODULES_FIRST = (
     "test_decode.py",  # 313 s
+    "test_tpu.py",  # 200 (CPU-s)
+    "test_sharding.py",  # 170 (CPU-s)
     "test_verify_multi.py",  # 165
     "test_decode_trees.py",  # 139
+    "test_block.py",  # 131 (CPU-s)
     "test_head.py",  # 121
     "test_families.py",  # 113
     "test_verify_tree.py",  # 107
@@ -100,7 +104,6 @@ LONGEST_MODULES_FIRST = (
     "test_constraints.py",  # 66
     "test_verify_chain.py",  # 57
     "test_cli.py",  # 53
-    "test_sharding.py",  # 52
     "test_multihost.py",  # 47
     "test_self_draft.py",  # 45
     "test_samples.py",  # 44
