@@ -172,7 +172,7 @@ def _method(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(p: argparse.ArgumentParser) -> None:
-    """Temperatures, truncation (top-k, top-p, min-p) and stop strings."""
+    """Temperatures, truncation (top-k, top-p, min-p, typical-p) and stop strings."""
     p.add_argument(
         "--temperature",
         type=flags.non_negative_float,

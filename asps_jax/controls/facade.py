@@ -3,8 +3,8 @@
 1. :func:`laws` — every law of a step, processed from its node's own path: the draft laws a
    drafter draws from (``drafters/model.py``), the target laws the score stage hands the verifier
    and the AR step's one law (``decode.py``). In each: the constraint's mask, logit bias,
-   penalties, no-repeat n-grams, ``min_tokens`` and bad words, then temperature, top-k, top-p and
-   min-p (:func:`asps_jax.controls.penalties.process`).
+   penalties, no-repeat n-grams, ``min_tokens`` and bad words, then temperature, top-k, top-p,
+   min-p and typical-p (:func:`asps_jax.controls.penalties.process`).
 2. :func:`cut` — the end of each row's emitted block, written once for the AR and the
    speculative step: its first EOS (kept), then the first slot drawn at a constraint state that
    allows nothing (dropped), then the token that completes a stop string (kept).

@@ -8,7 +8,7 @@ the node, and the bonus law at a leaf; so each verifier, exact for arbitrary law
 exactness for the processed target process (docs/api.md §3, the sampling controls).
 
 The order is transformers' ``generate`` order: logit bias, repetition penalty, presence /
-frequency penalties, no-repeat n-grams; temperature, top-k, top-p and min-p follow in
+frequency penalties, no-repeat n-grams; temperature, top-k, top-p, min-p and typical-p follow in
 :func:`asps_jax.controls.processors.process_logits`.
 
 * repetition penalty θ (transformers' ``RepetitionPenaltyLogitsProcessor``): a logit of a token
@@ -191,8 +191,8 @@ def _bad_words_banned(tokens_H, length, path_XD, depth_X, words_WL, vocab: int):
 
 def process(sampling, history: History, logits_BXV, path_BXD, depth_X, *, draft=False):
     """Processed log-probabilities ``[B, X, V]`` of X nodes per row (the constraint's mask, the
-    controls, then ``sampling.process``: temperature, top-k, top-p, min-p), and whether each law
-    is usable, bool[B, X] (bans can remove every token).
+    controls, then ``sampling.process``: temperature, top-k, top-p, min-p, typical-p), and whether
+    each law is usable, bool[B, X] (bans can remove every token).
 
     A node whose constraint state allows nothing (:mod:`asps_jax.controls.automaton`: the text
     ends there) is usable: its draft law is empty (no child is drawn from it) and its target law a
