@@ -133,7 +133,9 @@ def test_a_small_llama_step_on_model_2_stays_within_its_bounds(bench):
         _check_accelerator_program(c, f"ar, {layers} layers, on model=2")
         counts.append(c.collectives_of("all-reduce"))
     assert counts[1] - counts[0] == 2, counts
-    assert counts[0] <= 2 * TARGET.num_hidden_layers + 16, dict(c.collectives)
+    # 11 others with libtpu 0.0.42.1 (13 before the logits' checks became one max; the 8B shape
+    # of docs/benchmarks.md has 8): one of slack for another compiler's combining.
+    assert counts[0] <= 2 * TARGET.num_hidden_layers + 12, dict(c.collectives)
     target = _abstract(bench, TARGET, "small")
     c, args = _census(bench, target, draft, dict(method="asps", num_draft_tokens=3), mesh)
     _check_accelerator_program(c, "asps on model=2")
