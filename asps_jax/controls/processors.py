@@ -335,6 +335,17 @@ CONTROLS = (
 CONTROL = {c.name: c for c in CONTROLS}
 
 
+def _some_row_uses(*filters) -> jax.Array:
+    """bool[]: some row uses one of the compiled filters, each given as ``(its per-row values, or
+    None when not compiled, the test of a row that uses it)``: a batch-level predicate that lets
+    :meth:`SamplingParams.process` skip the filters no row uses at run time."""
+    used = jnp.zeros((), bool)
+    for values, uses in filters:
+        if values is not None:
+            used |= jnp.any(uses(values))
+    return used
+
+
 def _laid_out(sharding: str):
     """An array field (no default) with its layout over the batch: ``dataclasses.field``
     metadata "sharding", in the vocabulary of :func:`asps_jax.sharding.shard_inputs`."""
@@ -537,20 +548,12 @@ class SamplingParams:
         def unsorted(logits):
             if min_p is None and typical_p is None:
                 return temperature_only(logits)
-            used = jnp.zeros((), bool)
-            if min_p is not None:
-                used |= jnp.any(min_p > 0.0)
-            if typical_p is not None:
-                used |= jnp.any(typical_p < 1.0)
+            used = _some_row_uses((min_p, lambda v: v > 0.0), (typical_p, lambda v: v < 1.0))
             return jax.lax.cond(used, cuts_only, temperature_only, logits)
 
         if top_k is None and top_p is None:
             return unsorted(logits_BV)
-        any_filter = jnp.zeros((), bool)
-        if top_k is not None:
-            any_filter |= jnp.any(top_k > 0)
-        if top_p is not None:
-            any_filter |= jnp.any(top_p < 1.0)
+        any_filter = _some_row_uses((top_k, lambda v: v > 0), (top_p, lambda v: v < 1.0))
         return jax.lax.cond(any_filter, filtered, unsorted, logits_BV)
 
     def repeat(self, k: int) -> SamplingParams:
