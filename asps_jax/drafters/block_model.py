@@ -324,18 +324,8 @@ def tensor_names(c: BlockConfig) -> dict[tuple[str, int | None], str]:
 
 def read_config(folder: Path, target_config, where: str) -> BlockConfig:
     """The folder's ``config.json`` as a :class:`BlockConfig` (one-line errors)."""
-    if not (folder / CONFIG_FILE).is_file() or not loader.weight_files(folder):
-        found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "no such folder"
-        raise ValueError(
-            f"{where}: expected a block drafter folder with {CONFIG_FILE} and {WEIGHTS_FILE}, "
-            f"found {found}"
-        )
-    try:
-        raw = json.loads((folder / CONFIG_FILE).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: {CONFIG_FILE} is not a JSON object")
+    expected = f"a block drafter folder with {CONFIG_FILE} and {WEIGHTS_FILE}"
+    raw = loader.folder_config(folder, where, expected)
     return BlockConfig.from_hf(raw, target_config, where=f"{where}: {CONFIG_FILE}")
 
 

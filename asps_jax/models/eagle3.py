@@ -349,18 +349,10 @@ def load_head(path, target, *, dtype=None) -> Head:
     or corrupt file, a missing tensor, a wrong shape, or a head made for another target)."""
     folder = Path(path)
     where = f"draft={PREFIX}{path}"
-    if not (folder / CONFIG_FILE).is_file() or not loader.weight_files(folder):
-        found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "no such folder"
-        raise ValueError(
-            f"{where}: expected an EAGLE-3 head folder with {CONFIG_FILE} and {WEIGHTS_FILE} (or "
-            f"{loader.BIN_FILE}), found {found}"
-        )
-    try:
-        raw = json.loads((folder / CONFIG_FILE).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: {CONFIG_FILE} is not a JSON object")
+    expected = (
+        f"an EAGLE-3 head folder with {CONFIG_FILE} and {WEIGHTS_FILE} (or {loader.BIN_FILE})"
+    )
+    raw = loader.folder_config(folder, where, expected)
     c = HeadConfig.from_hf(raw, target.config, where=f"{where}: {CONFIG_FILE}")
     check_matches(c, target, where)
     tensors = _tensors(folder, where)

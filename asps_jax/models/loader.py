@@ -168,6 +168,22 @@ def _read_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
             yield name, t.numpy()
 
 
+def folder_config(folder: Path, where: str, expected: str) -> dict:
+    """``folder``'s ``config.json`` as a dict, for a folder that must hold it and weight files (a
+    drafter's checkpoint); one-line errors name ``where`` and, for a folder without them, what it
+    was ``expected`` to hold and what it holds."""
+    if not (folder / CONFIG_FILE).is_file() or not weight_files(folder):
+        found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "no such folder"
+        raise ValueError(f"{where}: expected {expected}, found {found}")
+    try:
+        raw = json.loads((folder / CONFIG_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: {CONFIG_FILE} is not a JSON object")
+    return raw
+
+
 def weight_files(path: Path) -> list[Path]:
     """The weight files of a checkpoint folder, in the order they are read (may be empty)."""
     for index in (SAFETENSORS_INDEX, BIN_INDEX):
