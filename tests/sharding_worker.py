@@ -113,7 +113,7 @@ def drafter_report(root: Path, target, draft) -> dict:
         model = draft_model(target, drafter_arg(name, root, draft))
         return sharding.place_model_params(model, mesh)
 
-    mine, quantized, learned = map(placed, ("self:1", "quant:int8", "eagle3"))
+    mine, quantized, learned, blocked = map(placed, ("self:1", "quant:int8", "eagle3", "block"))
     up, down = quantized["layers"]["w_up"], quantized["layers"]["w_down"]
     report["drafter_specs"] = {
         "self/wq": _spec(mine["layers"]["wq"]),
@@ -123,6 +123,7 @@ def drafter_report(root: Path, target, draft) -> dict:
         "quant/w_down": _spec(down.qvalue),
         "quant/w_down.scale": _spec(down.scale),
         **{f"head/{w}": _spec(learned[w]) for w in ("wq", "w_down", "lm_head", "embed", "fc")},
+        **{f"block/{w}": _spec(blocked[w]) for w in ("wq", "w_down", "lm_head")},
     }
     return report
 

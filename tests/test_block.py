@@ -366,7 +366,7 @@ def test_bad_checkpoint_is_a_one_line_error(tiny, tmp_path, case, change, match)
 
 
 def test_bad_use_is_a_one_line_error(tiny):
-    """'block:' without a path, a draft longer than the block, draft_stop, and a mesh."""
+    """'block:' without a path, a draft longer than the block, and draft_stop."""
     calls = [
         (dict(draft="block:"), r"draft='block:': give the drafter's folder"),
         (
@@ -374,7 +374,6 @@ def test_bad_use_is_a_one_line_error(tiny):
             r"num_draft_tokens=4: the block drafter drafts at most 3",
         ),
         (dict(draft_stop="confidence:0.5"), r"draft_stop: the confidence stop is an option of"),
-        (dict(mesh=asps_jax.make_mesh("data=1")), r"a block drafter does not run on a mesh yet"),
     ]
     for kw, match in calls:
         kw = {"draft": tiny.spec, "method": "asps", **kw}

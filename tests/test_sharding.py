@@ -32,7 +32,7 @@ from asps_jax import footprint, sampler, sharding
 from asps_jax.controls import stopping
 from asps_jax.controls.processors import SamplingParams
 from asps_jax.controls.stopping import StopStrings
-from asps_jax.drafters import head
+from asps_jax.drafters import block, block_model, head
 from asps_jax.kv_cache import KVCache
 from asps_jax.models import LlamaConfig, llama
 
@@ -51,7 +51,7 @@ CLI_ARGS += ["--stop", "e", "--json"]
 
 # Every other drafter, and continuous batching, on one mesh: the one-device law holds for each.
 DRAFTER_MESH = "data=2,model=4"
-DRAFTERS = ("self:1", "quant:int8", "eagle3", "slots")
+DRAFTERS = ("self:1", "quant:int8", "eagle3", "block", "slots")
 HEAD_VOCAB = [0, 1, 2, 4, 5, 7, 9, 11]  # the head's draft vocabulary (8: split by model=4)
 
 
@@ -66,6 +66,8 @@ def drafter_arg(name: str, root, draft):
     """``draft=`` of a :data:`DRAFTERS` case (the head saved by the fixture under ``root``)."""
     if name == "eagle3":
         return head.PREFIX + str(root / "head")
+    if name == "block":
+        return block.PREFIX + str(root / "block")
     return draft if name == "slots" else name
 
 
@@ -74,6 +76,17 @@ def write_head(root, target) -> None:
     config = head.HeadConfig.for_target(target.config, len(HEAD_VOCAB))
     params = head.init_params(config, jax.random.key(5), target.params["embed"], HEAD_VOCAB, 0.5)
     head.save_head(root / "head", config, params)
+
+
+def write_block(root, target) -> None:
+    """A random block drafter (blocks of 3: the 2 draft tokens and its anchor) on ``target``'s
+    features, on the head's draft vocabulary, saved where :func:`drafter_arg` reads it."""
+    config = block_model.BlockConfig.for_target(
+        target.config, draft_vocab_size=len(HEAD_VOCAB), block_size=3
+    )
+    embed = target.params["embed"]
+    params = block_model.init_params(config, jax.random.key(6), embed, HEAD_VOCAB, 0.5)
+    block_model.save(root / "block", config, params)
 
 
 def drafter_runs(root, target, draft) -> dict:
@@ -153,6 +166,7 @@ def runs(tmp_path_factory):
     _write_llama(root / "draft", 1, noise_from=_write_llama(root / "target", 0))
     target = asps_jax.load_model(str(root / "target"))
     write_head(root, target)
+    write_block(root, target)
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
     env["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=8")
     worker = subprocess.Popen(
@@ -222,9 +236,9 @@ def test_cli_mesh_flag_gives_the_same_tokens(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_every_drafter_and_slots_give_the_one_device_tokens_on_a_mesh(runs, name):
-    """self:L, quant:int8, a learned head and continuous batching (streamed step by step through
-    a Session on the mesh, sampled in one call on one device) on data=2,model=4: the greedy row's
-    tokens and the sampled rows' draws for the same keys are the one device's."""
+    """self:L, quant:int8, a learned head, a block drafter and continuous batching (streamed step
+    by step through a Session on the mesh, sampled in one call on one device) on data=2,model=4:
+    the greedy row's tokens and the sampled rows' draws for the same keys are the one device's."""
     local, report = runs
     ours = local["drafters"][name]
     assert report[f"drafters/{name}"] == ours
@@ -238,7 +252,8 @@ def test_drafters_parameters_are_split_along_model(runs):
     """On data=2,model=4 the drafters' weights are split like the target's: the self-draft's
     are the target's placed ones (its first layer), a quantized matrix's integer values and
     per-channel scales by the same axes (a scale's input axis of size 1 whole), the head's
-    projections by heads / MLP width and its head and embedding by the vocabulary."""
+    projections by heads / MLP width and its head and embedding by the vocabulary, the block
+    drafter's stacked layers the same way (the layer axis whole)."""
     _, report = runs
     assert report["drafter_specs"] == {
         "self/wq": [None, None, "model", None],
@@ -252,6 +267,9 @@ def test_drafters_parameters_are_split_along_model(runs):
         "head/lm_head": ["model", None],
         "head/embed": ["model", None],
         "head/fc": [None, None],
+        "block/wq": [None, "model", None],
+        "block/w_down": [None, None, "model"],
+        "block/lm_head": ["model", None],
     }
 
 

@@ -264,8 +264,6 @@ def block_for(target, spec: str) -> Block:
 
 def drafter(block: Block, target, *, mesh=None, confidence_stop: bool = False) -> BlockDrafter:
     """The drafter of a loaded block model, checked against ``target``."""
-    if mesh is not None:
-        raise ValueError(f"draft={block.name!r}: a block drafter does not run on a mesh yet")
     if confidence_stop:
         raise ValueError("draft_stop: the confidence stop is an option of a draft model's rollout")
     bm.check_matches(block.config, target, f"draft={block.name!r}")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 from pathlib import Path
 
 import jax
@@ -37,8 +36,9 @@ import numpy as np
 
 from asps_jax import kv_cache
 from asps_jax.models import loader
+from asps_jax.models.eagle3 import AXES as HEAD_AXES
 from asps_jax.models.eagle3 import check_matches as head_check
-from asps_jax.models.eagle3 import default_feature_layers, random_params
+from asps_jax.models.eagle3 import default_feature_layers, drafter_family, random_params
 from asps_jax.models.eagle3 import trainable as trainable  # the same learned subset
 from asps_jax.models.layers import rms_norm
 from asps_jax.models.rope import RopeScaling, apply_rope, rope_tables
@@ -306,8 +306,17 @@ def forward(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, last_BAE,
     return logits.astype(jnp.float32)
 
 
+# Logical axes (a mesh places the drafter's parameters like the head's): a layer tensor's are the
+# head's with its stacked layer axis first, whole on every chip.
+AXES = {
+    **HEAD_AXES,
+    **{name: (None, *HEAD_AXES[name]) for name in LAYER_TENSORS},
+    "embed_norm": ("embed",),
+    "mask_embed": (None, "embed"),
+}
+
 # The family the models' helpers look up (``models.base.family_for_config``): no run layout.
-BlockConfig.FAMILY = types.SimpleNamespace(forward=forward)
+BlockConfig.FAMILY = drafter_family(forward, param_shapes, AXES)
 
 
 # --- Checkpoints ------------------------------------------------------------------------------

@@ -284,23 +284,24 @@ AXES = {
 }
 
 
-def _family(forward, shapes_of):
-    """The namespace ``models.base.family_for_config`` finds for a head's config: its
-    ``forward``, and ``param_shapes(c)``, ``{name: (shape, logical axes)}`` of every parameter
-    (``shapes_of(c)``: the learned ones' shapes) with the embedding and the vocabulary map, which
+def drafter_family(forward, shapes_of, axes=AXES):
+    """The namespace ``models.base.family_for_config`` finds for a learned drafter's config (the
+    head's; the block drafter's): its ``forward``, and ``param_shapes(c)``, ``{name: (shape,
+    logical axes)}`` of every parameter (``shapes_of(c)``: the learned ones' shapes; ``axes``:
+    each one's logical axes) with the target's embedding and the vocabulary map, which
     ``sharding.shard_params`` reads. No run layout (no ``prepare_params``)."""
 
     def param_shapes(c) -> dict:
         shapes = dict(
             shapes_of(c), embed=(c.vocab_size, c.target_hidden_size), d2t=(c.draft_vocab_size,)
         )
-        return {name: (shape, AXES[name]) for name, shape in shapes.items()}
+        return {name: (shape, axes[name]) for name, shape in shapes.items()}
 
     return types.SimpleNamespace(forward=forward, param_shapes=param_shapes)
 
 
 # The family the models' helpers look up (``models.base.family_for_config``): no run layout.
-HeadConfig.FAMILY = _family(forward, param_shapes)
+HeadConfig.FAMILY = drafter_family(forward, param_shapes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -425,6 +426,7 @@ def save_head(path, config: HeadConfig, params: dict, *, embed: bool = False) ->
 __all__ = [
     "ARCHITECTURE",
     "AXES",
+    "drafter_family",
     "CONFIG_FILE",
     "PREFIX",
     "TENSORS",
