@@ -34,6 +34,7 @@ from tunix.rl.rollout import base_rollout, vanilla_rollout  # noqa: E402
 
 from asps_jax import compile_cache  # noqa: E402
 from asps_jax.controls.sampling import Sampling  # noqa: E402
+from asps_jax.drafters import block, block_model  # noqa: E402
 from asps_jax.integrations.tunix import AspsRollout, AspsSampler, asps_model  # noqa: E402
 
 # 16 tokens: unk 0, bos 1, eos 2, which is also the pad id (as for Llama 3's tokenizers): tunix's
@@ -119,6 +120,18 @@ def ours(model, tok):
 @pytest.fixture(scope="module")
 def native(model, tok):
     return _native(model, tok)
+
+
+@pytest.fixture(scope="module")
+def block_draft(model, tmp_path_factory):
+    """``draft=`` naming a random block drafter (blocks of 3) written for ``model``'s features."""
+    target = asps_model(model)
+    config = block_model.BlockConfig.for_target(target.config, block_size=3)
+    d2t = list(range(config.vocab_size))
+    params = block_model.init_params(config, jax.random.key(3), target.params["embed"], d2t, 0.5)
+    path = tmp_path_factory.mktemp("block") / "drafter"
+    block_model.save(path, config, params)
+    return block.PREFIX + str(path)
 
 
 def _one_line(excinfo) -> str:
@@ -289,13 +302,16 @@ def test_logprobs_and_logits_equal_tunix_forward(ours, model, tok):
 # --- (e) new weights: new outputs, no new program ----------------------------------------------
 
 
-@pytest.mark.parametrize("draft", ["self:1", "quant:int8"])
-def test_update_params_changes_outputs_without_compiling(model, tok, native, draft):
+@pytest.mark.parametrize("draft", ["self:1", "quant:int8", "block"])
+def test_update_params_changes_outputs_without_compiling(model, tok, native, draft, request):
     """Two weight versions, one assigned to the module in place (what an optimizer step does),
     one by ``update_params``: our greedy outputs and logprobs are the native sampler's on those
     weights, and no XLA program is built (after a first call of each shape). The drafts follow
     the weights: ``self:1`` reads them, ``quant:int8`` is re-quantized from them (its quantizing
-    programs are compiled once per matrix shape)."""
+    programs are compiled once per matrix shape), a block drafter reads their features with its
+    own weights."""
+    if draft == "block":
+        draft = request.getfixturevalue("block_draft")
     live = _llama(seed=1)  # this test's own copy: it is updated in place
     sampler = AspsSampler(live, tok, draft, **OPTIONS)
     call = dict(max_generation_steps=10, return_logprobs=True)
