@@ -290,8 +290,8 @@ class Control:
         VALUE".
       role: "filter": a filter of :func:`process_logits`, compiled only when the call gives it
         (:attr:`SamplingParams.filters`); "penalty": a path-dependent penalty of
-        :mod:`asps_jax.penalties` (:attr:`SamplingParams.penalized`); "limit": a length control
-        (:attr:`SamplingParams.limited`); "" for the rest.
+        :mod:`asps_jax.controls.penalties` (:attr:`SamplingParams.penalized`); "limit": a length
+        control (:attr:`SamplingParams.limited`); "" for the rest.
     """
 
     name: str
