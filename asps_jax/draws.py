@@ -185,14 +185,16 @@ def _draw_one(key: jax.Array, weights_V: jax.Array) -> jax.Array:
     total = blocks[1][:, -1]
     has_mass = jnp.any(total > 0)
 
-    def redraw(state):
+    def draw(state):  # the i-th draw: one copy of the key derivation in the program
         i, _ = state
-        return i + 1, uniform_digits(jax.random.fold_in(key, i + 1))
+        return i + 1, uniform_digits(jax.random.fold_in(key, i))
 
-    def rejected(state):
-        return has_mass & ~_less_equal(state[1], total, strict=True)
+    def again(state):  # the first draw, then again while it falls past the total
+        i, r = state
+        return (i == 0) | (has_mass & ~_less_equal(r, total, strict=True))
 
-    _, r = jax.lax.while_loop(rejected, redraw, (0, uniform_digits(jax.random.fold_in(key, 0))))
+    first = jnp.zeros((NUM_DIGITS,), jnp.int32)
+    _, r = jax.lax.while_loop(again, draw, (0, first))
     return jnp.where(has_mass, index_from_blocks(blocks, r), 0).astype(jnp.int32)
 
 
