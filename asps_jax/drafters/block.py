@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax import footprint, kv_cache
+from asps_jax.drafters import block_layouts
 from asps_jax.drafters import block_model as bm
 from asps_jax.drafters.base import Drafter, Proposal, load_named
 from asps_jax.drafters.model import rollout_proposal
@@ -233,6 +234,11 @@ def load_block(path, target, *, dtype=jnp.float32) -> Block:
     weights in ``dtype`` (float32: it is small, and XLA:CPU has no bfloat16 dot of its shapes)."""
     folder = Path(path)
     where = f"draft={PREFIX}{path}"
+    published = block_layouts.read(folder, target, np.dtype(dtype), where)
+    if published is not None:  # the DFlash layout (drafters/block_layouts.py)
+        c, params = published
+        return Block(name=f"{PREFIX}{path}", path=str(folder), config=c, params=params,
+                     tokenizer=target.tokenizer)  # fmt: skip
     c = bm.read_config(folder, target.config, where)
     bm.check_matches(c, target, where)
     want = np.dtype(dtype)

@@ -54,7 +54,10 @@ class BlockConfig:
     ``hidden_size`` E, heads and MLP are the drafter's layers' (by default the target's);
     ``num_hidden_layers`` its decoder layers; ``target_hidden_size`` the target's (``fc`` maps
     ``len(feature_layers) * target_hidden_size`` to E); ``vocab_size`` V the target's and
-    ``draft_vocab_size`` V_d its own; ``block_size`` N the positions one forward drafts.
+    ``draft_vocab_size`` V_d its own; ``block_size`` N the positions one forward drafts;
+    ``variant`` "asps" (ours) or "dflash" (DFlash's layers: each block entry its raw embedding,
+    no ``embed_norm`` and no context vector added; per-head RMS norms ``q_norm`` / ``k_norm`` on
+    queries and keys before RoPE, context keys included: :mod:`asps_jax.drafters.block_layouts`).
     """
 
     hidden_size: int
@@ -68,6 +71,7 @@ class BlockConfig:
     target_hidden_size: int
     feature_layers: tuple[int, ...]
     block_size: int
+    variant: str = "asps"  # or "dflash": DFlash's layer math (block_layouts.py)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -110,6 +114,7 @@ class BlockConfig:
         try:
             heads, hidden = int(d["num_attention_heads"]), int(d["hidden_size"])
             block = d["block_config"]
+            variant = block.get("variant", "asps")
             ids = block.get("target_layer_ids")
             layers = ids or default_feature_layers(target_config.num_hidden_layers)
             max_pos = int(d.get("max_position_embeddings", 2048))
@@ -126,6 +131,7 @@ class BlockConfig:
                 target_hidden_size=int(d.get("target_hidden_size") or hidden),
                 feature_layers=tuple(int(i) for i in layers),
                 block_size=int(block["block_size"]),
+                variant=variant,
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(d.get("rope_theta", 10000.0)),
                 rope_scaling=RopeScaling.from_hf(rope, max_pos),
@@ -135,6 +141,10 @@ class BlockConfig:
             raise ValueError(f"{where}: not a valid block drafter config ({e!r})") from None
         if config.block_size < 1 or config.num_hidden_layers < 1:
             raise ValueError(f"{where}: block_size and num_hidden_layers must be >= 1")
+        if config.variant not in VARIANTS:
+            raise ValueError(
+                f"{where}: block_config.variant {config.variant!r} is not one of {list(VARIANTS)}"
+            )
         return config
 
     def to_hf(self) -> dict:
@@ -160,6 +170,7 @@ class BlockConfig:
             "block_config": {
                 "block_size": self.block_size,
                 "target_layer_ids": list(self.feature_layers),
+                **({"variant": self.variant} if self.variant != "asps" else {}),
             },
         }
 
@@ -177,6 +188,11 @@ LAYER_TENSORS = {  # ours (stacked over layers) -> Hugging Face's Llama name und
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
 }
+QK_NORMS = {  # the "dflash" variant's per-head norms (Qwen3's), under layers.{i}.
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+}
+VARIANTS = ("asps", "dflash")
 TENSORS = {
     "fc": "fc.weight",
     "hidden_norm": "hidden_norm.weight",
@@ -189,6 +205,13 @@ TENSORS = {
 
 def param_shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
     """The shape of every learned parameter (layer ones stacked ``[L, ...]``)."""
+    shapes = _shapes(c)
+    if c.variant == "dflash":  # the block entries are raw embeddings
+        del shapes["embed_norm"]
+    return shapes
+
+
+def _shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
     E, F, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     return {
@@ -207,7 +230,20 @@ def param_shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
         "w_down": (L, E, F),
         "norm": (E,),
         "lm_head": (c.draft_vocab_size, E),
+        **_variant_shapes(c),
     }
+
+
+def _variant_shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
+    """The "dflash" variant's per-head norms ``[L, H]`` (none for ours)."""
+    if c.variant != "dflash":
+        return {}
+    return {name: (c.num_hidden_layers, c.head_dim) for name in QK_NORMS}
+
+
+def layer_names(c: BlockConfig) -> dict[str, str]:
+    """Our stacked layer tensors -> their Hugging Face names under ``layers.{i}.``."""
+    return {**LAYER_TENSORS, **(QK_NORMS if c.variant == "dflash" else {})}
 
 
 def init_params(c: BlockConfig, key, embed, d2t, std: float = 0.02, dtype=jnp.float32) -> dict:
@@ -239,9 +275,17 @@ def context_kv(c: BlockConfig, params: dict, features_BSF, positions_BS) -> kv_c
     keys, values = [], []
     for layer in range(c.num_hidden_layers):
         k = jnp.einsum("bse,oe->bso", ctx, params["wk"][layer]).reshape(shape)
-        keys.append(apply_rope(k, cos, sin))
+        keys.append(apply_rope(_head_norm(c, params, "k_norm", layer, k), cos, sin))
         values.append(jnp.einsum("bse,oe->bso", ctx, params["wv"][layer]).reshape(shape))
     return kv_cache.KVBlock(k=jnp.stack(keys), v=jnp.stack(values))
+
+
+def _head_norm(c: BlockConfig, params: dict, name: str, layer: int, x):
+    """The "dflash" variant's per-head RMS norm ``name`` of layer ``layer`` on queries / keys
+    ``[..., heads, H]`` (before RoPE, as Qwen3's); ``x`` itself for ours."""
+    if c.variant != "dflash":
+        return x
+    return rms_norm(x, params[name][layer], c.rms_norm_eps)
 
 
 def _attend(q, k, v, ctx_k, ctx_v, ctx_valid_BAS, scale: float):
@@ -277,7 +321,8 @@ def forward(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, last_BAE,
     first = params["embed"][tokens_BA].astype(dtype)[:, :, None]
     masks = jnp.broadcast_to(params["mask_embed"].astype(dtype), (B, A, N, E))
     x = jnp.concatenate([first, masks], axis=2)  # [B, A, T = N + 1, E]
-    x = rms_norm(x, params["embed_norm"], eps) + last_BAE.astype(dtype)[:, :, None, :]
+    if c.variant == "asps":  # DFlash's entries are the raw embeddings
+        x = rms_norm(x, params["embed_norm"], eps) + last_BAE.astype(dtype)[:, :, None, :]
     T = N + 1
     positions = positions_BA[:, :, None] + jnp.arange(T, dtype=jnp.int32)[None, None, :]
     cos, sin = rope_tables(
@@ -293,7 +338,8 @@ def forward(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, last_BAE,
     for layer in range(c.num_hidden_layers):
         p = {name: params[name][layer] for name in LAYER_TENSORS}
         h = rms_norm(x, p["input_norm"], eps)
-        q, k = rope(heads(h, p["wq"], NH)), rope(heads(h, p["wk"], KVH))
+        q = rope(_head_norm(c, params, "q_norm", layer, heads(h, p["wq"], NH)))
+        k = rope(_head_norm(c, params, "k_norm", layer, heads(h, p["wk"], KVH)))
         v = heads(h, p["wv"], KVH)
         attn = _attend(q, k, v, ctx_k[layer], ctx_v[layer], ctx_valid_BAS, H**-0.5)
         x = x + jnp.einsum("bati,oi->bato", attn, p["wo"])
@@ -313,6 +359,7 @@ AXES = {
     **{name: (None, *HEAD_AXES[name]) for name in LAYER_TENSORS},
     "embed_norm": ("embed",),
     "mask_embed": (None, "embed"),
+    **{name: (None, None) for name in QK_NORMS},
 }
 
 # The family the models' helpers look up (``models.base.family_for_config``): no run layout.
@@ -324,9 +371,10 @@ BlockConfig.FAMILY = drafter_family(forward, param_shapes, AXES)
 
 def tensor_names(c: BlockConfig) -> dict[tuple[str, int | None], str]:
     """``(our name, layer or None) -> the checkpoint's tensor name``."""
-    names = {(ours, None): theirs for ours, theirs in TENSORS.items()}
+    shapes = param_shapes(c)
+    names = {(ours, None): theirs for ours, theirs in TENSORS.items() if ours in shapes}
     for layer in range(c.num_hidden_layers):
-        for ours, theirs in LAYER_TENSORS.items():
+        for ours, theirs in layer_names(c).items():
             names[(ours, layer)] = f"layers.{layer}.{theirs}"
     return names
 

@@ -1,0 +1,346 @@
+"""Published block-drafter layouts (asps_jax/drafters/block_layouts.py): a DFlash-layout folder read
+through ``draft="block:PATH"`` and written back; P-EAGLE's and the DFlash options whose math is not
+ours refused in one line.
+
+The reference is a PyTorch DFlash drafter written here from the published architecture (z-lab's
+``DFlashDraftModel``: Qwen3 decoder layers whose queries come from the block and whose keys /
+values come from the fused target features followed by the block, per-head RMS norms on queries and
+keys before RoPE, no mask inside the block; the block is the target's embedding of the bonus token
+and of the mask token; the draft's ``norm`` then the target's ``lm_head``) on transformers' hidden
+states (``hidden_states[id + 1]`` for each ``target_layer_ids`` entry), not on asps_jax. The
+checkpoint is written by the test: the published tensor names and shapes, random weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import types
+
+import jax
+import numpy as np
+import pytest
+import torch
+from hf_checkpoints import write_tiny_llama
+from safetensors.numpy import load_file, save_file
+
+import asps_jax
+from asps_jax import decode, decode_state
+from asps_jax.drafters import block
+from asps_jax.drafters import block_layouts as layouts
+from asps_jax.drafters import block_model as bm
+from asps_jax.sampler import prepare
+
+VOCAB, E, HEADS, KV, H, F = 12, 16, 4, 2, 4, 24
+TARGET_IDS = [0, 1]  # DFlash's ids: the outputs of target layers 0 and 1 (ours: entering 1, 2)
+BLOCK = 4  # DFlash's block: the bonus token and 3 mask slots
+MASK = 11
+PROMPTS = [[1, 4, 2, 7, 3], [5, 9]]
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def _dflash_config(**change) -> dict:
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": E,
+        "intermediate_size": F,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "head_dim": H,
+        "num_hidden_layers": 2,
+        "num_target_layers": 3,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 64,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "layer_types": ["full_attention", "full_attention"],
+        "block_size": BLOCK,
+        "dflash_config": {
+            "block_size": BLOCK,
+            "mask_token_id": MASK,
+            "target_layer_ids": TARGET_IDS,
+        },
+    }
+    return {**config, **change}
+
+
+def _dflash_weights(seed: int) -> dict[str, np.ndarray]:
+    """The published tensors of a 2-layer DFlash drafter (random; norms around 1)."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, norm=False):
+        a = 1 + 0.3 * rng.standard_normal(shape) if norm else 0.5 * rng.standard_normal(shape)
+        return a.astype(np.float32)
+
+    t = {"fc.weight": w(E, len(TARGET_IDS) * E), "hidden_norm.weight": w(E, norm=True)}
+    for i in range(2):
+        p = f"layers.{i}."
+        t |= {
+            p + "input_layernorm.weight": w(E, norm=True),
+            p + "self_attn.q_proj.weight": w(HEADS * H, E),
+            p + "self_attn.k_proj.weight": w(KV * H, E),
+            p + "self_attn.v_proj.weight": w(KV * H, E),
+            p + "self_attn.o_proj.weight": w(E, HEADS * H),
+            p + "self_attn.q_norm.weight": w(H, norm=True),
+            p + "self_attn.k_norm.weight": w(H, norm=True),
+            p + "post_attention_layernorm.weight": w(E, norm=True),
+            p + "mlp.gate_proj.weight": w(F, E),
+            p + "mlp.up_proj.weight": w(F, E),
+            p + "mlp.down_proj.weight": w(E, F),
+        }
+    return t | {"norm.weight": w(E, norm=True)}
+
+
+def _write(folder, config: dict, weights: dict):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layouts")
+    hf = write_tiny_llama(
+        root / "target", seed=5, vocab_size=VOCAB, num_hidden_layers=3, initializer_range=0.5
+    )
+    weights = _dflash_weights(0)
+    folder = _write(root / "dflash", _dflash_config(), weights)
+    return types.SimpleNamespace(
+        hf=hf, target=asps_jax.load_model(str(root / "target")), folder=folder, weights=weights
+    )
+
+
+# --- The published math, in PyTorch ------------------------------------------------------------
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, positions):  # x [T, heads, H]; Hugging Face's rotate-half RoPE
+    inv = 1.0 / 10000.0 ** (torch.arange(0, H, 2, dtype=torch.float64) / H)
+    ang = positions[:, None].double() * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    rot = torch.cat([-x[..., H // 2 :], x[..., : H // 2]], -1)
+    return x * cos + rot * sin
+
+
+def dflash_logits(hf, weights: dict, text: list[int]) -> torch.Tensor:
+    """The DFlash drafter's logits ``[B - 1, V]`` after ``text`` (the last token the bonus one):
+    context = the committed positions' target features, block = bonus + mask tokens."""
+    w = {k: torch.from_numpy(v).double() for k, v in weights.items()}
+    with torch.no_grad():
+        hidden = hf(torch.tensor([text]), output_hidden_states=True).hidden_states
+        m = len(text) - 1
+        feats = torch.cat([hidden[i + 1][0, :m].double() for i in TARGET_IDS], -1)
+        ctx = _rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])
+        embed = hf.model.embed_tokens.weight.double()
+        x = embed[[text[-1]] + [MASK] * (BLOCK - 1)]
+        q_pos, k_pos = torch.arange(m, m + BLOCK), torch.arange(m + BLOCK)
+        for i in range(2):
+            p = {k.removeprefix(f"layers.{i}."): v for k, v in w.items()}
+            h = _rms(x, p["input_layernorm.weight"])
+            both = torch.cat([ctx, h])
+            q = _rms((h @ p["self_attn.q_proj.weight"].T).view(BLOCK, HEADS, H),
+                     p["self_attn.q_norm.weight"])  # fmt: skip
+            k = _rms((both @ p["self_attn.k_proj.weight"].T).view(-1, KV, H),
+                     p["self_attn.k_norm.weight"])  # fmt: skip
+            v = (both @ p["self_attn.v_proj.weight"].T).view(-1, KV, H)
+            q, k = _rope(q, q_pos), _rope(k, k_pos)
+            k, v = k.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
+            att = torch.softmax(torch.einsum("qnh,knh->nqk", q, k) * H**-0.5, -1)
+            o = torch.einsum("nqk,knh->qnh", att, v).reshape(BLOCK, HEADS * H)
+            x = x + o @ p["self_attn.o_proj.weight"].T
+            h = _rms(x, p["post_attention_layernorm.weight"])
+            gate = torch.nn.functional.silu(h @ p["mlp.gate_proj.weight"].T)
+            x = x + (gate * (h @ p["mlp.up_proj.weight"].T)) @ p["mlp.down_proj.weight"].T
+        return _rms(x, w["norm.weight"])[1:] @ hf.lm_head.weight.double().T
+
+
+# --- Reading ------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST)
+def _first_laws(dec, target_params, draft_params, sampling, prompts, lengths, keys):
+    """The first step's draft laws (log, every depth) after the prefill."""
+    state = decode_state.prefill(dec, target_params, draft_params, prompts, lengths, keys)
+    drafts = decode._draft(dec, draft_params, sampling, state)
+    return drafts.logprobs_BNV[:, dec.spec.tree.layout.chain_nodes]
+
+
+def test_dflash_folder_is_read_with_the_published_math(pair):
+    """``draft="block:PATH"`` on a DFlash folder: DFlash's sizes and layer ids mapped to ours, the
+    mask embeddings the mask token's target row, the target's head over its whole vocabulary;
+    the first step's draft laws (ragged prompts) are the PyTorch DFlash drafter's at T = 1."""
+    loaded = block.load_block(pair.folder, pair.target)
+    c = loaded.config
+    assert (c.variant, c.block_size, c.feature_layers) == ("dflash", BLOCK - 1, (1, 2))
+    embed = np.asarray(pair.target.params["embed"])
+    np.testing.assert_array_equal(np.asarray(loaded.params["mask_embed"]), embed[[MASK] * 3])
+    head = pair.hf.lm_head.weight.detach().numpy()
+    np.testing.assert_array_equal(np.asarray(loaded.params["lm_head"]), head)
+    call = prepare(
+        pair.target, block.PREFIX + str(pair.folder), PROMPTS, key=jax.random.key(0),
+        max_new_tokens=4, method="asps", num_draft_tokens=BLOCK - 1, eos_token_id=-1,
+    )  # fmt: skip
+    args = call.inputs.kwargs()
+    names = ("target_params", "draft_params", "sampling", "prompts_BP", "prompt_lengths_B")
+    laws = np.asarray(_first_laws(call.decoder, *(args[k] for k in names), args["row_keys_B"]))
+    for b, prompt in enumerate(PROMPTS):
+        want = torch.log_softmax(dflash_logits(pair.hf, pair.weights, prompt), -1).numpy()
+        np.testing.assert_allclose(laws[b, 0], want, atol=2e-5, err_msg=str(b))
+    assert np.abs(np.exp(laws) - 1 / VOCAB).max() > 0.3  # peaked: the test can see a difference
+
+
+def test_dflash_round_trip(pair, tmp_path):
+    """load -> to_dflash writes the folder's tensors back bit for bit with the same DFlash config
+    fields; loading that gives the same parameters; our own layout holds the variant too."""
+    loaded = block.load_block(pair.folder, pair.target)
+    out = layouts.save(tmp_path / "out", loaded.config, loaded.params, layout="dflash",
+                       target=pair.target)  # fmt: skip
+    written = load_file(out / "model.safetensors")
+    assert sorted(written) == sorted(pair.weights)
+    for name, value in pair.weights.items():
+        np.testing.assert_array_equal(written[name], value, name)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dflash_config"] == _dflash_config()["dflash_config"]
+    assert config["architectures"] == ["DFlashDraftModel"] and config["num_target_layers"] == 3
+    for folder in (out, bm.save(tmp_path / "ours", loaded.config, loaded.params)):
+        again = block.load_block(folder, pair.target)
+        assert again.config == loaded.config
+        for name, value in loaded.params.items():
+            np.testing.assert_array_equal(np.asarray(again.params[name]), np.asarray(value), name)
+
+
+@pytest.mark.slow
+def test_dflash_drafter_samples(pair):
+    """A DFlash-layout drafter runs ``sample`` with ASpS at T = 1: full-length, in-vocabulary
+    tokens, and some drafts accepted."""
+    out = asps_jax.sample(
+        pair.target, block.PREFIX + str(pair.folder), PROMPTS * 8, seed=3, max_new_tokens=8,
+        method="asps", num_draft_tokens=BLOCK - 1, eos_token_id=-1,
+    )  # fmt: skip
+    tokens = np.asarray(out.tokens)
+    assert np.all(np.asarray(out.lengths) == 8) and tokens.min() >= 0 and tokens.max() < VOCAB
+    steps = np.asarray(out.stats["tokens_per_step"])
+    assert np.all(np.isfinite(steps)) and steps.mean() > 1.0
+
+
+# --- Refusals -----------------------------------------------------------------------------------
+
+DF = _dflash_config()["dflash_config"]
+BAD = [
+    (
+        "p_eagle",
+        dict(
+            config={
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "parallel_drafting": True,
+                "pard_token": MASK,
+            }
+        ),  # fmt: skip
+        "a P-EAGLE checkpoint .* cannot be read as a block drafter: its layer attends causally",
+    ),
+    (
+        "speculators_peagle",
+        dict(
+            config={"speculators_model_type": "peagle", "architectures": ["PeagleLlamaForCausalLM"]}
+        ),
+        "a P-EAGLE checkpoint",
+    ),
+    (
+        "dflash2",
+        dict(config={"architectures": ["DFlash2DraftModel"]}),
+        r"unsupported DFlash family \(architectures \['DFlash2DraftModel'\]\)",
+    ),
+    ("causal", dict(config={"is_causal": True}), "a causal block"),
+    (
+        "sliding",
+        dict(config={"layer_types": ["sliding_attention"] * 2}),
+        r"a causal block \(is_causal / layer_types \['sliding_attention'\]\)",
+    ),
+    ("bias", dict(config={"attention_bias": True}), "attention_bias is true"),
+    (
+        "embed_scale",
+        dict(config={"dflash_config": {**DF, "input_embedding_scale": 2.0}}),
+        "input_embedding_scale 2.0; only 1.0",
+    ),
+    (
+        "softcap",
+        dict(config={"dflash_config": {**DF, "final_logit_softcapping": 20.0}}),
+        "final_logit_softcapping 20.0",
+    ),
+    (
+        "no_mask",
+        dict(config={"dflash_config": {"block_size": 4, "target_layer_ids": TARGET_IDS}}),
+        "not a valid DFlash config .*mask_token_id",
+    ),
+    (
+        "mask_outside",
+        dict(config={"dflash_config": {**DF, "mask_token_id": VOCAB}}),
+        r"mask_token_id 12 is outside \[0, 12\)",
+    ),
+    (
+        "last_layer",
+        dict(config={"dflash_config": {**DF, "target_layer_ids": [0, 2]}}),
+        r"target_layer_ids \[0, 2\] must be in \[0, 2\) for a target of 3 layers",
+    ),
+    (
+        "missing_tensor",
+        dict(drop=("layers.1.self_attn.k_norm.weight",)),
+        "the weights lack tensor 'layers.1.self_attn.k_norm.weight'",
+    ),
+    (
+        "shape",
+        dict(tensors={"fc.weight": np.zeros((E, 3 * E), np.float32)}),
+        r"tensor 'fc.weight' is float32 of shape \[16, 48\], the config says floats of shape",
+    ),
+    (
+        "width",
+        dict(config={"hidden_size": 32}),
+        "reads features of width 32, the target .* has hidden size 16",
+    ),
+]
+
+
+@pytest.mark.parametrize("case, change, match", BAD, ids=[c[0] for c in BAD])
+def test_unmappable_checkpoint_is_a_one_line_error(pair, tmp_path, case, change, match):
+    """A published checkpoint whose architecture is not ours, or a broken DFlash one: one line
+    naming the folder, before anything runs."""
+    folder = tmp_path / "bad"
+    shutil.copytree(pair.folder, folder)
+    config = {**_dflash_config(), **change.get("config", {})}
+    weights = {**pair.weights, **change.get("tensors", {})}
+    weights = {k: v for k, v in weights.items() if k not in change.get("drop", ())}
+    _write(folder, config, weights)
+    with pytest.raises(ValueError, match=match) as err:
+        asps_jax.sample(pair.target, block.PREFIX + str(folder), [[1]], seed=0, max_new_tokens=2)
+    assert "\n" not in str(err.value) and str(folder) in str(err.value)
+
+
+def test_unwritable_drafter_is_a_one_line_error(pair, tmp_path):
+    """Writing what the DFlash layout cannot hold (our variant, another head, mask embeddings
+    that are not one token's, a draft vocabulary) or P-EAGLE: one line, nothing written."""
+    loaded = block.load_block(pair.folder, pair.target)
+    c, p = loaded.config, loaded.params
+    ours = bm.BlockConfig.for_target(pair.target.config, layers=(1, 2), block_size=3)
+    ours_params = bm.init_params(ours, jax.random.key(0), p["embed"], np.arange(VOCAB))
+    masks = np.asarray(p["mask_embed"]).copy()
+    masks[1] += 1.0
+    cases = [
+        (ours, ours_params, "dflash", "variant 'asps' .* holds variant 'dflash' only"),
+        (c, dict(p, lm_head=p["lm_head"] * 2), "dflash", "lm_head is not the target's output head"),
+        (c, dict(p, mask_embed=masks), "dflash", "not N copies of one target token's embedding"),
+        (c, p, "p-eagle", "cannot be written as P-EAGLE: its layer attends causally"),
+        (c, p, "medusa", r"layout='medusa': one of \['asps', 'dflash'\]"),
+    ]
+    for i, (config, params, layout, match) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        with pytest.raises(ValueError, match=match) as err:
+            layouts.save(out, config, params, layout=layout, target=pair.target)
+        assert "\n" not in str(err.value) and not out.exists(), layout
