@@ -217,6 +217,23 @@ def test_dflash_round_trip(pair, tmp_path):
             np.testing.assert_array_equal(np.asarray(again.params[name]), np.asarray(value), name)
 
 
+def test_dflash_bfloat16_weights(pair, tmp_path):
+    """Published DFlash weights are bfloat16 (written here by torch): read as their float values."""
+    from safetensors.torch import save_file as torch_save
+
+    folder = tmp_path / "bf16"
+    shutil.copytree(pair.folder, folder)
+    bf16 = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in pair.weights.items()}
+    torch_save(bf16, str(folder / "model.safetensors"))
+    loaded = block.load_block(folder, pair.target)
+    for i in range(2):
+        want = bf16[f"layers.{i}.self_attn.k_norm.weight"].float().numpy()
+        np.testing.assert_array_equal(np.asarray(loaded.params["k_norm"][i]), want)
+    np.testing.assert_array_equal(
+        np.asarray(loaded.params["fc"]), bf16["fc.weight"].float().numpy()
+    )
+
+
 @pytest.mark.slow
 def test_dflash_drafter_samples(pair):
     """A DFlash-layout drafter runs ``sample`` with ASpS at T = 1: full-length, in-vocabulary

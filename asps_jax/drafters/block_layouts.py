@@ -196,7 +196,7 @@ def _weights(folder: Path, c: bm.BlockConfig, where: str) -> dict[str, np.ndarra
         want = shapes[ours] if layer is None else shapes[ours][1:]
         if a is None:
             raise ValueError(f"{where}: the weights lack tensor {theirs!r}")
-        if tuple(a.shape) != want or a.dtype.kind != "f":
+        if tuple(a.shape) != want or (a.dtype.kind != "f" and str(a.dtype) != "bfloat16"):
             raise ValueError(
                 f"{where}: tensor {theirs!r} is {a.dtype} of shape {list(a.shape)}, the config "
                 f"says floats of shape {list(want)}"

@@ -20,8 +20,8 @@ Checkpoints: ``config.json`` (``"architectures": ["AspsBlockDrafter"]``, the Lla
 ``block_config``: ``block_size``, ``target_layer_ids``) and ``model.safetensors`` (``fc``,
 ``hidden_norm``, ``embed_norm``, ``mask_embedding``, ``layers.{i}.*`` in Hugging Face's Llama names,
 ``norm``, ``lm_head``, ``d2t`` offsets as EAGLE-3 writes them, ``t2d``; optionally ``embed_tokens``,
-else the target's embedding). docs/algorithms.md says how it differs from the DFlash and P-EAGLE
-layouts.
+else the target's embedding). The DFlash layout maps onto ``variant="dflash"`` (raw block
+embeddings, per-head q / k norms) and P-EAGLE's does not: :mod:`asps_jax.drafters.block_layouts`.
 """
 
 from __future__ import annotations
