@@ -9,6 +9,10 @@ keys before RoPE, no mask inside the block; the block is the target's embedding 
 and of the mask token; the draft's ``norm`` then the target's ``lm_head``) on transformers' hidden
 states (``hidden_states[id + 1]`` for each ``target_layer_ids`` entry), not on asps_jax. The
 checkpoint is written by the test: the published tensor names and shapes, random weights.
+
+P-EAGLE (an EAGLE-3 head with ``"parallel_drafting": true``, a pard token and ``mask_hidden``) is
+checked against tests/head_reference.py's float64 EAGLE-3 layer fed the pending entries and then
+n - 1 entries of the pard token with ``fc @ mask_hidden``, causally (vLLM's parallel drafting).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import shutil
 import types
 
+import head_reference
 import jax
 import numpy as np
 import pytest
@@ -27,7 +32,7 @@ from safetensors.numpy import load_file, save_file
 
 import asps_jax
 from asps_jax import decode, decode_state
-from asps_jax.drafters import block
+from asps_jax.drafters import block, peagle
 from asps_jax.drafters import block_layouts as layouts
 from asps_jax.drafters import block_model as bm
 from asps_jax.sampler import prepare
@@ -253,24 +258,6 @@ def test_dflash_drafter_samples(pair):
 DF = _dflash_config()["dflash_config"]
 BAD = [
     (
-        "p_eagle",
-        dict(
-            config={
-                "architectures": ["LlamaForCausalLMEagle3"],
-                "parallel_drafting": True,
-                "pard_token": MASK,
-            }
-        ),  # fmt: skip
-        "a P-EAGLE checkpoint .* cannot be read as a block drafter: its layer attends causally",
-    ),
-    (
-        "speculators_peagle",
-        dict(
-            config={"speculators_model_type": "peagle", "architectures": ["PeagleLlamaForCausalLM"]}
-        ),
-        "a P-EAGLE checkpoint",
-    ),
-    (
         "dflash2",
         dict(config={"architectures": ["DFlash2DraftModel"]}),
         r"unsupported DFlash family \(architectures \['DFlash2DraftModel'\]\)",
@@ -353,11 +340,164 @@ def test_unwritable_drafter_is_a_one_line_error(pair, tmp_path):
         (ours, ours_params, "dflash", "variant 'asps' .* holds variant 'dflash' only"),
         (c, dict(p, lm_head=p["lm_head"] * 2), "dflash", "lm_head is not the target's output head"),
         (c, dict(p, mask_embed=masks), "dflash", "not N copies of one target token's embedding"),
-        (c, p, "p-eagle", "cannot be written as P-EAGLE: its layer attends causally"),
-        (c, p, "medusa", r"layout='medusa': one of \['asps', 'dflash'\]"),
+        (c, p, "p-eagle", "a block drafter cannot be written in it: P-EAGLE's layer attends"),
+        (c, p, "medusa", r"layout='medusa': one of \['asps', 'dflash', 'p-eagle'\]"),
     ]
     for i, (config, params, layout, match) in enumerate(cases):
         out = tmp_path / f"out{i}"
         with pytest.raises(ValueError, match=match) as err:
             layouts.save(out, config, params, layout=layout, target=pair.target)
         assert "\n" not in str(err.value) and not out.exists(), layout
+
+
+# --- P-EAGLE ------------------------------------------------------------------------------------
+
+PARD, PEAGLE_N = 10, 3
+PEAGLE_LAYERS = [2, 1, 0]  # ours and EAGLE-3's ids: the streams entering these target layers
+PEAGLE_D2T = [0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11]  # every target token but 4
+
+
+def _peagle_folder(folder, seed: int = 1, **change):
+    """A P-EAGLE head in the EAGLE-3 layout, as vLLM reads it: random weights (norms around 1),
+    ``d2t`` offsets / ``t2d``, ``mask_hidden`` of shape [1, 1, F], and ``"parallel_drafting"``
+    with a pard token in config.json."""
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: (0.5 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+    norm = lambda: (1 + 0.3 * rng.standard_normal(E)).astype(np.float32)  # noqa: E731
+    m = "midlayer."
+    tensors = {
+        "fc.weight": w(E, 3 * E),
+        m + "input_layernorm.weight": norm(),
+        m + "hidden_norm.weight": norm(),
+        m + "self_attn.q_proj.weight": w(HEADS * H, 2 * E),
+        m + "self_attn.k_proj.weight": w(KV * H, 2 * E),
+        m + "self_attn.v_proj.weight": w(KV * H, 2 * E),
+        m + "self_attn.o_proj.weight": w(E, HEADS * H),
+        m + "post_attention_layernorm.weight": norm(),
+        m + "mlp.gate_proj.weight": w(F, E),
+        m + "mlp.up_proj.weight": w(F, E),
+        m + "mlp.down_proj.weight": w(E, F),
+        "norm.weight": norm(),
+        "lm_head.weight": w(len(PEAGLE_D2T), E),
+        "d2t": np.asarray(PEAGLE_D2T, np.int64) - np.arange(len(PEAGLE_D2T)),
+        "t2d": np.isin(np.arange(VOCAB), PEAGLE_D2T),
+        "mask_hidden": w(1, 1, 3 * E),
+    }
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": E,
+        "intermediate_size": F,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "head_dim": H,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "vocab_size": VOCAB,
+        "draft_vocab_size": len(PEAGLE_D2T),
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 64,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": PEAGLE_LAYERS},
+        "parallel_drafting": True,
+        "pard_token": PARD,
+        **change,
+    }
+    return _write(folder, config, tensors), tensors
+
+
+def peagle_laws(ref, tensors, hf, text, n: int) -> np.ndarray:
+    """P-EAGLE's n laws after ``text`` (its last token the bonus one): the pending entries, then
+    n - 1 pard entries with ``fc @ mask_hidden``, each law placed on the target's vocabulary."""
+    m = len(text) - 1
+    features = head_reference.hf_features(hf, text, PEAGLE_LAYERS)
+    hiddens = list(ref.fused(features[:m])) if m else [np.zeros(E)]
+    tokens = list(text[1:]) if m else list(text)
+    mask = ref.fused(tensors["mask_hidden"].reshape(1, -1))[0]
+    logits, _ = ref.entries(hiddens + [mask] * (n - 1), tokens + [PARD] * (n - 1))
+    last = len(hiddens) - 1
+    return np.stack([ref.law(row) for row in logits[last : last + n]])
+
+
+PEAGLE_PROMPTS = [[1, 4, 2, 7, 3], [5]]  # the one-token prompt: EAGLE-3's placeholder entry
+
+
+def test_peagle_folder_is_read_with_the_published_math(pair, tmp_path):
+    """``draft="block:PATH"`` on a P-EAGLE folder: an EAGLE-3 head drafting in parallel; the first
+    step's laws at every depth (ragged prompts, a one-token one) are the reference's, 0 at the
+    token outside the draft vocabulary."""
+    folder, tensors = _peagle_folder(tmp_path / "peagle")
+    loaded = block.load_block(folder, pair.target)
+    assert isinstance(loaded.config, peagle.PEagleConfig) and loaded.config.pard_token == PARD
+    call = prepare(
+        pair.target, block.PREFIX + str(folder), PEAGLE_PROMPTS, key=jax.random.key(0),
+        max_new_tokens=4, method="asps", num_draft_tokens=PEAGLE_N, eos_token_id=-1,
+    )  # fmt: skip
+    args = call.inputs.kwargs()
+    names = ("target_params", "draft_params", "sampling", "prompts_BP", "prompt_lengths_B")
+    laws = np.exp(_first_laws(call.decoder, *(args[k] for k in names), args["row_keys_B"]))
+    embed = pair.hf.model.embed_tokens.weight.detach().double().numpy()
+    ref = head_reference.Head(folder, embed)
+    for b, prompt in enumerate(PEAGLE_PROMPTS):
+        want = peagle_laws(ref, tensors, pair.hf, prompt, PEAGLE_N)
+        np.testing.assert_allclose(np.asarray(laws[b, 0]), want, atol=2e-5, err_msg=str(b))
+    assert np.all(np.asarray(laws)[..., 4] == 0) and np.abs(want - 1 / VOCAB).max() > 0.3
+
+
+def test_peagle_round_trip(pair, tmp_path):
+    """load -> save(layout="p-eagle") writes the head's tensors back (``mask_hidden`` flattened, as
+    vLLM reads it) with the P-EAGLE config fields; loading that gives the same parameters."""
+    folder, tensors = _peagle_folder(tmp_path / "peagle")
+    loaded = block.load_block(folder, pair.target)
+    out = layouts.save(tmp_path / "out", loaded.config, loaded.params, layout="p-eagle")
+    written = load_file(out / "model.safetensors")
+    assert sorted(written) == sorted(tensors)
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(written[name], value.reshape(written[name].shape), name)
+    config = json.loads((out / "config.json").read_text())
+    assert config["parallel_drafting"] is True and config["pard_token"] == PARD
+    again = block.load_block(out, pair.target)
+    assert again.config == loaded.config
+    for name, value in loaded.params.items():
+        np.testing.assert_array_equal(np.asarray(again.params[name]), np.asarray(value), name)
+
+
+@pytest.mark.slow
+def test_peagle_drafter_samples(pair, tmp_path):
+    """A P-EAGLE drafter runs ``sample`` with IS over K = 2 chains at T = 1: full-length,
+    in-vocabulary tokens."""
+    folder, _ = _peagle_folder(tmp_path / "peagle")
+    out = asps_jax.sample(
+        pair.target, block.PREFIX + str(folder), PEAGLE_PROMPTS * 8, seed=3, max_new_tokens=8,
+        method="is", num_drafts=2, num_draft_tokens=PEAGLE_N, eos_token_id=-1,
+    )  # fmt: skip
+    tokens = np.asarray(out.tokens)
+    assert np.all(np.asarray(out.lengths) == 8) and tokens.min() >= 0 and tokens.max() < VOCAB
+    assert np.all(np.isfinite(np.asarray(out.stats["tokens_per_step"])))
+
+
+BAD_PEAGLE = [
+    ("no_pard", dict(pard_token=None), r"needs 'pard_token' \(or 'ptd_token_id'\)"),
+    ("pard_outside", dict(pard_token=VOCAB), r"a token id in \[0, 12\), got 12"),
+    ("two_layers", dict(num_hidden_layers=2), "an EAGLE-3 head has one layer, got 2"),
+    ("speculators", dict(speculators_model_type="peagle"), "the speculators' P-EAGLE config"),
+]
+
+
+@pytest.mark.parametrize("case, change, match", BAD_PEAGLE, ids=[c[0] for c in BAD_PEAGLE])
+def test_bad_peagle_is_a_one_line_error(pair, tmp_path, case, change, match):
+    """A P-EAGLE folder that cannot be read: one line naming the folder."""
+    folder, _ = _peagle_folder(tmp_path / "bad", **change)
+    with pytest.raises(ValueError, match=match) as err:
+        asps_jax.sample(pair.target, block.PREFIX + str(folder), [[1]], seed=0, max_new_tokens=2)
+    assert "\n" not in str(err.value) and str(folder) in str(err.value)
+
+
+def test_missing_mask_hidden_is_a_one_line_error(pair, tmp_path):
+    folder, tensors = _peagle_folder(tmp_path / "bad")
+    save_file(
+        {k: v for k, v in tensors.items() if k != "mask_hidden"}, str(folder / "model.safetensors")
+    )
+    with pytest.raises(ValueError, match="tensor 'mask_hidden' is missing") as err:
+        block.load_block(folder, pair.target)
+    assert "\n" not in str(err.value)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax import footprint, kv_cache
-from asps_jax.drafters import block_layouts
+from asps_jax.drafters import block_layouts, peagle
 from asps_jax.drafters import block_model as bm
 from asps_jax.drafters.base import Drafter, Proposal, load_named
 from asps_jax.drafters.model import rollout_proposal
@@ -273,6 +273,8 @@ def drafter(block: Block, target, *, mesh=None, confidence_stop: bool = False) -
     if confidence_stop:
         raise ValueError("draft_stop: the confidence stop is an option of a draft model's rollout")
     bm.check_matches(block.config, target, f"draft={block.name!r}")
+    if isinstance(block.config, peagle.PEagleConfig):  # a P-EAGLE folder (block_layouts.py)
+        return peagle.PEagleDrafter(block.config, where=f"draft={block.name!r}")
     return BlockDrafter(block.config)
 
 

@@ -1,5 +1,7 @@
-"""Published block-drafter layouts for ``draft="block:PATH"``: the DFlash layout read and written,
-P-EAGLE's recognised and refused (docs/algorithms.md §12, "Published layouts").
+"""Published block-drafter layouts for ``draft="block:PATH"``: the DFlash layout read and written
+as the block drafter's ``"dflash"`` variant, P-EAGLE's as an EAGLE-3 head drafting in parallel
+(:mod:`asps_jax.drafters.peagle`); docs/algorithms.md §12, "Checkpoints and the published
+layouts".
 
 **DFlash** (z-lab's ``DFlashDraftModel``; vLLM, SGLang and tpu-inference read it): ``config.json``
 a Qwen3 config (``"architectures": ["DFlashDraftModel"]``) with ``num_target_layers`` and
@@ -24,10 +26,13 @@ last (normed) state. :func:`to_dflash` writes a ``"dflash"``-variant drafter bac
 (refusing one whose mask embeddings or output head are not the target's, or ours).
 
 **P-EAGLE** (an EAGLE-3 head with ``"parallel_drafting": true``, ``pard_token`` / ``ptd_token_id``
-and a learned ``mask_hidden`` feature; or the speculators' ``"peagle"`` config) is refused: its one
-layer runs every committed token's embedding with its features through a causal attention, and
-the deeper positions are the pard token with ``mask_hidden``; our context is features only,
-attended bidirectionally, so no mapping of its weights gives its laws.
+and a learned ``mask_hidden`` feature) is not a block drafter: its layer attends causally over
+every committed token's embedding with its features (EAGLE-3's context, not a features-only one).
+It is read as what it is, our EAGLE-3 head with one forward per step over the pending entries and
+n - 1 pard entries (:mod:`asps_jax.drafters.peagle`), and written back by :func:`save`
+(``layout="p-eagle"``); a block drafter is never written as P-EAGLE, nor a P-EAGLE head as DFlash.
+The speculators' ``"peagle"`` config (``transformer_layer_config``) and a head of several layers
+are refused.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ import jax
 import numpy as np
 
 from asps_jax.drafters import block_model as bm
+from asps_jax.drafters import peagle
 from asps_jax.models import loader
 from asps_jax.models.rope import RopeScaling
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
-LAYOUTS = ("asps", "dflash")  # what save() writes; "p-eagle" is refused
+LAYOUTS = ("asps", "dflash", "p-eagle")  # what save() writes
 # Fields of DFlash checkpoints that change the math in ways the block drafter does not implement.
 _DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
@@ -65,9 +71,9 @@ def layout_of(raw: dict) -> str:
 
 
 PEAGLE_DIFFERS = (
-    "its layer attends causally over every committed token's embedding with its features and "
-    "fills the deeper positions with a learned mask_hidden feature, where the block drafter's "
-    "context is the target's features alone, attended bidirectionally"
+    "P-EAGLE's layer attends causally over every committed token's embedding with its features "
+    "and fills the deeper positions with a learned mask_hidden feature, where the block "
+    "drafter's context is the target's features alone, attended bidirectionally"
 )
 
 
@@ -208,8 +214,9 @@ def _weights(folder: Path, c: bm.BlockConfig, where: str) -> dict[str, np.ndarra
 
 
 def read(folder, target, dtype, where: str):
-    """``(config, params)`` of a DFlash-layout folder for ``target`` (its embedding and output head
-    taken from the target), ``None`` for our own layout; a P-EAGLE folder or a DFlash one whose
+    """``(config, params)`` of a published-layout folder for ``target``: a DFlash one (its
+    embedding and output head taken from the target) or a P-EAGLE one
+    (:func:`asps_jax.drafters.peagle.read`); ``None`` for our own layout. A DFlash folder whose
     architecture differs from ours is a one-line error."""
     folder = Path(folder)
     expected = f"a block drafter folder with {bm.CONFIG_FILE} and {bm.WEIGHTS_FILE}"
@@ -217,11 +224,8 @@ def read(folder, target, dtype, where: str):
     layout = layout_of(raw)
     if layout == "asps":
         return None
-    if layout == "p-eagle":
-        raise ValueError(
-            f"{where}: {bm.CONFIG_FILE}: a P-EAGLE checkpoint (an EAGLE-3 head with parallel "
-            f"drafting) cannot be read as a block drafter: {PEAGLE_DIFFERS}"
-        )
+    if layout == "p-eagle":  # an EAGLE-3 head drafting in parallel (drafters/peagle.py)
+        return peagle.read(folder, raw, target, dtype, where)
     c, mask = dflash_config(raw, target.config, f"{where}: {bm.CONFIG_FILE}")
     bm.check_matches(c, target, where)
     params = _weights(folder, c, where)
@@ -288,10 +292,12 @@ def to_dflash(path, config: bm.BlockConfig, params: dict, target) -> Path:
     the target's, mask embeddings other than copies of one target token's, feature layer 0."""
     where = f"to_dflash({str(path)!r})"
     c = config
-    if c.variant != "dflash":
+    variant = getattr(c, "variant", "p-eagle")
+    if variant != "dflash":
         raise ValueError(
-            f"{where}: the drafter's layers are variant {c.variant!r} (embed_norm and the context "
-            "vector on the block, no q/k norms); the DFlash layout holds variant 'dflash' only"
+            f"{where}: the drafter's layers are variant {variant!r} (embed_norm "
+            "and the context vector on the block, no q/k norms); the DFlash layout holds variant "
+            "'dflash' only"
         )
     embed, head = np.asarray(target.params["embed"], np.float32), target_head(target)
     d2t = np.asarray(jax.device_get(params["d2t"]))
@@ -324,14 +330,21 @@ def to_dflash(path, config: bm.BlockConfig, params: dict, target) -> Path:
     return folder
 
 
-def save(path, config: bm.BlockConfig, params: dict, *, layout: str = "asps", target=None) -> Path:
-    """Write the drafter in ``layout``: "asps" (ours, :func:`block_model.save`) or "dflash"
-    (:func:`to_dflash`, needs ``target``); "p-eagle" is refused (its architecture is not ours)."""
-    if layout == "p-eagle":
-        raise ValueError(f"layout='p-eagle': a block drafter cannot be written as P-EAGLE: "
-                         f"{PEAGLE_DIFFERS}")  # fmt: skip
+def save(path, config, params: dict, *, layout: str = "asps", target=None) -> Path:
+    """Write the drafter in ``layout``: "asps" (ours, :func:`block_model.save`), "dflash"
+    (:func:`to_dflash`, needs ``target``) or "p-eagle" (a P-EAGLE head's own layout,
+    :func:`asps_jax.drafters.peagle.save`; a block drafter is refused: its architecture is not
+    P-EAGLE's)."""
     if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: one of {list(LAYOUTS)} ('p-eagle' is not ours)")
+        raise ValueError(f"layout={layout!r}: one of {list(LAYOUTS)}")
+    if isinstance(config, peagle.PEagleConfig) != (layout == "p-eagle"):
+        kind = "a P-EAGLE head" if isinstance(config, peagle.PEagleConfig) else "a block drafter"
+        raise ValueError(
+            f"layout={layout!r}: {kind} cannot be written in it"
+            + (f": {PEAGLE_DIFFERS}" if layout == "p-eagle" else "")
+        )
+    if layout == "p-eagle":
+        return peagle.save(path, config, params)
     if layout == "asps":
         return bm.save(path, config, params)
     if target is None:
