@@ -503,3 +503,18 @@ def test_missing_mask_hidden_is_a_one_line_error(pair, tmp_path):
     with pytest.raises(ValueError, match="tensor 'mask_hidden' is missing") as err:
         block.load_block(folder, pair.target)
     assert "\n" not in str(err.value)
+
+
+def test_published_drafters_place_on_a_mesh(pair, tmp_path):
+    """Every parameter of a DFlash-layout and a P-EAGLE drafter has its logical axes (what
+    ``shard_params`` reads): on a data=2, model=4 mesh a chip holds less than the whole."""
+    from asps_jax import sharding
+
+    folder, _ = _peagle_folder(tmp_path / "peagle")
+    for loaded in (
+        block.load_block(pair.folder, pair.target),
+        block.load_block(folder, pair.target),
+    ):
+        whole = sum(a.size * a.dtype.itemsize for a in loaded.params.values())
+        per_chip = sharding.chip_bytes(loaded.params, loaded.config, {"data": 2, "model": 4})
+        assert 0 < per_chip < whole, type(loaded.config).__name__
