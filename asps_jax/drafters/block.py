@@ -235,7 +235,7 @@ def load_block(path, target, *, dtype=jnp.float32) -> Block:
     folder = Path(path)
     where = f"draft={PREFIX}{path}"
     published = block_layouts.read(folder, target, np.dtype(dtype), where)
-    if published is not None:  # the DFlash layout (drafters/block_layouts.py)
+    if published is not None:  # a DFlash or P-EAGLE folder (drafters/block_layouts.py)
         c, params = published
         return Block(name=f"{PREFIX}{path}", path=str(folder), config=c, params=params,
                      tokenizer=target.tokenizer)  # fmt: skip

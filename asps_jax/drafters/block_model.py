@@ -21,7 +21,8 @@ Checkpoints: ``config.json`` (``"architectures": ["AspsBlockDrafter"]``, the Lla
 ``hidden_norm``, ``embed_norm``, ``mask_embedding``, ``layers.{i}.*`` in Hugging Face's Llama names,
 ``norm``, ``lm_head``, ``d2t`` offsets as EAGLE-3 writes them, ``t2d``; optionally ``embed_tokens``,
 else the target's embedding). The DFlash layout maps onto ``variant="dflash"`` (raw block
-embeddings, per-head q / k norms) and P-EAGLE's does not: :mod:`asps_jax.drafters.block_layouts`.
+embeddings, per-head q / k norms); P-EAGLE's is an EAGLE-3 head's, not this model's
+(:mod:`asps_jax.drafters.block_layouts`, :mod:`asps_jax.drafters.peagle`).
 """
 
 from __future__ import annotations
@@ -204,17 +205,11 @@ TENSORS = {
 
 
 def param_shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every learned parameter (layer ones stacked ``[L, ...]``)."""
-    shapes = _shapes(c)
-    if c.variant == "dflash":  # the block entries are raw embeddings
-        del shapes["embed_norm"]
-    return shapes
-
-
-def _shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every learned parameter (layer ones stacked ``[L, ...]``); the "dflash"
+    variant has per-head ``q_norm`` / ``k_norm`` ``[L, H]`` and no ``embed_norm``."""
     E, F, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return {
+    shapes = {
         "fc": (E, len(c.feature_layers) * c.target_hidden_size),
         "hidden_norm": (E,),
         "embed_norm": (E,),
@@ -230,15 +225,11 @@ def _shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
         "w_down": (L, E, F),
         "norm": (E,),
         "lm_head": (c.draft_vocab_size, E),
-        **_variant_shapes(c),
     }
-
-
-def _variant_shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
-    """The "dflash" variant's per-head norms ``[L, H]`` (none for ours)."""
-    if c.variant != "dflash":
-        return {}
-    return {name: (c.num_hidden_layers, c.head_dim) for name in QK_NORMS}
+    if c.variant == "dflash":  # raw embeddings into the block; Qwen3's per-head norms
+        del shapes["embed_norm"]
+        shapes.update({name: (L, c.head_dim) for name in QK_NORMS})
+    return shapes
 
 
 def layer_names(c: BlockConfig) -> dict[str, str]:
