@@ -56,7 +56,8 @@ _DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "sele
 
 def layout_of(raw: dict) -> str:
     """The layout of a drafter's ``config.json``: "asps" (ours), "dflash" or "p-eagle"."""
-    arch = [a for a in raw.get("architectures") or [] if isinstance(a, str)]
+    arch = raw.get("architectures") if isinstance(raw.get("architectures"), list) else []
+    arch = [a for a in arch if isinstance(a, str)]
     eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
     if (
         raw.get("parallel_drafting") is True
