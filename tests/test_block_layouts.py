@@ -518,3 +518,20 @@ def test_published_drafters_place_on_a_mesh(pair, tmp_path):
         whole = sum(a.size * a.dtype.itemsize for a in loaded.params.values())
         per_chip = sharding.chip_bytes(loaded.params, loaded.config, {"data": 2, "model": 4})
         assert 0 < per_chip < whole, type(loaded.config).__name__
+
+
+def test_dflash_config_fields():
+    """transformers 5's ``rope_parameters``, DFlash's default ``target_layer_ids`` (one per draft
+    layer, 1 .. L - 3 evenly: [1, 9, 17, 25, 33] for 5 layers on a 36-layer target) and a
+    top-level ``block_size``; a tied target's head is its embedding."""
+    raw = _dflash_config(rope_theta=None, rope_parameters={"rope_type": "default",
+                         "rope_theta": 5e5}, num_hidden_layers=5, num_target_layers=36)  # fmt: skip
+    raw["dflash_config"] = {"mask_token_id": MASK}
+    raw["block_size"] = 8
+    target_config = types.SimpleNamespace(num_hidden_layers=36)
+    c, mask = layouts.dflash_config(raw, target_config, "here")
+    assert (c.rope_theta, c.rope_scaling, mask, c.block_size) == (5e5, None, MASK, 7)
+    assert c.feature_layers == (2, 10, 18, 26, 34)  # DFlash's ids + 1: the streams entering them
+    embed = np.arange(6, dtype=np.float32).reshape(3, 2)
+    tied = types.SimpleNamespace(params={"embed": embed})
+    np.testing.assert_array_equal(layouts.target_head(tied), embed)
