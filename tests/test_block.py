@@ -252,7 +252,6 @@ STAT_CASES = [
     ("is", dict(num_drafts=2, num_draft_tokens=N), "recurrent"),
     ("tv", dict(tree=(2, 2)), "recurrent"),
     ("is_bv", dict(tree=(2, 2)), "recurrent"),
-    ("tv", dict(tree=(2, 2)), "position"),  # siblings share one position-wise law
 ]
 
 
