@@ -218,6 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=8, help="block: positions per forward")
     p.add_argument("--block-layers", type=int, default=1, help="block: its decoder layers")
     p.add_argument("--anchors", type=int, default=64, help="block: blocks trained per window")
+    p.add_argument(
+        "--readout",
+        choices=("recurrent", "position"),
+        default="recurrent",
+        help="block: depth i's law from the drawn path too (recurrent) or not",
+    )
+    p.add_argument(
+        "--readout-size",
+        type=int,
+        default=None,
+        help="block: the recurrent readout's width (default: the drafter's width)",
+    )
     return p
 
 
@@ -241,6 +253,8 @@ def check_args(p, args) -> None:
                  "block_layers", "anchors"):  # fmt: skip
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.readout_size is not None and args.readout_size < 1:
+        p.error(f"--readout-size must be >= 1, got {args.readout_size}")
     if args.seq_len < 4:
         p.error(f"--seq-len must be >= 4 (a window trains seq_len - 2 entries), got {args.seq_len}")
     if not 0 < args.lr < 1:
@@ -345,6 +359,8 @@ def train_block(args, argv, target, data, out, started) -> int:
         layers=args.layers,
         block_size=args.block_size,
         num_layers=args.block_layers,
+        readout=args.readout,
+        readout_size=args.readout_size,
     )
     block_model.check_matches(make(draft_vocab_size=len(d2t)), target, "--feature-layers")
     step = block_train.fit(

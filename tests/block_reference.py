@@ -8,13 +8,17 @@ layers at t, concatenated); layer l's context keys are ``rope(wk_l @ c_t, t)`` a
 c_t``. The block is the root's embedding and the N mask embeddings at positions m .. m + N, each
 normalised (``rms(.) * embed_norm``) plus ``c_{m-1}`` (nothing when m = 0); each of its entries
 attends to every context key and every block entry, through a Llama layer (pre-norm attention, then
-SiLU-gated MLP), per layer. Entry i >= 1's output through ``norm`` and ``lm_head`` gives the draft
-logits of the token at position m + i, placed on the target's vocabulary at ``d2t`` (probability 0
-elsewhere).
+SiLU-gated MLP), per layer. Entry i >= 1's output h_i gives the draft logits of the token at
+position m + i, placed on the target's vocabulary at ``d2t`` (probability 0 elsewhere), through the
+readout (``block_config.readout``). Position-wise (absent or ``"position"``): ``lm_head @ rms(h_i) *
+norm``. Recurrent: with x_0 the root, x_1 .. the drafted tokens and o_0 = 0,
+``o_i = h_i + W_out @ silu(W_in @ [h_i, rms(embed[x_{i-1}]) * readout_norm, o_{i-1}])`` and the
+logits ``lm_head @ rms(o_i) * norm``: depth i's law depends on the drafted path before it.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -51,10 +55,31 @@ class Block:
         self.embed = np.asarray(embed, np.float64)
         self.d2t = np.arange(t["d2t"].size) + t["d2t"].astype(np.int64)
         self.feature_layers = list(self.config["block_config"]["target_layer_ids"])
+        self.recurrent = self.config["block_config"].get("readout", "position") == "recurrent"
 
-    def logits(self, features, root: int):
+    def logits(self, features, root: int, drafted=None):
         """The draft logits ``[N, V_d]`` after ``m = len(features)`` committed positions and the
-        root token at position m."""
+        root token at position m; depth i's after the ``drafted`` tokens before it (a recurrent
+        readout needs the N - 1 of them)."""
+        return self.readout(self.states(features, root), [root, *(drafted or ())])
+
+    def readout(self, states, path):
+        """The logits of the block's output states ``[N, E]``: depth i's through the path's token
+        i - 1 (``path[0]`` the root) when the readout is recurrent."""
+        t, eps = self.t, self.config["rms_norm_eps"]
+        head = lambda o: t["lm_head.weight"] @ rms(o, t["norm.weight"], eps)  # noqa: E731
+        if not self.recurrent:
+            return np.stack([head(h) for h in states])
+        out, o = [], np.zeros(states.shape[1])
+        for h, token in zip(states, path, strict=True):
+            a = rms(self.embed[token], t["readout.embed_norm.weight"], eps)
+            u = np.concatenate([h, a, o])
+            o = h + t["readout.fc_out.weight"] @ silu(t["readout.fc_in.weight"] @ u)
+            out.append(head(o))
+        return np.stack(out)
+
+    def states(self, features, root: int):
+        """The block's output states ``[N, E]`` (entries 1..N, before the readout)."""
         c, t = self.config, self.t
         eps, theta = c["rms_norm_eps"], c["rope_theta"]
         nh, kvh, H = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
@@ -81,7 +106,7 @@ class Block:
                 g = rms(r, w["post_norm"], eps)
                 out.append(r + w["w_down"] @ (silu(w["w_gate"] @ g) * (w["w_up"] @ g)))
             x = np.stack(out)
-        return np.stack([t["lm_head.weight"] @ rms(row, t["norm.weight"], eps) for row in x[1:]])
+        return x[1:]
 
     def placed(self, logits_d):
         """Draft logits placed on the target's vocabulary (``-inf`` outside ``d2t``)."""
@@ -89,12 +114,13 @@ class Block:
         out[self.d2t] = logits_d
         return out
 
-    def laws(self, hf, text, warp=None):
-        """The N position-wise draft laws after ``text`` (its last token the root), through
-        ``warp`` (a function of placed logits; default softmax)."""
+    def laws(self, hf, text, warp=None, drafted=None):
+        """The N draft laws after ``text`` (its last token the root; depth i's after the
+        ``drafted`` tokens before it), through ``warp`` (a function of placed logits; default
+        softmax)."""
         m = len(text) - 1
         features = hf_features(hf, text, self.feature_layers)[:m]
-        logits = self.logits(features, int(text[-1]))
+        logits = self.logits(features, int(text[-1]), drafted)
         return np.stack([(warp or _softmax)(self.placed(row)) for row in logits])
 
 
@@ -105,7 +131,17 @@ def _softmax(logits):
 
 def tabular_laws(block: Block, hf, prompt, depth: int, warp=None) -> list[np.ndarray]:
     """The drafter's laws after ``prompt`` in tests/tabular.py's layout: ``laws[i][x_1..x_i]`` is
-    the law of draft token i + 1 (position i's law, whatever the drafted ``x_1..x_i``)."""
-    laws = block.laws(hf, prompt, warp)
+    the law of draft token i + 1 after the drafted ``x_1..x_i`` (position-wise: position i's law,
+    whatever they are)."""
     vocab = block.embed.shape[0]
-    return [np.broadcast_to(laws[i], (vocab,) * i + (vocab,)).copy() for i in range(depth)]
+    m = len(prompt) - 1
+    states = block.states(hf_features(hf, prompt, block.feature_layers)[:m], int(prompt[-1]))
+    out = []
+    for i in range(depth):
+        laws = []
+        for drafted in itertools.product(range(vocab), repeat=i):
+            path = [int(prompt[-1]), *drafted]
+            row = block.readout(states[: i + 1], path)[i]
+            laws.append((warp or _softmax)(block.placed(row)))
+        out.append(np.stack(laws).reshape((vocab,) * i + (vocab,)))
+    return out

@@ -6,7 +6,8 @@ tests/tabular.py, tests/multidraft_reference.py and tests/tree_reference.py (exa
 controls_reference.py (processed laws), and the checkpoint tensors the test writes itself. The
 drafter has random, peaked weights (std 0.5), two layers, a block of 3 positions (the steps use the
 first N = 2), a draft vocabulary of V - 1 tokens (token 3 has draft probability 0: the residual
-covers it), and reads the target's layers (0, 2, 1).
+covers it), and reads the target's layers (0, 2, 1). Its readout is the recurrent one (depth i's
+law depends on the drafted path) unless a test names ``"position"`` (``tiny``'s parameter).
 """
 
 from __future__ import annotations
@@ -50,19 +51,29 @@ PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0)
 FAST = {"xla_backend_optimization_level": 0}
 
 
+READOUTS = ["recurrent", "position"]
+
+
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, request):
     """The tiny 3-layer Llama of test_self_draft and one block drafter saved to disk, with its
-    NumPy reference read back from the files."""
+    NumPy reference read back from the files (its readout ``request.param``, else recurrent)."""
+    readout = getattr(request, "param", "recurrent")
     root = tmp_path_factory.mktemp("block")
     hf = write_tiny_llama(
         root / "target", seed=3, vocab_size=VOCAB, num_hidden_layers=3, initializer_range=0.5
     )
     target = asps_jax.load_model(str(root / "target"))
     config = bm.BlockConfig.for_target(
-        target.config, draft_vocab_size=len(D2T), layers=LAYERS, block_size=BLOCK, num_layers=2
-    )
+        target.config, draft_vocab_size=len(D2T), layers=LAYERS, block_size=BLOCK, num_layers=2,
+        readout=readout,
+    )  # fmt: skip
     params = bm.init_params(config, jax.random.key(1), target.params["embed"], D2T, std=0.5)
+    if readout == "recurrent":  # the block's states are large: the readout reads them scaled
+        E = config.hidden_size  # down, so that the drafted token counts as much
+        w = params["readout_in"]
+        params["readout_in"] = w.at[:, :E].multiply(0.2).at[:, 2 * E :].multiply(0.2)
+        params["readout_norm"] = params["readout_norm"] * 3
     folder = bm.save(root / "block", config, params)
     embed = hf.model.embed_tokens.weight.detach().double().numpy()
     return types.SimpleNamespace(
@@ -76,9 +87,11 @@ def tiny(tmp_path_factory):
     )
 
 
+@pytest.mark.parametrize("tiny", READOUTS, indirect=True)
 def test_block_forward_is_the_numpy_block(tiny):
-    """The loaded drafter's context keys / values and block forward after PROMPT give the NumPy
-    block's logits; the placed laws are 0 outside the draft vocabulary and peaked."""
+    """The loaded drafter's context keys / values and block forward after PROMPT (the recurrent
+    readout teacher-forced on drafted tokens 2, 4) give the NumPy block's logits; the placed laws
+    are 0 outside the draft vocabulary and peaked."""
     loaded = block.load_block(tiny.folder, tiny.target)
     assert loaded.config == tiny.config
     m = len(PROMPT) - 1
@@ -91,13 +104,30 @@ def test_block_forward_is_the_numpy_block(tiny):
         valid = jnp.ones((1, 1, m), bool)
         last = bm.context(tiny.config, params, features[None, -1:])
         root = jnp.asarray([[PROMPT[-1]]])
-        return bm.forward(tiny.config, params, k, v, valid, last, root, jnp.asarray([[m]]))[0, 0]
+        parents = jnp.asarray([[[PROMPT[-1], *DRAFTED]]])
+        return bm.forward(
+            tiny.config, params, k, v, valid, last, root, jnp.asarray([[m]]), parents
+        )[0, 0]
 
     got = np.asarray(run(loaded.params, jnp.asarray(features, jnp.float32)))
-    want = tiny.ref.logits(features, PROMPT[-1])
+    want = tiny.ref.logits(features, PROMPT[-1], DRAFTED)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-    laws = tiny.ref.laws(tiny.hf, PROMPT)
+    laws = tiny.ref.laws(tiny.hf, PROMPT, drafted=DRAFTED)
     assert np.all(laws[:, OUT] == 0) and np.abs(laws - 1 / VOCAB).max() > 0.3
+
+
+DRAFTED = [2, 4]  # the first BLOCK - 1 drafted tokens, for the recurrent readout
+
+
+def test_recurrent_laws_follow_the_drafted_path(tiny):
+    """The recurrent readout's depth-2 law changes with the token drafted at depth 1 (the
+    position-wise one's cannot); a config without ``readout`` is position-wise."""
+    features = block_reference.hf_features(tiny.hf, PROMPT, LAYERS)[: len(PROMPT) - 1]
+    a, b = (tiny.ref.logits(features, PROMPT[-1], [x, 0]) for x in (0, 2))
+    assert np.abs(a[0] - b[0]).max() == 0 and np.abs(a[1] - b[1]).max() > 0.3
+    raw = tiny.config.to_hf()
+    del raw["block_config"]["readout"]
+    assert bm.BlockConfig.from_hf(raw, tiny.target.config).readout == "position"
 
 
 # --- The draft laws, step by step ---------------------------------------------------------------
@@ -117,34 +147,37 @@ def _run(dec, target_params, draft_params, sampling, prompts, lengths, keys):
         drafts = decode._draft(dec, draft_params, sampling, state)
         before = state.num_generated
         state = decode._step(dec, target_params, draft_params, sampling, state)
-        return state, (drafts.logprobs_BNV[:, nodes], before)
+        return state, (drafts.logprobs_BNV[:, nodes], drafts.tokens_BN[:, nodes], before)
 
     state, out = jax.lax.scan(body, state, None, length=STEPS)
     return out, state.tokens, state.num_generated
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tiny", READOUTS, indirect=True)
 def test_draft_laws_are_the_numpy_block(tiny):
     """Step by step (ragged prompts, a one-token one, K = 2 chains), both chains' draft laws at
-    depths 0 and 1 are the NumPy block's position-wise laws after the committed text: after the
-    prefill, then after steps that accepted some draft tokens and rejected others (the accepted
-    path's features from the scoring pass became the drafter's context)."""
+    depths 0 and 1 are the NumPy block's laws after the committed text (the recurrent readout's
+    after the chain's own drafted tokens): after the prefill, then after steps that accepted some
+    draft tokens and rejected others (the accepted path's features from the scoring pass became
+    the drafter's context)."""
     call = prepare(
         tiny.target, tiny.spec, LAW_PROMPTS, key=jax.random.key(5), max_new_tokens=12,
         method="specinfer", num_drafts=2, num_draft_tokens=N, eos_token_id=-1,
     )  # fmt: skip
     args = call.inputs.kwargs()
     names = ("target_params", "draft_params", "sampling", "prompts_BP", "prompt_lengths_B")
-    (laws, before), tokens, count = _run(
+    (laws, drafted, before), tokens, count = _run(
         call.decoder, *(args[k] for k in names), args["row_keys_B"]
     )
     laws, before, tokens = np.exp(np.asarray(laws)), np.asarray(before), np.asarray(tokens)
-    checked = 0
+    drafted, checked = np.asarray(drafted), 0
     for b, prompt in enumerate(LAW_PROMPTS[:4]):
         for s in range(STEPS):
             text = prompt + tokens[b, : before[s, b]].tolist()
-            want = tiny.ref.laws(tiny.hf, text)[:N]
             for k in range(2):
+                path = drafted[s, b, k, : BLOCK - 1].tolist()
+                want = tiny.ref.laws(tiny.hf, text, drafted=path)[:N]
                 np.testing.assert_allclose(laws[s, b, k], want, atol=1e-5, err_msg=f"{b} {s}")
                 checked += 1
     assert checked == 24 and np.all(laws[..., OUT] == 0)
@@ -190,9 +223,11 @@ def _enumerated(method, target, draft):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tiny", READOUTS, indirect=True)
 @pytest.mark.parametrize("warp", [{}, WARP], ids=["T1", "T0.8-top-k-p"])
 def test_exact_enumeration_with_the_block(tiny, warp):
-    """The block's position-wise laws (the NumPy reference, processed like the target's) under
+    """The block's laws (the NumPy reference, processed like the target's; depth 2's after the
+    drafted token at depth 1 with the recurrent readout, position-wise otherwise) under
     SpS, ASpS, SpecInfer and IS with two chains, TV on a (2, 2) tree drawn without replacement and
     IS+BV on one drawn independently: the emitted string continued by the target has exactly the
     target's (processed) law, the token outside the draft vocabulary included."""
@@ -201,6 +236,8 @@ def test_exact_enumeration_with_the_block(tiny, warp):
     draft = block_reference.tabular_laws(tiny.ref, tiny.hf, PROMPT, N, process)
     assert max(np.abs(t - d).max() for t, d in zip(target, draft)) > 0.2  # not the target
     assert all(np.all(d[..., OUT] == 0) for d in draft) and target[1][..., OUT].max() > 0.05
+    varies = np.abs(draft[1] - draft[1][:1]).max() > 0.05  # depth 2's law follows depth 1's token
+    assert varies == (tiny.config.readout == "recurrent")
     want = tab.joint(target, N + 1)
     for method in ("sps", "asps", "specinfer", "is", "tv", "is_bv"):
         got = _enumerated(method, target, draft)
@@ -209,12 +246,12 @@ def test_exact_enumeration_with_the_block(tiny, warp):
 
 ROWS = 3000  # per setting; two settings (T = 1, and T = 0.8 with top-k / top-p) in one call
 STAT_CASES = [
-    ("sps", dict(num_draft_tokens=N)),
-    ("asps", dict(num_draft_tokens=N)),
-    ("specinfer", dict(num_drafts=2, num_draft_tokens=N)),
-    ("is", dict(num_drafts=2, num_draft_tokens=N)),
-    ("tv", dict(tree=(2, 2))),
-    ("is_bv", dict(tree=(2, 2))),
+    ("sps", dict(num_draft_tokens=N), "recurrent"),
+    ("asps", dict(num_draft_tokens=N), "recurrent"),
+    ("specinfer", dict(num_drafts=2, num_draft_tokens=N), "recurrent"),
+    ("is", dict(num_drafts=2, num_draft_tokens=N), "recurrent"),
+    ("tv", dict(tree=(2, 2)), "recurrent"),
+    ("is_bv", dict(tree=(2, 2)), "recurrent"),
 ]
 
 
@@ -222,7 +259,9 @@ STAT_CASES = [
 # at level 1 and the compile ~10, which -O0 shortens by more than the run grows (the six: 98 CPU-s
 # against 87 and 85 in two runs, one file alone, load 5-7).
 @pytest.mark.slow
-@pytest.mark.parametrize("method, kw", STAT_CASES, ids=[m for m, _ in STAT_CASES])
+@pytest.mark.parametrize(
+    "method, kw, tiny", STAT_CASES, ids=[f"{m}-{r}" for m, _, r in STAT_CASES], indirect=["tiny"]
+)
 def test_statistical_law(tiny, method, kw):
     """2 x ROWS rows in one jitted call, half at T = 1 and half at T = 0.8 with top-k and top-p
     (per-row values): each half's first three tokens against transformers' exact processed law
@@ -334,6 +373,21 @@ BAD_BLOCKS = [
         "model.safetensors is (truncated|corrupt)",
     ),
     ("no_d2t", dict(drop=("d2t",)), r"lack 'd2t' \(the draft-to-target map\)"),
+    (
+        "readout",
+        dict(config={"block_config": {"block_size": 3, "readout": "attention"}}),
+        r"block_config.readout must be one of \['position', 'recurrent'\], got 'attention'",
+    ),
+    (
+        "readout_size",
+        dict(config={"block_config": {"block_size": 3, "readout": "recurrent"}}),
+        "block_config.readout_size must be >= 1, got 0",
+    ),
+    (
+        "no_readout_tensor",
+        dict(drop=("readout.fc_in.weight",)),
+        "the weights lack tensor 'readout.fc_in.weight'",
+    ),
     ("d2t_outside", dict(tensors={"d2t": _offsets([0, 1, 2, 5])}), "'d2t' must map each"),
     ("d2t_twice", dict(tensors={"d2t": _offsets([0, 1, 1, 4])}), "maps two draft ids to one"),
     (

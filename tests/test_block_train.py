@@ -8,6 +8,7 @@ uninterrupted run for resuming, and the flags' documented bounds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -70,6 +71,34 @@ def test_training_reduces_the_loss_and_reads_the_drafted_block(tiny):
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, target))
 
 
+@pytest.mark.slow
+def test_the_recurrent_readout_is_teacher_forced_on_the_text(tiny):
+    """With the recurrent readout the loss at an anchor p is the KL to the drafter's forward whose
+    depth i reads the text's token at p + i (the bonus token first), not any other path."""
+    target, config, _ = tiny
+    c = dataclasses.replace(config, readout="recurrent", readout_size=8)
+    d2t = np.sort(np.random.default_rng(0).choice(24, 20, replace=False))
+    params = bm.init_params(c, jax.random.key(2), target["embed"], d2t, std=0.3)
+    settings = block_train.BlockTrainConfig(anchors=1)
+    tokens, p = jax.random.randint(jax.random.key(4), (1, 16), 0, 24), 6
+    logits, features = train.target_pass(c, TARGET, target, tokens)
+    ctx = bm.context_kv(c, params, features[:, :p], jnp.arange(p)[None])
+    k, v = jnp.swapaxes(ctx.k, 2, 3), jnp.swapaxes(ctx.v, 2, 3)
+    last = bm.context(c, params, features[:, p - 1 : p])
+    one = jnp.asarray([[p]], jnp.int32)
+    args = (c, params, k, v, jnp.ones((1, 1, p), bool), last, tokens[:, p : p + 1], one)
+    teacher = jax.nn.log_softmax(logits[0, p : p + 4][:, params["d2t"]], -1)
+    kls = []
+    for parents in (tokens[:, None, p : p + 4], jnp.asarray([[[tokens[0, p], 0, 1, 2]]])):
+        log_q = jax.nn.log_softmax(bm.forward(*args, parents)[0, 0], -1)
+        kls.append(np.asarray(jnp.sum(jnp.exp(teacher) * (teacher - log_q), -1)))
+    learned = bm.trainable(params)
+    fixed = {"embed": params["embed"], "d2t": params["d2t"]}
+    _, m = block_train.eval_step(c, settings, TARGET, learned, fixed, target, tokens, one)
+    np.testing.assert_allclose([float(m[f"kl_{i}"]) for i in range(4)], kls[0], rtol=1e-4)
+    assert kls[0][0] == kls[1][0] and np.abs(kls[0][1:] - kls[1][1:]).min() > 1e-4
+
+
 def _args(data, out, steps=6):
     return [
         "--kind", "block", "--data", str(data), "--out", str(out), "--steps", str(steps),
@@ -117,7 +146,12 @@ def test_script_resumes_where_it_stopped(corpus, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize(
     "extra, match",
-    [(["--block-size", "0"], "--block-size must be >= 1"), (["--anchors", "0"], "--anchors")],
+    [
+        (["--block-size", "0"], "--block-size must be >= 1"),
+        (["--anchors", "0"], "--anchors"),
+        (["--readout-size", "0"], "--readout-size must be >= 1, got 0"),
+        (["--readout", "attention"], "--readout: invalid choice"),
+    ],
 )
 def test_bad_flags_exit_2_naming_the_flag(corpus, tmp_path, capsys, extra, match):  # noqa: F811
     with pytest.raises(SystemExit) as e:

@@ -79,10 +79,11 @@ def write_head(root, target) -> None:
 
 
 def write_block(root, target) -> None:
-    """A random block drafter (blocks of 3: the 2 draft tokens and its anchor) on ``target``'s
-    features, on the head's draft vocabulary, saved where :func:`drafter_arg` reads it."""
+    """A random block drafter (blocks of 3: the 2 draft tokens and its anchor; the recurrent
+    readout) on ``target``'s features, on the head's draft vocabulary, saved where
+    :func:`drafter_arg` reads it."""
     config = block_model.BlockConfig.for_target(
-        target.config, draft_vocab_size=len(HEAD_VOCAB), block_size=3
+        target.config, draft_vocab_size=len(HEAD_VOCAB), block_size=3, readout="recurrent"
     )
     embed = target.params["embed"]
     params = block_model.init_params(config, jax.random.key(6), embed, HEAD_VOCAB, 0.5)

@@ -4,15 +4,16 @@ positions, from the target's own features; exact under every verifier with sampl
 The model (:mod:`~asps_jax.drafters.block_model`) reads the target's fused features over the
 committed prefix (its own small KV cache, one entry per committed position), the embedding of the
 bonus token (the step's root) and ``N`` learned mask embeddings, and returns ``N`` logits at once;
-the step's draft of depth ``n <= N`` uses the first n. Drafting is then a rollout with no forward
-in it: depth i's law is position i's logits placed on the target's vocabulary (probability 0
-outside the draft vocabulary ``d2t``), processed like every drafter's
-(:func:`~asps_jax.drafters.model.rollout_proposal`: temperature, top-k / top-p, every control and
-constraint on each chain's own path), and its token drawn from it. K chains share each depth's
-logits (drawn independently, a key each); a branching tree's siblings share their parent's
-processed law (drawn without replacement under ``tv``, independently otherwise), exactly as for a
-draft model. docs/algorithms.md says why every verifier stays exact with laws that ignore the
-block's earlier tokens.
+the step's draft of depth ``n <= N`` uses the first n. Drafting is then a rollout with no
+decoder layer in it: depth i's law is the readout of position i
+(:mod:`~asps_jax.drafters.block_readout`; the position-wise one: its logits alone, the recurrent
+one: a small map of its state, the parent node's token and the parent's readout state, per chain)
+placed on the target's vocabulary (probability 0 outside the draft vocabulary ``d2t``), processed
+like every drafter's (:func:`~asps_jax.drafters.model.rollout_proposal`: temperature, top-k /
+top-p, every control and constraint on each chain's own path), and its token drawn from it. A
+branching tree's siblings share their parent's processed law (drawn without replacement under
+``tv``, independently otherwise), exactly as for a draft model. docs/algorithms.md says why every
+verifier stays exact.
 
 State. The target's scoring pass returns the feature layers' streams at every scored node; after
 verification the accepted path's features (the root's and the accepted draft tokens') are the
@@ -35,6 +36,7 @@ import numpy as np
 from asps_jax import footprint, kv_cache
 from asps_jax.drafters import block_layouts, peagle
 from asps_jax.drafters import block_model as bm
+from asps_jax.drafters import block_readout as br
 from asps_jax.drafters.base import Drafter, Proposal, load_named
 from asps_jax.drafters.model import rollout_proposal
 from asps_jax.models.base import Model
@@ -176,32 +178,51 @@ class BlockDrafter(Drafter):
             last=_pick(take_B, fresh.last, state.last),
         )
 
-    def block_logits(self, dec, params, own, root_B):
-        """``(state, logits float32[B, n, V])``: the pending entries written, then the block of
-        ``root_B`` (each row's bonus token) over them, placed on the target's vocabulary."""
+    def block_hidden(self, dec, params, own, root_B):
+        """``(state, h [B, n, E])``: the pending entries written, then the block of ``root_B``
+        (each row's bonus token) over them: its first n output states."""
         c, n = self.config, dec.spec.num_draft_tokens
         cache = self._write(dec, params, own.cache, own.features, own.count)
         last = _last(own.features, own.count, own.last)
         S = cache.max_len
         valid_B1S = (jnp.arange(S, dtype=jnp.int32)[None, :] < cache.lengths[:, None])[:, None]
         last_B1E = bm.context(c, params, last[:, None])
-        logits = bm.forward(
+        h = bm.hidden(
             c, params, cache.k, cache.v, valid_B1S, last_B1E, root_B[:, None],
             cache.lengths[:, None],
         )  # fmt: skip
         after = BlockState(cache, own.features, jnp.zeros_like(own.count), last)
-        return after, target_logits(params, logits[:, 0, :n], c.vocab_size)
+        return after, h[:, 0, :n]
+
+    def _feed(self, params, h_BnE, k: int):
+        """The rollout's feed: depth's logits on the target's vocabulary, float32[R, 1, V]
+        (position-wise: the block's own, for every chain; recurrent: one readout step of each
+        chain's parent token and readout state, the feed's carry)."""
+        c = self.config
+        if c.readout != "recurrent":
+            laws_RnV = jnp.repeat(
+                target_logits(params, br.head(c, params, h_BnE), c.vocab_size), k, 0
+            )
+
+            def feed(carry, token_R, depth):  # depth's logits of the one block
+                del token_R
+                return carry, jax.lax.dynamic_slice_in_dim(laws_RnV, depth, 1, axis=1)
+
+            return feed, None
+        h_RnE = jnp.repeat(h_BnE, k, axis=0)
+
+        def feed(prev_RE, token_R, depth):  # one readout step on each chain's own path
+            h_RE = jax.lax.dynamic_index_in_dim(h_RnE, depth, axis=1, keepdims=False)
+            out_RE, logits_RD = br.step(c, params, h_RE, token_R, prev_RE)
+            return out_RE, target_logits(params, logits_RD[:, None], c.vocab_size)
+
+        return feed, jnp.zeros_like(h_RnE[:, 0])
 
     def propose(self, dec, params, sampling, state) -> Proposal:
         k = dec.spec.tree.num_chains
-        after, laws_BnV = self.block_logits(dec, params, state.draft, state.root.astype(jnp.int32))
-        laws_RnV = jnp.repeat(laws_BnV, k, axis=0)
-
-        def feed(carry, token_R, depth):  # no forward: depth's logits of the one block
-            del token_R
-            return carry, jax.lax.dynamic_slice_in_dim(laws_RnV, depth, 1, axis=1)
-
-        _, drawn = rollout_proposal(dec, sampling, state, feed, None, store_last=False)
+        after, h_BnE = self.block_hidden(dec, params, state.draft, state.root.astype(jnp.int32))
+        feed, carry = self._feed(params, h_BnE, k)
+        _, drawn = rollout_proposal(dec, sampling, state, feed, carry, store_last=False)
         # A law with no mass and no NaN (a constraint that allows only tokens outside the draft
         # vocabulary) ends the chain before it: a stopping time of the drafter's own laws, so
         # exact; the row goes on (the target's law draws the next token).

@@ -12,17 +12,21 @@ last emitted one, not yet seen by the target) and N learned mask embeddings, eac
 (``embed_norm``) plus the context vector of the last committed position ``p - 1`` (zeros when
 nothing is committed). A few Llama decoder layers run over the block; each entry attends to every
 context slot before ``p`` and to every entry of the block (bidirectional within the block). Entry
-``i >= 1``'s output, through ``norm`` and ``lm_head`` over a draft vocabulary of ``V_d <= V`` tokens
-(``d2t`` maps each to its target id), is the draft law of the token at position ``p + i``. That law
-depends on the committed text only, not on the tokens drawn at the block's earlier positions.
+``i >= 1``'s output h_i becomes the draft law of the token at position ``p + i`` over a draft
+vocabulary of ``V_d <= V`` tokens (``d2t`` maps each to its target id) through the readout
+(``block_config.readout``, :mod:`~asps_jax.drafters.block_readout`): ``"position"``, ``norm`` and
+``lm_head`` of h_i alone (a law of the committed text only, DFlash's), or ``"recurrent"``, a small
+map of h_i, the token drawn at the parent node and the parent's state, run over the depths (a law
+of the node's own path too).
 
 Checkpoints: ``config.json`` (``"architectures": ["AspsBlockDrafter"]``, the Llama sizes, and
-``block_config``: ``block_size``, ``target_layer_ids``) and ``model.safetensors`` (``fc``,
-``hidden_norm``, ``embed_norm``, ``mask_embedding``, ``layers.{i}.*`` in Hugging Face's Llama names,
-``norm``, ``lm_head``, ``d2t`` offsets as EAGLE-3 writes them, ``t2d``; optionally ``embed_tokens``,
-else the target's embedding). The DFlash layout maps onto ``variant="dflash"`` (raw block
-embeddings, per-head q / k norms); P-EAGLE's is an EAGLE-3 head's, not this model's
-(:mod:`asps_jax.drafters.block_layouts`, :mod:`asps_jax.drafters.peagle`).
+``block_config``: ``block_size``, ``target_layer_ids``, ``readout`` (``"position"`` when absent)
+and ``readout_size``) and ``model.safetensors`` (``fc``, ``hidden_norm``, ``embed_norm``,
+``mask_embedding``, ``layers.{i}.*`` in Hugging Face's Llama names, ``norm``, ``lm_head``, the
+recurrent readout's ``readout.*``, ``d2t`` offsets as EAGLE-3 writes them, ``t2d``; optionally
+``embed_tokens``, else the target's embedding). The DFlash layout maps onto ``variant="dflash"``
+(raw block embeddings, per-head q / k norms; the position-wise readout); P-EAGLE's is an EAGLE-3
+head's, not this model's (:mod:`asps_jax.drafters.block_layouts`, :mod:`asps_jax.drafters.peagle`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asps_jax import kv_cache
+from asps_jax.drafters import block_readout as br
 from asps_jax.models import loader
 from asps_jax.models.eagle3 import AXES as HEAD_AXES
 from asps_jax.models.eagle3 import check_matches as head_check
@@ -58,7 +63,9 @@ class BlockConfig:
     ``draft_vocab_size`` V_d its own; ``block_size`` N the positions one forward drafts;
     ``variant`` "asps" (ours) or "dflash" (DFlash's layers: each block entry its raw embedding,
     no ``embed_norm`` and no context vector added; per-head RMS norms ``q_norm`` / ``k_norm`` on
-    queries and keys before RoPE, context keys included: :mod:`asps_jax.drafters.block_layouts`).
+    queries and keys before RoPE, context keys included: :mod:`asps_jax.drafters.block_layouts`);
+    ``readout`` ``"position"`` or ``"recurrent"`` (:mod:`~asps_jax.drafters.block_readout`) and
+    ``readout_size`` the recurrent readout's width.
     """
 
     hidden_size: int
@@ -77,12 +84,16 @@ class BlockConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 2048
+    readout: str = "position"
+    readout_size: int = 0
 
     @classmethod
     def for_target(cls, target_config, *, draft_vocab_size=None, layers=None, block_size=8,
-                   num_layers=1):  # fmt: skip
+                   num_layers=1, readout="position", readout_size=None):  # fmt: skip
         """A drafter of ``num_layers`` Llama layers of the target's width, heads and MLP size,
-        RoPE and norm settings the target's where it has them."""
+        RoPE and norm settings the target's where it has them (a recurrent readout of
+        ``readout_size``, by default the width)."""
+        br.check(readout, readout_size or 1, "readout")
         c = target_config
         heads = c.num_attention_heads
         ffn = getattr(c, "intermediate_size", None) or getattr(c, "ffn_dim", None)
@@ -102,6 +113,8 @@ class BlockConfig:
             rope_theta=getattr(c, "rope_theta", 10000.0),
             rope_scaling=getattr(c, "rope_scaling", None),
             max_position_embeddings=c.max_position_embeddings,
+            readout=readout,
+            readout_size=(readout_size or c.hidden_size) if readout == "recurrent" else 0,
         )
 
     @classmethod
@@ -137,6 +150,8 @@ class BlockConfig:
                 rope_theta=float(d.get("rope_theta", 10000.0)),
                 rope_scaling=RopeScaling.from_hf(rope, max_pos),
                 max_position_embeddings=max_pos,
+                readout=block.get("readout", "position"),
+                readout_size=int(block.get("readout_size") or 0),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{where}: not a valid block drafter config ({e!r})") from None
@@ -146,6 +161,7 @@ class BlockConfig:
             raise ValueError(
                 f"{where}: block_config.variant {config.variant!r} is not one of {list(VARIANTS)}"
             )
+        br.check(config.readout, config.readout_size, where)
         return config
 
     def to_hf(self) -> dict:
@@ -172,6 +188,8 @@ class BlockConfig:
                 "block_size": self.block_size,
                 "target_layer_ids": list(self.feature_layers),
                 **({"variant": self.variant} if self.variant != "asps" else {}),
+                "readout": self.readout,
+                **({"readout_size": self.readout_size} if self.readout == "recurrent" else {}),
             },
         }
 
@@ -225,6 +243,7 @@ def param_shapes(c: BlockConfig) -> dict[str, tuple[int, ...]]:
         "w_down": (L, E, F),
         "norm": (E,),
         "lm_head": (c.draft_vocab_size, E),
+        **br.shapes(c),
     }
     if c.variant == "dflash":  # raw embeddings into the block; Qwen3's per-head norms
         del shapes["embed_norm"]
@@ -299,12 +318,20 @@ def _attend(q, k, v, ctx_k, ctx_v, ctx_valid_BAS, scale: float):
 
 
 def forward(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, last_BAE, tokens_BA,
-            positions_BA):  # fmt: skip
-    """The draft logits ``float32[B, A, N, V_d]`` of A blocks per row: block a starts with token
+            positions_BA, parents_BAN=None):  # fmt: skip
+    """The draft logits ``float32[B, A, N, V_d]`` of A blocks per row (:func:`hidden`, then the
+    readout; a recurrent one teacher-forced on ``parents_BAN``, depth i's parent token)."""
+    h = hidden(c, params, ctx_k, ctx_v, ctx_valid_BAS, last_BAE, tokens_BA, positions_BA)
+    return br.logits(c, params, h, parents_BAN)
+
+
+def hidden(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, last_BAE, tokens_BA,
+           positions_BA):  # fmt: skip
+    """The block's output states ``[B, A, N, E]`` of A blocks per row: block a starts with token
     ``tokens_BA[:, a]`` at position ``positions_BA[:, a]``, sees the context slots where
     ``ctx_valid_BAS`` (``ctx_k/v [L, B, KVH, S, H]``: the cache layout), and every entry adds
     ``last_BAE[:, a]``, the context vector of the last committed position (zeros if none); entry
-    i of its N draws the token at position ``positions + 1 + i``."""
+    i of its N reads out the token at position ``positions + 1 + i``."""
     B, A = tokens_BA.shape
     N, E, H = c.block_size, c.hidden_size, c.head_dim
     NH, KVH, eps = c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps
@@ -338,9 +365,7 @@ def forward(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, last_BAE,
         gate = jax.nn.silu(jnp.einsum("bate,fe->batf", h, p["w_gate"]))
         up = jnp.einsum("bate,fe->batf", h, p["w_up"])
         x = x + jnp.einsum("batf,ef->bate", gate * up, p["w_down"])
-    out = rms_norm(x[:, :, 1:], params["norm"], eps)
-    logits = jnp.einsum("bane,ve->banv", out, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits.astype(jnp.float32)
+    return x[:, :, 1:]
 
 
 # Logical axes (a mesh places the drafter's parameters like the head's): a layer tensor's are the
@@ -351,6 +376,7 @@ AXES = {
     "embed_norm": ("embed",),
     "mask_embed": (None, "embed"),
     **{name: (None, None) for name in QK_NORMS},
+    **br.AXES,
 }
 
 # The family the models' helpers look up (``models.base.family_for_config``): no run layout.
@@ -367,6 +393,7 @@ def tensor_names(c: BlockConfig) -> dict[tuple[str, int | None], str]:
     for layer in range(c.num_hidden_layers):
         for ours, theirs in layer_names(c).items():
             names[(ours, layer)] = f"layers.{layer}.{theirs}"
+    names.update({(ours, None): br.TENSORS[ours] for ours in br.shapes(c)})
     return names
 
 

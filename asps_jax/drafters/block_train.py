@@ -5,9 +5,10 @@ The target runs inside the jitted train step (online features, as for the EAGLE-
 features at every position; ``anchors`` random positions p per window each stand for a drafting
 step whose bonus token is ``x[p]``: the block at p sees the context slots ``< p`` and its entry i
 (the token at ``p + 1 + i``) is trained towards the target's law at that position given the
-window's text, restricted to the draft vocabulary. The loss is ``sum_i w_i KL(target_i || block_i)
-/ sum_i w_i`` with ``w_i = decay ** i`` over the N positions (the later ones are reached less
-often, so count less), averaged over the anchors.
+window's text, restricted to the draft vocabulary; a recurrent readout is teacher-forced on the
+window's own tokens (depth i's parent is ``x[p + i]``). The loss is ``sum_i w_i KL(target_i ||
+block_i) / sum_i w_i`` with ``w_i = decay ** i`` over the N positions (the later ones are reached
+less often, so count less), averaged over the anchors.
 
 The optimizer is :func:`asps_jax.drafters.train.optimizer` (AdamW, linear warm-up then cosine
 decay, global-norm clipping). :func:`fit` is the resumable loop (``scripts/train_drafter.py
@@ -65,10 +66,13 @@ def block_loss(c, config, learned, fixed, target_config, target_params, tokens_B
     last_BAE = jnp.take_along_axis(
         bm.context(c, params, features_BTF), anchors_BA[..., None] - 1, 1
     )
-    logits_BAND = bm.forward(c, params, ctx_k, ctx_v, valid_BAS, last_BAE, first_BA, anchors_BA)
     at = (anchors_BA[:, :, None] + jnp.arange(N)[None, None, :]).reshape(
         B, A * N
-    )  # the law of x[p + 1 + i]
+    )  # the law of x[p + 1 + i], whose parent is x[p + i]
+    parents_BAN = jnp.take_along_axis(tokens_BT, at, axis=1).reshape(B, A, N)
+    logits_BAND = bm.forward(
+        c, params, ctx_k, ctx_v, valid_BAS, last_BAE, first_BA, anchors_BA, parents_BAN
+    )
     teacher = jnp.take_along_axis(logits_BTV, at[:, :, None], axis=1)[..., params["d2t"]]
     teacher = jax.nn.log_softmax(teacher.reshape(B, A, N, -1), axis=-1)
     log_q = jax.nn.log_softmax(logits_BAND, axis=-1)
