@@ -101,6 +101,29 @@ def test_init_cache_and_mask():
     assert layered.layer(1)[0] is layered.k[1] and layered.stacked()[0].shape == cache.k.shape
 
 
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked", "per_layer"])
+def test_take_rows_by_an_evenly_spaced_index_is_a_slice(per_layer):
+    """The rows a gather takes, also where ``take_rows`` slices (a static ``np.arange``): a
+    fresh cache sliced lowers to no gather (XLA would constant-fold a gather of the broadcast
+    zeros element by element at compile time), other index arrays stay gathers."""
+    rng = np.random.default_rng(1)
+    k = rng.normal(size=(3, 7, 2, 4, 2)).astype(np.float32)
+    cache = KVCache(jnp.asarray(k), jnp.asarray(-k), jnp.arange(7, dtype=jnp.int32))
+    cache = _per_layer(cache) if per_layer else cache
+    for rows in ([0, 2, 4, 6], [1, 4], [5], [0, 1, 2, 3, 4, 5, 6], [0, 0, 1, 1], [3, 1], [0, 2, 3]):
+        got = cache.take_rows(np.asarray(rows))
+        np.testing.assert_array_equal(np.stack(got.k) if per_layer else got.k, k[:, rows])
+        np.testing.assert_array_equal(np.stack(got.v) if per_layer else got.v, -k[:, rows])
+        np.testing.assert_array_equal(got.lengths, rows)
+
+    def fresh(rows):
+        return init_cache(CONFIG, 8, 4, per_layer=per_layer).take_rows(rows)
+
+    every_second = jax.jit(lambda: fresh(np.arange(0, 8, 2))).lower().as_text()
+    repeated = jax.jit(lambda: fresh(np.arange(8) // 2)).lower().as_text()
+    assert "gather" not in every_second and "gather" in repeated
+
+
 @pytest.mark.slow
 def test_commit_casts_to_cache_dtype():
     cache = init_cache(CONFIG, 1, 4, jnp.bfloat16)
