@@ -17,6 +17,7 @@ n - 1 entries of the pard token with ``fc @ mask_hidden``, causally (vLLM's para
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -328,8 +329,9 @@ def test_unmappable_checkpoint_is_a_one_line_error(pair, tmp_path, case, change,
 
 
 def test_unwritable_drafter_is_a_one_line_error(pair, tmp_path):
-    """Writing what the DFlash layout cannot hold (our variant, another head, mask embeddings
-    that are not one token's, a draft vocabulary) or P-EAGLE: one line, nothing written."""
+    """Writing what the DFlash layout cannot hold (our variant, a recurrent readout, another head,
+    mask embeddings that are not one token's, a draft vocabulary) or P-EAGLE: one line, nothing
+    written."""
     loaded = block.load_block(pair.folder, pair.target)
     c, p = loaded.config, loaded.params
     ours = bm.BlockConfig.for_target(pair.target.config, layers=(1, 2), block_size=3)
@@ -338,6 +340,12 @@ def test_unwritable_drafter_is_a_one_line_error(pair, tmp_path):
     masks[1] += 1.0
     cases = [
         (ours, ours_params, "dflash", "variant 'asps' .* holds variant 'dflash' only"),
+        (
+            dataclasses.replace(c, readout="recurrent", readout_size=4),
+            p,
+            "dflash",
+            "readout is 'recurrent'; DFlash reads each position's law from its state alone",
+        ),  # fmt: skip
         (c, dict(p, lm_head=p["lm_head"] * 2), "dflash", "lm_head is not the target's output head"),
         (c, dict(p, mask_embed=masks), "dflash", "not N copies of one target token's embedding"),
         (c, p, "p-eagle", "a block drafter cannot be written in it: P-EAGLE's layer attends"),

@@ -289,8 +289,9 @@ def dflash_json(c: bm.BlockConfig, mask: int, num_target_layers: int) -> dict:
 def to_dflash(path, config: bm.BlockConfig, params: dict, target) -> Path:
     """Write a ``"dflash"``-variant drafter for ``target`` in the DFlash layout (``config.json`` +
     ``model.safetensors``, both files replaced only once both are written). One-line errors for a
-    drafter the layout cannot express: our variant, a draft vocabulary, an output head other than
-    the target's, mask embeddings other than copies of one target token's, feature layer 0."""
+    drafter the layout cannot express: our variant, a recurrent readout, a draft vocabulary, an
+    output head other than the target's, mask embeddings other than copies of one target token's,
+    feature layer 0."""
     where = f"to_dflash({str(path)!r})"
     c = config
     variant = getattr(c, "variant", "p-eagle")
@@ -299,6 +300,11 @@ def to_dflash(path, config: bm.BlockConfig, params: dict, target) -> Path:
             f"{where}: the drafter's layers are variant {variant!r} (embed_norm "
             "and the context vector on the block, no q/k norms); the DFlash layout holds variant "
             "'dflash' only"
+        )
+    if c.readout != "position":
+        raise ValueError(
+            f"{where}: the drafter's readout is {c.readout!r}; DFlash reads each position's law "
+            "from its state alone (readout 'position'), with no tensors for another readout"
         )
     embed, head = np.asarray(target.params["embed"], np.float32), target_head(target)
     d2t = np.asarray(jax.device_get(params["d2t"]))
