@@ -503,6 +503,17 @@ def test_bad_peagle_is_a_one_line_error(pair, tmp_path, case, change, match):
     assert "\n" not in str(err.value) and str(folder) in str(err.value)
 
 
+def test_peagle_folder_as_an_eagle3_head_is_a_one_line_error(pair, tmp_path):
+    """``eagle3:PATH`` on a P-EAGLE folder would draft it one forward per token, not as trained:
+    refused in one line that names ``block:PATH``."""
+    from asps_jax.models import eagle3
+
+    folder, _ = _peagle_folder(tmp_path / "peagle")
+    with pytest.raises(ValueError, match=r'parallel_drafting.*draft="block:') as err:
+        eagle3.load_head(folder, pair.target)
+    assert "\n" not in str(err.value) and str(folder) in str(err.value)
+
+
 def test_missing_mask_hidden_is_a_one_line_error(pair, tmp_path):
     folder, tensors = _peagle_folder(tmp_path / "bad")
     save_file(

@@ -354,6 +354,12 @@ def load_head(path, target, *, dtype=None) -> Head:
         f"an EAGLE-3 head folder with {CONFIG_FILE} and {WEIGHTS_FILE} (or {loader.BIN_FILE})"
     )
     raw = loader.folder_config(folder, where, expected)
+    nested = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    if True in (raw.get("parallel_drafting"), nested.get("parallel_drafting")):
+        raise ValueError(
+            f'{where}: a P-EAGLE head ("parallel_drafting": true) drafts all n positions in one '
+            f'forward, which draft="eagle3:..." would not do; load it as draft="block:{path}"'
+        )
     c = HeadConfig.from_hf(raw, target.config, where=f"{where}: {CONFIG_FILE}")
     check_matches(c, target, where)
     tensors = _tensors(folder, where)
