@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from asps_jax.controls import logits_ok
 
 PURPOSE_DRAFT = 0  # the step key's purpose for drafting (decode folds in the others)
+PURPOSES = 3  # drafting, verification (decode's 1) and the AR step's draw (decode's 2)
 
 
 @jax.tree_util.register_dataclass
@@ -190,9 +191,19 @@ def _first_false(ok_BKD, never: int) -> jax.Array:
 def step_keys(state, purpose: int = PURPOSE_DRAFT) -> jax.Array:
     """Each row's key for this step and ``purpose``: ``fold_in(fold_in(row key, tokens generated
     so far), purpose)``, so a row's draws depend on its key and its text only."""
+    return all_step_keys(state)[:, purpose]
+
+
+def all_step_keys(state) -> jax.Array:
+    """``[B, PURPOSES]``: :func:`step_keys` of every purpose at once, in one vectorized
+    derivation: each purpose's call builds this same computation, which the compiler merges
+    into one copy of the key derivation per step (the same bits as one ``fold_in`` each)."""
     fold = jax.vmap(jax.random.fold_in)
     step = fold(state.row_keys, state.num_generated)
-    return fold(step, jnp.full(step.shape, purpose, jnp.uint32))
+    purposes = jnp.arange(PURPOSES, dtype=jnp.uint32)
+    return jax.vmap(lambda key: jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, purposes))(
+        step
+    )
 
 
 def chain_keys(state, num_chains: int) -> jax.Array:
