@@ -191,13 +191,14 @@ def _first_false(ok_BKD, never: int) -> jax.Array:
 def step_keys(state, purpose: int = PURPOSE_DRAFT) -> jax.Array:
     """Each row's key for this step and ``purpose``: ``fold_in(fold_in(row key, tokens generated
     so far), purpose)``, so a row's draws depend on its key and its text only."""
-    return all_step_keys(state)[:, purpose]
+    keys = getattr(state, "step_keys", None)  # derived once at the step's start (decode)
+    return (all_step_keys(state) if keys is None else keys)[:, purpose]
 
 
 def all_step_keys(state) -> jax.Array:
     """``[B, PURPOSES]``: :func:`step_keys` of every purpose at once, in one vectorized
-    derivation: each purpose's call builds this same computation, which the compiler merges
-    into one copy of the key derivation per step (the same bits as one ``fold_in`` each)."""
+    derivation (the same bits as one ``fold_in`` each); the decode step makes them once, at its
+    start (``DecodeState.step_keys``), so that its stages share one copy of the derivation."""
     fold = jax.vmap(jax.random.fold_in)
     step = fold(state.row_keys, state.num_generated)
     purposes = jnp.arange(PURPOSES, dtype=jnp.uint32)
