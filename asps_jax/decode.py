@@ -540,8 +540,8 @@ def _record_raw_logprobs(dec: Decoder, state: DecodeState, logits_BTV, tokens_BT
 
 
 def _step(dec: Decoder, target_params, draft_params, sampling, state):
-    state = dataclasses.replace(state, step_keys=all_step_keys(state))  # every stage's, at once
-    if dec.spec.uses_draft:
+    if dec.spec.uses_draft:  # every stage's key at once (an AR step folds in its one purpose)
+        state = dataclasses.replace(state, step_keys=all_step_keys(state))
         new_state = _spec_step(dec, target_params, draft_params, sampling, state)
     else:
         new_state = _ar_step(dec, target_params, sampling, state)

@@ -192,19 +192,27 @@ def step_keys(state, purpose: int = PURPOSE_DRAFT) -> jax.Array:
     """Each row's key for this step and ``purpose``: ``fold_in(fold_in(row key, tokens generated
     so far), purpose)``, so a row's draws depend on its key and its text only."""
     keys = getattr(state, "step_keys", None)  # derived once at the step's start (decode)
-    return (all_step_keys(state) if keys is None else keys)[:, purpose]
+    if keys is not None:
+        return keys[:, purpose]
+    fold = jax.vmap(jax.random.fold_in)
+    step = fold(state.row_keys, state.num_generated)
+    return fold(step, jnp.full(step.shape, purpose, jnp.uint32))
 
 
 def all_step_keys(state) -> jax.Array:
     """``[B, PURPOSES]``: :func:`step_keys` of every purpose at once, in one vectorized
     derivation (the same bits as one ``fold_in`` each); the decode step makes them once, at its
     start (``DecodeState.step_keys``), so that its stages share one copy of the derivation."""
-    fold = jax.vmap(jax.random.fold_in)
-    step = fold(state.row_keys, state.num_generated)
-    purposes = jnp.arange(PURPOSES, dtype=jnp.uint32)
-    return jax.vmap(lambda key: jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, purposes))(
-        step
-    )
+    step = jax.vmap(jax.random.fold_in)(state.row_keys, state.num_generated)
+    return fold_each(step, jnp.arange(PURPOSES, dtype=jnp.uint32))
+
+
+def fold_each(keys_R: jax.Array, data_X: jax.Array) -> jax.Array:
+    """``[R, X]``: ``fold_in(keys[r], data[x])`` for every pair, as one ``fold_in`` over a flat
+    ``R * X`` axis (one copy in the program, smaller on XLA:TPU than a nested ``vmap``)."""
+    rows, width = keys_R.shape[0], data_X.shape[0]
+    flat = jax.vmap(jax.random.fold_in)(jnp.repeat(keys_R, width), jnp.tile(data_X, rows))
+    return flat.reshape(rows, width)
 
 
 def chain_keys(state, num_chains: int) -> jax.Array:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import controls, footprint, kv_cache, scoring, sharding
-from asps_jax.drafters.base import Drafter, Proposal, chain_keys, finite_laws
+from asps_jax.drafters.base import Drafter, Proposal, chain_keys, finite_laws, fold_each
 from asps_jax.draws import draw_without_replacement
 from asps_jax.models import forward_for
 
@@ -243,7 +243,7 @@ def rollout(
     path_RD = jnp.zeros((rows, draft_len), jnp.int32)
     # Every depth's keys in one derivation before the loop (the same bits as one per depth).
     depths = jnp.arange(draft_len)
-    keys_DR = jax.vmap(_depth_keys, in_axes=(None, 0))(keys_R, depths)
+    keys_DR = jnp.swapaxes(fold_each(keys_R, depths), 0, 1)
     (cache, last_R, _), (tokens_DR, logprobs_DRV, ok_DR, finite_DR) = jax.lax.scan(
         body, (cache, root_R, path_RD), (depths, keys_DR)
     )

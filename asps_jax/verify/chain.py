@@ -264,7 +264,7 @@ def asps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Ve
     categorical over the flattened n*V+1 table at a fraction of the cost. Both draws are exact
     (draws.draw_categorical). Out-of-contract tokens end the chain (:func:`effective_length`).
     """
-    n, _ = draft_logprobs.shape
+    n, vocab = draft_logprobs.shape
     draft_tokens, draft_length = effective_length(
         draft_tokens, draft_logprobs, target_logprobs, draft_length
     )
@@ -275,12 +275,26 @@ def asps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Ve
     row_mass_M = jnp.concatenate([row_mass_N, log_full[None]])
     # The three purposes' keys in one derivation (the same bits as one fold_in each).
     keys = _purpose_keys(key, (_OUTCOME, _RESIDUAL, _BONUS))
-    row = draw_categorical(keys[0], row_mass_M)
+    bonus_law = target_logprobs[draft_length]
+    width = max(vocab, n + 1)  # both laws padded to one width with -inf (never drawn)
+    pad = lambda lp: jnp.pad(lp, (0, width - lp.shape[0]), constant_values=NEG_INF)  # noqa: E731
+
+    def draw(j, drawn):  # j = 0 the row, j = 1 its token: one draw in the program, not two
+        full = drawn[0] == n
+        law = (
+            bonus_law
+            if n == 0
+            else jnp.where(full, bonus_law, stop_NV[jnp.minimum(drawn[0], n - 1)])
+        )
+        law = jnp.where(j == 0, pad(row_mass_M), pad(law))
+        purpose = jnp.where(j == 0, 0, jnp.where(full, 2, 1))
+        return drawn.at[j].set(draw_categorical(keys[purpose], law))
+
+    # A draw's token does not depend on -inf entries after the law's own (draws.py), so the
+    # padded row draw is the n + 1 row masses' draw, token for token.
+    row, last = jax.lax.fori_loop(0, 2, draw, jnp.zeros((2,), jnp.int32))
     full = row == n
     num_accepted = jnp.where(full, draft_length, row).astype(jnp.int32)
-    bonus_law = target_logprobs[draft_length]
-    law = bonus_law if n == 0 else jnp.where(full, bonus_law, stop_NV[jnp.minimum(row, n - 1)])
-    last = draw_categorical(keys[jnp.where(full, 2, 1)], law)
 
     tokens_M = jnp.concatenate([draft_tokens, jnp.full((1,), -1, jnp.int32)])
     tokens_M = tokens_M.at[num_accepted].set(last)
