@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from asps_jax.controls import logits_ok
 
 PURPOSE_DRAFT = 0  # the step key's purpose for drafting (decode folds in the others)
-PURPOSES = 3  # drafting, verification (decode's 1) and the AR step's draw (decode's 2)
+PURPOSES = 2  # a speculative step's: drafting, verification (decode's 1; the AR step's is 2)
 
 
 @jax.tree_util.register_dataclass
@@ -192,7 +192,7 @@ def step_keys(state, purpose: int = PURPOSE_DRAFT) -> jax.Array:
     """Each row's key for this step and ``purpose``: ``fold_in(fold_in(row key, tokens generated
     so far), purpose)``, so a row's draws depend on its key and its text only."""
     keys = getattr(state, "step_keys", None)  # derived once at the step's start (decode)
-    if keys is not None:
+    if keys is not None and purpose < keys.shape[1]:
         return keys[:, purpose]
     fold = jax.vmap(jax.random.fold_in)
     step = fold(state.row_keys, state.num_generated)
@@ -218,9 +218,7 @@ def fold_each(keys_R: jax.Array, data_X: jax.Array) -> jax.Array:
 def chain_keys(state, num_chains: int) -> jax.Array:
     """One key per (row, chain), rows major (``b * K + k``): chain k's is ``fold_in(row's draft
     key, k)``."""
-    keys_B = step_keys(state)
-    fold = lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(num_chains))  # noqa: E731
-    return jax.vmap(fold)(keys_B).reshape(-1)
+    return fold_each(step_keys(state), jnp.arange(num_chains, dtype=jnp.uint32)).reshape(-1)
 
 
 def load_named(target, spec: str, prefix: str, cache, load, what: str):

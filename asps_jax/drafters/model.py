@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from asps_jax import controls, footprint, kv_cache, scoring, sharding
-from asps_jax.drafters.base import Drafter, Proposal, chain_keys, finite_laws, fold_each
+from asps_jax.drafters.base import Drafter, Proposal, chain_keys, finite_laws
 from asps_jax.draws import draw_without_replacement
 from asps_jax.models import forward_for
 
@@ -225,11 +225,11 @@ def rollout(
             raise ValueError("draft_stop: confidence-stopped chains need K chains, not tree=")
         return _rollout_stopped(feed, law, cache, root_R, keys_R, draft_len, sampling, limit_R)
 
-    def body(carry, xs):
+    def body(carry, depth):
         cache, token_R, path_RD = carry
-        depth, depth_keys = xs
         cache, logits_R1V = feed(cache, token_R, depth)
         logprobs_RV, ok_R, finite_R = law(logits_R1V, depth, path_RD)
+        depth_keys = _depth_keys(keys_R, depth)
         if plan is not None:
             next_R, logprobs_RV, ok_R, finite_R = _draw_tree(
                 plan, depth, depth_keys, logprobs_RV, ok_R, finite_R
@@ -241,11 +241,8 @@ def rollout(
 
     rows = root_R.shape[0]
     path_RD = jnp.zeros((rows, draft_len), jnp.int32)
-    # Every depth's keys in one derivation before the loop (the same bits as one per depth).
-    depths = jnp.arange(draft_len)
-    keys_DR = jnp.swapaxes(fold_each(keys_R, depths), 0, 1)
     (cache, last_R, _), (tokens_DR, logprobs_DRV, ok_DR, finite_DR) = jax.lax.scan(
-        body, (cache, root_R, path_RD), (depths, keys_DR)
+        body, (cache, root_R, path_RD), jnp.arange(draft_len)
     )
     if store_last:  # the (n+1)-th feed only stores x_n's keys/values; its law is never used
         cache, _ = feed(cache, last_R, jnp.asarray(draft_len))
