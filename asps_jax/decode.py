@@ -59,7 +59,7 @@ from jax.sharding import Mesh
 
 from asps_jax import controls, decode_state, kv_cache, scoring, sharding, statistics, trees
 from asps_jax.decode_state import DecodeState, Drafts, SpecConfig
-from asps_jax.drafters.base import Drafter, Proposal, step_keys, unusable_depths
+from asps_jax.drafters.base import Drafter, Proposal, all_step_keys, step_keys, unusable_depths
 from asps_jax.models import forward_for
 from asps_jax.models.output import ForwardOut
 from asps_jax.statistics import DecodeStats
@@ -540,7 +540,8 @@ def _record_raw_logprobs(dec: Decoder, state: DecodeState, logits_BTV, tokens_BT
 
 
 def _step(dec: Decoder, target_params, draft_params, sampling, state):
-    if dec.spec.uses_draft:
+    if dec.spec.uses_draft:  # every stage's key at once (an AR step folds in its one purpose)
+        state = dataclasses.replace(state, step_keys=all_step_keys(state))
         new_state = _spec_step(dec, target_params, draft_params, sampling, state)
     else:
         new_state = _ar_step(dec, target_params, sampling, state)
@@ -551,4 +552,4 @@ def _step(dec: Decoder, target_params, draft_params, sampling, state):
     )
     num_B = new_state.num_generated - state.num_generated
     history = controls.commit(sampling, state.history, block_BT, num_B)
-    return dataclasses.replace(new_state, history=history)
+    return dataclasses.replace(new_state, history=history, step_keys=None)

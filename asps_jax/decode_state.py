@@ -131,6 +131,8 @@ class DecodeState:
         (:class:`~asps_jax.controls.StopStrings`); None without stop strings.
       budget: int32[B], each row's ``max_new_tokens`` (at most ``SpecConfig.max_new_tokens``,
         the static output width): a traced value, so budgets within one width share a program.
+      step_keys: typed PRNG keys [B, purposes] inside one step (``drafters.base.step_keys``:
+        every purpose's key derived once at the step's start); None between steps.
     """
 
     target_cache: kv_cache.KVCache
@@ -147,6 +149,7 @@ class DecodeState:
     raw_logprobs: jax.Array
     stop: controls.StopStrings | None = None
     budget: jax.Array | None = None
+    step_keys: jax.Array | None = None
 
 
 def prefill(

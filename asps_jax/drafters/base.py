@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from asps_jax.controls import logits_ok
 
 PURPOSE_DRAFT = 0  # the step key's purpose for drafting (decode folds in the others)
+PURPOSES = 2  # a speculative step's: drafting, verification (decode's 1; the AR step's is 2)
 
 
 @jax.tree_util.register_dataclass
@@ -190,17 +191,34 @@ def _first_false(ok_BKD, never: int) -> jax.Array:
 def step_keys(state, purpose: int = PURPOSE_DRAFT) -> jax.Array:
     """Each row's key for this step and ``purpose``: ``fold_in(fold_in(row key, tokens generated
     so far), purpose)``, so a row's draws depend on its key and its text only."""
+    keys = getattr(state, "step_keys", None)  # derived once at the step's start (decode)
+    if keys is not None and purpose < keys.shape[1]:
+        return keys[:, purpose]
     fold = jax.vmap(jax.random.fold_in)
     step = fold(state.row_keys, state.num_generated)
     return fold(step, jnp.full(step.shape, purpose, jnp.uint32))
 
 
+def all_step_keys(state) -> jax.Array:
+    """``[B, PURPOSES]``: :func:`step_keys` of every purpose at once, in one vectorized
+    derivation (the same bits as one ``fold_in`` each); the decode step makes them once, at its
+    start (``DecodeState.step_keys``), so that its stages share one copy of the derivation."""
+    step = jax.vmap(jax.random.fold_in)(state.row_keys, state.num_generated)
+    return fold_each(step, jnp.arange(PURPOSES, dtype=jnp.uint32))
+
+
+def fold_each(keys_R: jax.Array, data_X: jax.Array) -> jax.Array:
+    """``[R, X]``: ``fold_in(keys[r], data[x])`` for every pair, as one ``fold_in`` over a flat
+    ``R * X`` axis (one copy in the program, smaller on XLA:TPU than a nested ``vmap``)."""
+    rows, width = keys_R.shape[0], data_X.shape[0]
+    flat = jax.vmap(jax.random.fold_in)(jnp.repeat(keys_R, width), jnp.tile(data_X, rows))
+    return flat.reshape(rows, width)
+
+
 def chain_keys(state, num_chains: int) -> jax.Array:
     """One key per (row, chain), rows major (``b * K + k``): chain k's is ``fold_in(row's draft
     key, k)``."""
-    keys_B = step_keys(state)
-    fold = lambda key: jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(num_chains))  # noqa: E731
-    return jax.vmap(fold)(keys_B).reshape(-1)
+    return fold_each(step_keys(state), jnp.arange(num_chains, dtype=jnp.uint32)).reshape(-1)
 
 
 def load_named(target, spec: str, prefix: str, cache, load, what: str):

@@ -140,7 +140,8 @@ def sps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Ver
 
     # --- Step 1: accept/reject every position at once, each an exact Bernoulli (bias < 2^-64,
     # draws.accept_log); p(x) = 0 never accepts, q(x) = 0 < p(x) always does.
-    accepted_N = accept_log(jax.random.fold_in(key, _ACCEPT), lp_x, lq_x)
+    keys = _purpose_keys(key, (_ACCEPT, _RESIDUAL, _BONUS))
+    accepted_N = accept_log(keys[0], lp_x, lq_x)
     stop_N = ~accepted_N | (jnp.arange(n) >= draft_length)
     # J = number of accepted tokens = index of the first rejection, or draft_length.
     first_stop = jnp.argmax(stop_N) if n > 0 else 0
@@ -153,8 +154,7 @@ def sps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Ver
     lq_J = draft_logprobs[jnp.minimum(num_accepted, n - 1)] if n > 0 else NEG_INF
     law_J = _residual(target_logprobs[num_accepted], jnp.where(recovering, lq_J, NEG_INF))
     # One V-sized draw whose key still depends on its purpose (recovered vs bonus).
-    purpose = jnp.where(recovering, _RESIDUAL, _BONUS)
-    last = draw_categorical(jax.random.fold_in(key, purpose), law_J)
+    last = draw_categorical(keys[jnp.where(recovering, 1, 2)], law_J)
 
     tokens_M = jnp.concatenate([draft_tokens, jnp.full((1,), -1, jnp.int32)])
     tokens_M = tokens_M.at[num_accepted].set(last)
@@ -264,7 +264,7 @@ def asps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Ve
     categorical over the flattened n*V+1 table at a fraction of the cost. Both draws are exact
     (draws.draw_categorical). Out-of-contract tokens end the chain (:func:`effective_length`).
     """
-    n, _ = draft_logprobs.shape
+    n, vocab = draft_logprobs.shape
     draft_tokens, draft_length = effective_length(
         draft_tokens, draft_logprobs, target_logprobs, draft_length
     )
@@ -273,14 +273,35 @@ def asps(key, draft_tokens, draft_logprobs, target_logprobs, draft_length) -> Ve
     )
     # The table sums to 1 up to rounding; the draw's implicit normalisation absorbs it.
     row_mass_M = jnp.concatenate([row_mass_N, log_full[None]])
-    row = draw_categorical(jax.random.fold_in(key, _OUTCOME), row_mass_M)
+    # The three purposes' keys in one derivation (the same bits as one fold_in each).
+    keys = _purpose_keys(key, (_OUTCOME, _RESIDUAL, _BONUS))
+    bonus_law = target_logprobs[draft_length]
+    width = max(vocab, n + 1)  # both laws padded to one width with -inf (never drawn)
+    pad = lambda lp: jnp.pad(lp, (0, width - lp.shape[0]), constant_values=NEG_INF)  # noqa: E731
+
+    def draw(j, drawn):  # j = 0 the row, j = 1 its token: one draw in the program, not two
+        full = drawn[0] == n
+        law = (
+            bonus_law
+            if n == 0
+            else jnp.where(full, bonus_law, stop_NV[jnp.minimum(drawn[0], n - 1)])
+        )
+        law = jnp.where(j == 0, pad(row_mass_M), pad(law))
+        purpose = jnp.where(j == 0, 0, jnp.where(full, 2, 1))
+        return drawn.at[j].set(draw_categorical(keys[purpose], law))
+
+    # A draw's token does not depend on -inf entries after the law's own (draws.py), so the
+    # padded row draw is the n + 1 row masses' draw, token for token.
+    row, last = jax.lax.fori_loop(0, 2, draw, jnp.zeros((2,), jnp.int32))
     full = row == n
     num_accepted = jnp.where(full, draft_length, row).astype(jnp.int32)
-    bonus_law = target_logprobs[draft_length]
-    law = bonus_law if n == 0 else jnp.where(full, bonus_law, stop_NV[jnp.minimum(row, n - 1)])
-    purpose = jnp.where(full, _BONUS, _RESIDUAL)
-    last = draw_categorical(jax.random.fold_in(key, purpose), law)
 
     tokens_M = jnp.concatenate([draft_tokens, jnp.full((1,), -1, jnp.int32)])
     tokens_M = tokens_M.at[num_accepted].set(last)
     return make_verdict(tokens_M, num_accepted + 1)
+
+
+def _purpose_keys(key, purposes) -> jax.Array:
+    """``fold_in(key, p)`` for each purpose ``p`` (stacked), derived in one vectorized
+    ``fold_in``: the same bits as one ``fold_in`` per purpose, one copy in the program."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(purposes, jnp.uint32))
