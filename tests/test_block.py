@@ -483,3 +483,29 @@ def test_bundled_block_runs_out_of_the_box():
     )  # fmt: skip
     assert np.all(np.asarray(out.lengths) == 32)
     assert float(np.mean(np.asarray(out.stats["tokens_per_step"]))) > 1.5
+
+
+README_REGEX = r"(ROMEO|JULIET): [a-z ]{5,40}\."
+
+
+@pytest.mark.slow
+def test_bundled_block_under_a_regex():
+    """The bundled (recurrent) block drafter under the README's regex: at T = 0 its text is AR's
+    constrained greedy text; at T = 1 on a (2, 2) tree (tv) every row is a full match, cut at
+    the match by EOS, and drafts are accepted."""
+    import re
+
+    target = asps_jax.load_model("tinyshakespeare-target")
+    tok, spec = target.tokenizer, "block:tinyshakespeare-block"
+    kw = dict(max_new_tokens=48, regex=README_REGEX, seed=0)
+    prompt = [tok.encode("JULIET:\n")]
+    ar = asps_jax.sample(target, None, prompt, method="ar", temperature=0.0, **kw)
+    greedy = asps_jax.sample(target, spec, prompt, method="asps", temperature=0.0, **kw)
+    assert np.asarray(greedy.tokens).tolist() == np.asarray(ar.tokens).tolist()
+    out = asps_jax.sample(target, spec, prompt * 4, method="tv", tree=(2, 2), **kw)
+    eos = tok.eos_token_id
+    for b in range(4):
+        ids = np.asarray(out.tokens[b, : out.lengths[b]]).tolist()
+        assert ids[-1] == eos and eos not in ids[:-1], (b, ids)
+        assert re.fullmatch(README_REGEX, tok.decode(ids[:-1])), tok.decode(ids)
+    assert np.asarray(out.stats["accepted"]).sum() > 0

@@ -124,9 +124,10 @@ def native(model, tok):
 
 @pytest.fixture(scope="module")
 def block_draft(model, tmp_path_factory):
-    """``draft=`` naming a random block drafter (blocks of 3) written for ``model``'s features."""
+    """``draft=`` naming a random block drafter (blocks of 3, the recurrent readout the bundled
+    one has) written for ``model``'s features."""
     target = asps_model(model)
-    config = block_model.BlockConfig.for_target(target.config, block_size=3)
+    config = block_model.BlockConfig.for_target(target.config, block_size=3, readout="recurrent")
     d2t = list(range(config.vocab_size))
     params = block_model.init_params(config, jax.random.key(3), target.params["embed"], d2t, 0.5)
     path = tmp_path_factory.mktemp("block") / "drafter"
