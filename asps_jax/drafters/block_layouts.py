@@ -37,7 +37,6 @@ are refused.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
@@ -322,19 +321,8 @@ def to_dflash(path, config: bm.BlockConfig, params: dict, target) -> Path:
         if ours not in ("mask_embed", "lm_head")
     ]
     folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(dflash_json(c, mask, target.config.num_hidden_layers), indent=2) + "\n"
-    weights, conf = folder / (bm.WEIGHTS_FILE + ".tmp"), folder / (bm.CONFIG_FILE + ".tmp")
-    try:
-        loader.write_safetensors(weights, tensors)
-        conf.write_text(text)
-    except BaseException:
-        weights.unlink(missing_ok=True)
-        conf.unlink(missing_ok=True)
-        raise
-    weights.replace(folder / bm.WEIGHTS_FILE)
-    conf.replace(folder / bm.CONFIG_FILE)
-    return folder
+    config_json = dflash_json(c, mask, target.config.num_hidden_layers)
+    return loader.write_checkpoint(folder, tensors, config_json, bm.WEIGHTS_FILE, bm.CONFIG_FILE)
 
 
 def save(path, config, params: dict, *, layout: str = "asps", target=None) -> Path:

@@ -20,7 +20,6 @@ the default n.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jax
@@ -164,7 +163,6 @@ def save(path, config: PEagleConfig, params: dict) -> Path:
     them) with ``parallel_drafting``, the pard token and ``mask_hidden``; both files replaced only
     once both are written."""
     folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     host = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
     tensors = {eagle3.TENSORS[n]: host[n].astype(np.float32) for n in param_shapes(config)}
     ids = host["d2t"].astype(np.int64)
@@ -172,18 +170,9 @@ def save(path, config: PEagleConfig, params: dict) -> Path:
     t2d = np.zeros(config.vocab_size, bool)
     t2d[ids] = True
     tensors |= {"t2d": t2d, "mask_hidden": host["mask_hidden"].astype(np.float32)}
-    weights = folder / (eagle3.WEIGHTS_FILE + ".tmp")
-    conf = folder / (eagle3.CONFIG_FILE + ".tmp")
-    try:
-        loader.write_safetensors(weights, list(tensors.items()))
-        conf.write_text(json.dumps(config.to_hf(), indent=2) + "\n")
-    except BaseException:
-        weights.unlink(missing_ok=True)
-        conf.unlink(missing_ok=True)
-        raise
-    weights.replace(folder / eagle3.WEIGHTS_FILE)
-    conf.replace(folder / eagle3.CONFIG_FILE)
-    return folder
+    return loader.write_checkpoint(
+        folder, list(tensors.items()), config.to_hf(), eagle3.WEIGHTS_FILE, eagle3.CONFIG_FILE
+    )
 
 
 __all__ = ["PEagleConfig", "PEagleDrafter", "peagle_shapes", "pard_token", "read", "save"]

@@ -28,7 +28,6 @@ checked field by field and tensor by tensor (:mod:`asps_jax.models.eagle3_checks
 from __future__ import annotations
 
 import dataclasses
-import json
 import types
 from pathlib import Path
 
@@ -404,7 +403,6 @@ def save_head(path, config: HeadConfig, params: dict, *, embed: bool = False) ->
     ``d2t`` offsets and the ``t2d`` mask; ``embed``: also its embedding), each file replaced
     only once both are written."""
     folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     host = {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
     tensors = {TENSORS[name]: host[name].astype(np.float32) for name in param_shapes(config)}
     ids = host["d2t"].astype(np.int64)
@@ -414,19 +412,9 @@ def save_head(path, config: HeadConfig, params: dict, *, embed: bool = False) ->
     tensors["t2d"] = t2d
     if embed:
         tensors["embed_tokens.weight"] = host["embed"].astype(np.float32)
-    # Both files written in full first, then renamed: a failed write (a full disk) leaves the
-    # folder's previous head as it was and no temporary file.
-    weights, conf = folder / (WEIGHTS_FILE + ".tmp"), folder / (CONFIG_FILE + ".tmp")
-    try:
-        loader.write_safetensors(weights, list(tensors.items()))
-        conf.write_text(json.dumps(config.to_hf(), indent=2) + "\n")
-    except BaseException:
-        weights.unlink(missing_ok=True)
-        conf.unlink(missing_ok=True)
-        raise
-    weights.replace(folder / WEIGHTS_FILE)
-    conf.replace(folder / CONFIG_FILE)
-    return folder
+    return loader.write_checkpoint(
+        folder, list(tensors.items()), config.to_hf(), WEIGHTS_FILE, CONFIG_FILE
+    )
 
 
 __all__ = [

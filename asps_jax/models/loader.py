@@ -313,6 +313,26 @@ def write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]]) -> None
             f.write(np.ascontiguousarray(a).tobytes())
 
 
+def write_checkpoint(
+    folder: Path, tensors: list[tuple[str, np.ndarray]], config: dict, weights: str, conf: str
+) -> Path:
+    """``tensors`` into ``folder / weights`` (safetensors) and ``config`` into ``folder / conf``
+    (JSON), both written in full first, then renamed: a failed write (a full disk) leaves the
+    folder's previous checkpoint as it was and no temporary file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp_weights, tmp_conf = folder / (weights + ".tmp"), folder / (conf + ".tmp")
+    try:
+        write_safetensors(tmp_weights, tensors)
+        tmp_conf.write_text(json.dumps(config, indent=2) + "\n")
+    except BaseException:
+        tmp_weights.unlink(missing_ok=True)
+        tmp_conf.unlink(missing_ok=True)
+        raise
+    tmp_weights.replace(folder / weights)
+    tmp_conf.replace(folder / conf)
+    return folder
+
+
 def hf_tensors(config, params, family) -> list[tuple[str, np.ndarray]]:
     """Our params as ``(HF name, HF-layout array)``: views of one host copy of each parameter."""
     table, _, shapes = _table(family, config)
