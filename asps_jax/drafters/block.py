@@ -135,7 +135,7 @@ class BlockDrafter(Drafter):
         c, n = self.config, dec.spec.num_draft_tokens
         width = len(c.feature_layers) * c.target_hidden_size
         return BlockState(
-            cache=kv_cache.init_cache(c, batch, dec.cache_len, params["wk"].dtype),
+            cache=kv_cache.init_cache(c, batch, dec.cache_len, bm.dtype_of(params)),
             features=jnp.zeros((batch, n + 1, width), params["fc"].dtype),
             count=jnp.zeros((batch,), jnp.int32),
             last=jnp.zeros((batch, width), params["fc"].dtype),
