@@ -378,7 +378,8 @@ def hidden(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, last_BAE, 
            positions_BA):  # fmt: skip
     """The block's output states ``[B, A, N, E]`` of A blocks per row: block a starts with token
     ``tokens_BA[:, a]`` at position ``positions_BA[:, a]``, sees the context slots where
-    ``ctx_valid_BAS`` (``ctx_k/v [L, B, KVH, S, H]``: the cache layout), and every entry adds
+    ``ctx_valid_BAS`` (``ctx_k/v``: the cache's, ``[L, B, KVH, S, H]`` or a tuple of L ``[B, KVH,
+    S, H]`` with the run layout's parameters: read in place), and every entry adds
     ``last_BAE[:, a]``, the context vector of the last committed position (zeros if none); entry
     i of its N reads out the token at position ``positions + 1 + i``."""
     B, A = tokens_BA.shape
