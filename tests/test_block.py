@@ -90,8 +90,9 @@ def tiny(tmp_path_factory, request):
 @pytest.mark.parametrize("tiny", READOUTS, indirect=True)
 def test_block_forward_is_the_numpy_block(tiny):
     """The loaded drafter's context keys / values and block forward after PROMPT (the recurrent
-    readout teacher-forced on drafted tokens 2, 4) give the NumPy block's logits; the placed laws
-    are 0 outside the draft vocabulary and peaked."""
+    readout teacher-forced on drafted tokens 2, 4) give the NumPy block's logits, in the stored
+    layout and in the CPU run layout (per-layer ``[in, out]`` weights, a cache buffer per layer);
+    the placed laws are 0 outside the draft vocabulary and peaked."""
     loaded = block.load_block(tiny.folder, tiny.target)
     assert loaded.config == tiny.config
     m = len(PROMPT) - 1
@@ -101,6 +102,8 @@ def test_block_forward_is_the_numpy_block(tiny):
     def run(params, features):
         ctx = bm.context_kv(tiny.config, params, features[None], jnp.arange(m)[None])
         k, v = jnp.swapaxes(ctx.k, 2, 3), jnp.swapaxes(ctx.v, 2, 3)
+        if "layers" in params:  # the run layout's cache: one buffer per layer
+            k, v = tuple(k), tuple(v)
         valid = jnp.ones((1, 1, m), bool)
         last = bm.context(tiny.config, params, features[None, -1:])
         root = jnp.asarray([[PROMPT[-1]]])
@@ -109,9 +112,15 @@ def test_block_forward_is_the_numpy_block(tiny):
             tiny.config, params, k, v, valid, last, root, jnp.asarray([[m]]), parents
         )[0, 0]
 
-    got = np.asarray(run(loaded.params, jnp.asarray(features, jnp.float32)))
     want = tiny.ref.logits(features, PROMPT[-1], DRAFTED)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    run_params = bm.prepare_params(tiny.config, loaded.params)
+    assert bm.prepare_params(tiny.config, run_params) is run_params
+    assert len(run_params["layers"]) == 2 and run_params["layers"][0]["wq"].shape == (
+        tiny.config.hidden_size, tiny.config.num_attention_heads * tiny.config.head_dim
+    )  # fmt: skip
+    for params in (loaded.params, run_params):
+        got = np.asarray(run(params, jnp.asarray(features, jnp.float32)))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     laws = tiny.ref.laws(tiny.hf, PROMPT, drafted=DRAFTED)
     assert np.all(laws[:, OUT] == 0) and np.abs(laws - 1 / VOCAB).max() > 0.3
 

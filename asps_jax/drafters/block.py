@@ -72,7 +72,8 @@ class Block(Model):
 
 def _pick(keep_B, new, old):
     """``new`` where ``keep_B`` (bool[B]) along the rows axis (the first, or the second of a
-    ``[L, B, ...]`` cache array), else ``old``."""
+    stacked ``[L, B, ...]`` cache array; a per-layer cache's ``[B, ...]`` arrays: the first),
+    else ``old``."""
     axis = 1 if new.ndim == 5 else 0
     shape = [1] * new.ndim
     shape[axis] = keep_B.shape[0]
@@ -135,7 +136,13 @@ class BlockDrafter(Drafter):
         c, n = self.config, dec.spec.num_draft_tokens
         width = len(c.feature_layers) * c.target_hidden_size
         return BlockState(
-            cache=kv_cache.init_cache(c, batch, dec.cache_len, params["wk"].dtype),
+            cache=kv_cache.init_cache(
+                c,
+                batch,
+                dec.cache_len,
+                bm.dtype_of(params),
+                per_layer=kv_cache.per_layer_params(params),
+            ),  # fmt: skip
             features=jnp.zeros((batch, n + 1, width), params["fc"].dtype),
             count=jnp.zeros((batch,), jnp.int32),
             last=jnp.zeros((batch, width), params["fc"].dtype),
@@ -167,8 +174,8 @@ class BlockDrafter(Drafter):
         fresh = self.prefill(dec, params, state, prompts_BP, committed_B, features)
         new, old = fresh.cache, state.cache
         cache = kv_cache.KVCache(
-            k=_pick(take_B, new.k, old.k),
-            v=_pick(take_B, new.v, old.v),
+            k=jax.tree.map(lambda a, b: _pick(take_B, a, b), new.k, old.k),
+            v=jax.tree.map(lambda a, b: _pick(take_B, a, b), new.v, old.v),
             lengths=jnp.where(take_B, new.lengths, old.lengths),
         )
         return BlockState(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from pathlib import Path
 
 import jax
@@ -265,11 +266,58 @@ def init_params(c: BlockConfig, key, embed, d2t, std: float = 0.02, dtype=jnp.fl
 # --- Forward ----------------------------------------------------------------------------------
 
 
+def prepare_params(c: BlockConfig, params: dict, wide: bool = False) -> dict:
+    """The run layout of ``params`` on a CPU device (``models.base.run_params``; an accelerator
+    runs the stored layout): ``"layers"`` a tuple of L per-layer dicts of the layer tensors, every
+    matrix ``[in, out]``, and ``fc`` ``[in, out]`` too; the rest (embedding, norms, mask
+    embeddings, the readout and ``lm_head``, which multiply one row a depth) as stored.
+
+    The block forward multiplies ``n + 1`` rows per chain, and so does the context's write: sliced
+    out of a stacked ``[L, ...]`` parameter inside the step, each layer's weights were copied on
+    every call (XLA cannot alias a slice of an input buffer), and XLA:CPU's product of 2 to 17 rows
+    runs ~1.6x faster on an ``[in, out]`` matrix (the Llama run layout's reason, ``llama.py``).
+    Made once per loaded drafter (``wide`` is irrelevant: the block is always several rows);
+    idempotent; the same math as the stored layout to float tolerance."""
+    del wide
+    if "layers" in params:
+        return params
+    names = layer_names(c)
+    run = {k: v for k, v in params.items() if k not in names}
+    run["fc"] = params["fc"].T
+    run["layers"] = tuple(
+        {name: _run_tensor(params[name][i]) for name in names} for i in range(c.num_hidden_layers)
+    )
+    return run
+
+
+def _run_tensor(a):
+    """A layer tensor in the run layout: a matrix ``[in, out]`` (stored ``[out, in]``)."""
+    return a.T if a.ndim == 2 else a
+
+
+def _layers(c: BlockConfig, params: dict) -> tuple[bool, list[dict]]:
+    """``(run, per-layer tensors)``: the run layout's dicts (``[in, out]`` matrices), or the stored
+    layout's slices (``[out, in]``)."""
+    if "layers" in params:
+        return True, list(params["layers"])
+    names = layer_names(c)
+    return False, [{n: params[n][i] for n in names} for i in range(c.num_hidden_layers)]
+
+
+def _project(x, w, run: bool):
+    """``x [..., in]`` times a weight matrix in either layout (``[in, out]`` when ``run``)."""
+    return jnp.einsum("...i,io->...o" if run else "...i,oi->...o", x, w)
+
+
+def dtype_of(params: dict):
+    """The drafter's compute dtype (its weights')."""
+    return params["fc"].dtype
+
+
 def context(c: BlockConfig, params: dict, features_BSF) -> jax.Array:
     """The context vectors ``[B, S, E]``: the target's features ``[B, S, F]`` fused by ``fc`` and
     normalised (``hidden_norm``)."""
-    dtype = params["wk"].dtype
-    fused = jnp.einsum("bsf,ef->bse", features_BSF.astype(dtype), params["fc"])
+    fused = _project(features_BSF.astype(dtype_of(params)), params["fc"], "layers" in params)
     return rms_norm(fused, params["hidden_norm"], c.rms_norm_eps)
 
 
@@ -282,20 +330,21 @@ def context_kv(c: BlockConfig, params: dict, features_BSF, positions_BS) -> kv_c
         c.rope_theta, c.head_dim, c.rope_scaling, c.max_position_embeddings, positions_BS
     )
     shape = (B, S, c.num_key_value_heads, c.head_dim)
+    run, layers = _layers(c, params)
     keys, values = [], []
-    for layer in range(c.num_hidden_layers):
-        k = jnp.einsum("bse,oe->bso", ctx, params["wk"][layer]).reshape(shape)
-        keys.append(apply_rope(_head_norm(c, params, "k_norm", layer, k), cos, sin))
-        values.append(jnp.einsum("bse,oe->bso", ctx, params["wv"][layer]).reshape(shape))
+    for p in layers:
+        k = _project(ctx, p["wk"], run).reshape(shape)
+        keys.append(apply_rope(_head_norm(c, p, "k_norm", k), cos, sin))
+        values.append(_project(ctx, p["wv"], run).reshape(shape))
     return kv_cache.KVBlock(k=jnp.stack(keys), v=jnp.stack(values))
 
 
-def _head_norm(c: BlockConfig, params: dict, name: str, layer: int, x):
-    """The "dflash" variant's per-head RMS norm ``name`` of layer ``layer`` on queries / keys
-    ``[..., heads, H]`` (before RoPE, as Qwen3's); ``x`` itself for ours."""
+def _head_norm(c: BlockConfig, p: dict, name: str, x):
+    """The "dflash" variant's per-head RMS norm ``name`` (of one layer's tensors ``p``) on
+    queries / keys ``[..., heads, H]`` (before RoPE, as Qwen3's); ``x`` itself for ours."""
     if c.variant != "dflash":
         return x
-    return rms_norm(x, params[name][layer], c.rms_norm_eps)
+    return rms_norm(x, p[name], c.rms_norm_eps)
 
 
 def _attend(q, k, v, ctx_k, ctx_v, ctx_valid_BAS, scale: float):
@@ -329,13 +378,14 @@ def hidden(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, last_BAE, 
            positions_BA):  # fmt: skip
     """The block's output states ``[B, A, N, E]`` of A blocks per row: block a starts with token
     ``tokens_BA[:, a]`` at position ``positions_BA[:, a]``, sees the context slots where
-    ``ctx_valid_BAS`` (``ctx_k/v [L, B, KVH, S, H]``: the cache layout), and every entry adds
+    ``ctx_valid_BAS`` (``ctx_k/v``: the cache's, ``[L, B, KVH, S, H]`` or a tuple of L ``[B, KVH,
+    S, H]`` with the run layout's parameters: read in place), and every entry adds
     ``last_BAE[:, a]``, the context vector of the last committed position (zeros if none); entry
     i of its N reads out the token at position ``positions + 1 + i``."""
     B, A = tokens_BA.shape
     N, E, H = c.block_size, c.hidden_size, c.head_dim
     NH, KVH, eps = c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps
-    dtype = params["wq"].dtype
+    dtype = dtype_of(params)
     first = params["embed"][tokens_BA].astype(dtype)[:, :, None]
     masks = jnp.broadcast_to(params["mask_embed"].astype(dtype), (B, A, N, E))
     x = jnp.concatenate([first, masks], axis=2)  # [B, A, T = N + 1, E]
@@ -347,24 +397,24 @@ def hidden(c: BlockConfig, params: dict, ctx_k, ctx_v, ctx_valid_BAS, last_BAE, 
         c.rope_theta, H, c.rope_scaling, c.max_position_embeddings, positions.reshape(B, A * T)
     )
 
+    run, layers = _layers(c, params)
+
     def heads(h, w, n):  # [B, A, T, E] -> [B, A, T, n, H], RoPE'd when n is a key / query
-        return jnp.einsum("bate,oe->bato", h, w).reshape(B, A, T, n, H)
+        return _project(h, w, run).reshape(B, A, T, n, H)
 
     def rope(x):
         return apply_rope(x.reshape(B, A * T, -1, H), cos, sin).reshape(x.shape)
 
-    for layer in range(c.num_hidden_layers):
-        p = {name: params[name][layer] for name in LAYER_TENSORS}
+    for layer, p in enumerate(layers):
         h = rms_norm(x, p["input_norm"], eps)
-        q = rope(_head_norm(c, params, "q_norm", layer, heads(h, p["wq"], NH)))
-        k = rope(_head_norm(c, params, "k_norm", layer, heads(h, p["wk"], KVH)))
+        q = rope(_head_norm(c, p, "q_norm", heads(h, p["wq"], NH)))
+        k = rope(_head_norm(c, p, "k_norm", heads(h, p["wk"], KVH)))
         v = heads(h, p["wv"], KVH)
         attn = _attend(q, k, v, ctx_k[layer], ctx_v[layer], ctx_valid_BAS, H**-0.5)
-        x = x + jnp.einsum("bati,oi->bato", attn, p["wo"])
+        x = x + _project(attn, p["wo"], run)
         h = rms_norm(x, p["post_norm"], eps)
-        gate = jax.nn.silu(jnp.einsum("bate,fe->batf", h, p["w_gate"]))
-        up = jnp.einsum("bate,fe->batf", h, p["w_up"])
-        x = x + jnp.einsum("batf,ef->bate", gate * up, p["w_down"])
+        gate = jax.nn.silu(_project(h, p["w_gate"], run))
+        x = x + _project(gate * _project(h, p["w_up"], run), p["w_down"], run)
     return x[:, :, 1:]
 
 
@@ -379,8 +429,11 @@ AXES = {
     **br.AXES,
 }
 
-# The family the models' helpers look up (``models.base.family_for_config``): no run layout.
-BlockConfig.FAMILY = drafter_family(forward, param_shapes, AXES)
+# The family the models' helpers look up (``models.base.family_for_config``), with its CPU run
+# layout (``prepare_params``).
+BlockConfig.FAMILY = types.SimpleNamespace(
+    **vars(drafter_family(forward, param_shapes, AXES)), prepare_params=prepare_params
+)
 
 
 # --- Checkpoints ------------------------------------------------------------------------------
