@@ -20,7 +20,10 @@ import numpy as np
 
 PROMPTS = ["ROMEO:", "JULIET:\nO, wherefore", "KING HENRY:", "First Citizen:\nWe"]
 
-# name -> (draft: "model" / "self:2" / "lookup" / None, sample kwargs)
+_HEAD, _BLOCK = "eagle3:tinyshakespeare-eagle3", "block:tinyshakespeare-block"
+
+# name -> (draft: "model", another draft= value (e.g. "self:2", "lookup", the bundled head or block
+# drafter) or None, sample kwargs)
 CASES = {
     "ar": (None, dict(method="ar")),
     "ar greedy": (None, dict(method="ar", temperature=0.0)),
@@ -68,6 +71,15 @@ CASES = {
     "slots lookup": ("lookup", dict(method="sps", batch_size=2)),
     "top logprobs": ("model", dict(method="asps", top_logprobs=3)),
     "budgets per prompt": ("model", dict(method="asps", max_new_tokens=[5, 30, 17, 40])),
+    "quant:int8 asps": ("quant:int8", dict(method="asps", num_draft_tokens=4)),
+    "eagle3 asps": (_HEAD, dict(method="asps", num_draft_tokens=5)),
+    "eagle3 is_bv tree": (_HEAD, dict(method="is_bv", tree=(2, 2, 1))),
+    "block asps n=8": (_BLOCK, dict(method="asps", num_draft_tokens=8)),
+    "block greedy": (_BLOCK, dict(method="asps", temperature=0.0)),
+    "block tv tree (2,2)": (_BLOCK, dict(method="tv", tree=(2, 2))),
+    "block is K=2 top-p": (_BLOCK, dict(method="is", num_drafts=2, top_p=0.9, temperature=0.8)),
+    "block regex asps": (_BLOCK, dict(method="asps", regex=r"(ROMEO|JULIET): [a-z ]{5,40}\.")),
+    "slots block": (_BLOCK, dict(method="asps", batch_size=2)),
 }
 
 
