@@ -183,8 +183,8 @@ class Session:
         raise NotImplementedError
 
     def compile(self) -> float:
-        """Compile the first and the next steps now (on XLA:CPU, running each once: ``_lazy_kernels``);
-        returns the wall seconds spent compiling."""
+        """Compile the first and the next steps now (on XLA:CPU, running each once:
+        ``_lazy_kernels``); returns the wall seconds spent compiling."""
         start = time.perf_counter()
         self._compile()
         return time.perf_counter() - start

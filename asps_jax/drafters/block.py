@@ -135,14 +135,9 @@ class BlockDrafter(Drafter):
     def _empty(self, dec, params, batch: int) -> BlockState:
         c, n = self.config, dec.spec.num_draft_tokens
         width = len(c.feature_layers) * c.target_hidden_size
+        per = kv_cache.per_layer_params(params)  # the run layout's cache: a buffer per layer
         return BlockState(
-            cache=kv_cache.init_cache(
-                c,
-                batch,
-                dec.cache_len,
-                bm.dtype_of(params),
-                per_layer=kv_cache.per_layer_params(params),
-            ),  # fmt: skip
+            cache=kv_cache.init_cache(c, batch, dec.cache_len, bm.dtype_of(params), per_layer=per),
             features=jnp.zeros((batch, n + 1, width), params["fc"].dtype),
             count=jnp.zeros((batch,), jnp.int32),
             last=jnp.zeros((batch, width), params["fc"].dtype),
