@@ -1,0 +1,89 @@
+"""The length-aware attention of the accelerator path (``layers.attention`` with ``cache_len``:
+the cache read in ``layers.CACHE_BLOCK``-slot blocks up to the last slot a query sees, an online
+softmax): against a NumPy softmax attention over the whole cache, a non-finite new key included,
+and a Llama forward on the scan layout against the per-layer (CPU) layout over a cache of three
+blocks filled into the second."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asps_jax.kv_cache import commit, init_cache
+from asps_jax.models import base, layers, llama
+
+B, T, NH, KVH, H = 2, 3, 4, 2, 8
+S = 3 * layers.CACHE_BLOCK
+
+
+def _reference(q, k, v, ck, cv, mask, scale):
+    """Grouped-query softmax attention in float64 over ``[cache | new]`` keys (NumPy)."""
+    q, k, v, ck, cv = (np.asarray(a, np.float64) for a in (q, k, v, ck, cv))
+    keys = np.concatenate([np.swapaxes(ck, 1, 2), k], axis=1)  # [B, S+T, KVH, H]
+    values = np.concatenate([np.swapaxes(cv, 1, 2), v], axis=1)
+    keys, values = (np.repeat(a, NH // KVH, axis=2) for a in (keys, values))
+    s = np.einsum("btnh,bsnh->bnts", q, keys) * scale
+    s = np.where(np.asarray(mask)[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), values)
+
+
+def test_blocked_attention_matches_a_numpy_softmax_over_the_whole_cache():
+    ks = jax.random.split(jax.random.key(0), 5)
+    q, ck, cv = (
+        jax.random.normal(kk, s) for kk, s in zip(ks, [(B, T, NH, H), *[(B, KVH, S, H)] * 2])
+    )
+    k, v = (jax.random.normal(kk, (B, T, KVH, H)) for kk in ks[3:])
+    lengths = np.array([70, 2 * layers.CACHE_BLOCK + 1])  # blocks 0-1 of row 0; 0-2 of row 1
+    seen = np.arange(S)[None, None] < lengths[:, None, None]
+    mask = np.concatenate(
+        [
+            np.broadcast_to(seen, (B, T, S)),
+            np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T)),
+        ],
+        axis=-1,
+    )
+    bad_k = k.at[1, 1, 0, 3].set(jnp.nan)  # row 1's token 1 in KV head 0: seen by tokens 1, 2
+
+    @jax.jit
+    def run(k):
+        n = layers.visible_cache_len(mask)
+        return n, layers.attention(q, k, v, ck, cv, mask, 0.3, cache_len=n)
+
+    n, got = run(k)
+    assert int(n) == lengths.max()
+    np.testing.assert_allclose(got, _reference(q, k, v, ck, cv, mask, 0.3), atol=2e-6)
+    _, nan = run(bad_k)
+    poisoned = np.zeros((B, T, NH), bool)
+    poisoned[1, 1:, : NH // KVH] = True  # the queries that see it, in its head's group
+    np.testing.assert_array_equal(np.isnan(nan).any(-1), poisoned)
+    np.testing.assert_allclose(nan[~poisoned], got[~poisoned], atol=2e-6)
+
+
+def test_a_llama_forward_on_the_scan_layout_reads_the_blocks_it_needs():
+    """Scan layout (blocked attention) and per-layer layout (one pass over all slots) give the
+    same logits and new keys over a cache filled to 70 of 192 slots."""
+    config = llama.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=NH, num_key_value_heads=KVH, initializer_range=0.2,
+    )  # fmt: skip
+    stacked = llama.init_params(config, jax.random.key(1))
+    unrolled = base.prepare_params(config, stacked, scan=False)
+    P = 70
+    tokens = jax.random.randint(jax.random.key(2), (B, P + T), 0, 64, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(P + T, dtype=jnp.int32), (B, P + T))
+    causal = jnp.tril(jnp.ones((P + T, P + T), bool))
+
+    @jax.jit
+    def run(params, cache):
+        mask = jnp.broadcast_to(causal[:P, :P], (B, P, P))
+        _, kv = llama.forward(config, params, tokens[:, :P], positions[:, :P], mask, None)[:2]
+        nodes = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        cache = commit(cache, kv, nodes, jnp.full((B,), P, jnp.int32))
+        seen = jnp.broadcast_to(jnp.arange(S) < P, (B, T, S))
+        mask = jnp.concatenate([seen, jnp.broadcast_to(causal[P:, P:], (B, T, T))], axis=-1)
+        return llama.forward(config, params, tokens[:, P:], positions[:, P:], mask, cache)[:2]
+
+    got = run(stacked, init_cache(config, B, S))
+    want = run(unrolled, init_cache(config, B, S, per_layer=True))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
