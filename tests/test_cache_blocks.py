@@ -1,18 +1,21 @@
 """The length-aware attention of the accelerator path (``layers.attention`` with ``cache_len``:
 the cache read in ``layers.CACHE_BLOCK``-slot blocks up to the last slot a query sees, an online
 softmax): against a NumPy softmax attention over the whole cache, a non-finite new key included,
-and a Llama forward on the scan layout against the per-layer (CPU) layout over a cache of three
-blocks filled into the second."""
+and the forwards of Llama, Gemma 2 and Qwen2 on the scan layout against the per-layer (CPU)
+layout over a cache of three blocks filled into the second."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from hf_checkpoints import FAMILY_CONFIGS
 
 from asps_jax.kv_cache import commit, init_cache
 from asps_jax.models import base, layers, llama
 
 B, T, NH, KVH, H = 2, 3, 4, 2, 8
 S = 3 * layers.CACHE_BLOCK
+V = 96  # the vocabulary of hf_checkpoints.FAMILY_CONFIGS
 
 
 def _reference(q, k, v, ck, cv, mask, scale):
@@ -59,29 +62,48 @@ def test_blocked_attention_matches_a_numpy_softmax_over_the_whole_cache():
     np.testing.assert_allclose(nan[~poisoned], got[~poisoned], atol=2e-6)
 
 
-def test_a_llama_forward_on_the_scan_layout_reads_the_blocks_it_needs():
+# Gemma 2: soft-capped scores and alternating sliding layers; Qwen2: a window from layer 1 on.
+DECODERS = {
+    "gemma2": {},
+    "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+}
+
+
+def _model(case: str):
+    if case == "llama":
+        config = llama.LlamaConfig(
+            vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=NH, num_key_value_heads=KVH, initializer_range=0.2,
+        )  # fmt: skip
+        return config, llama.init_params(config, jax.random.key(1))
+    family = base.FAMILIES[case]
+    hf = {**FAMILY_CONFIGS[case][2], "model_type": case, "num_hidden_layers": 2, **DECODERS[case]}
+    config = family.config_from_hf(hf)
+    return config, family.init_params(config, jax.random.key(1))
+
+
+@pytest.mark.parametrize("case", ["llama", *DECODERS])
+def test_the_scan_layout_reads_the_blocks_it_needs(case):
     """Scan layout (blocked attention) and per-layer layout (one pass over all slots) give the
     same logits and new keys over a cache filled to 70 of 192 slots."""
-    config = llama.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=NH, num_key_value_heads=KVH, initializer_range=0.2,
-    )  # fmt: skip
-    stacked = llama.init_params(config, jax.random.key(1))
+    config, stacked = _model(case)
     unrolled = base.prepare_params(config, stacked, scan=False)
+    assert isinstance(unrolled["layers"], tuple)
+    forward = base.forward_for(config, ())
     P = 70
-    tokens = jax.random.randint(jax.random.key(2), (B, P + T), 0, 64, jnp.int32)
+    tokens = jax.random.randint(jax.random.key(2), (B, P + T), 0, V, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(P + T, dtype=jnp.int32), (B, P + T))
     causal = jnp.tril(jnp.ones((P + T, P + T), bool))
 
     @jax.jit
     def run(params, cache):
         mask = jnp.broadcast_to(causal[:P, :P], (B, P, P))
-        _, kv = llama.forward(config, params, tokens[:, :P], positions[:, :P], mask, None)[:2]
+        kv = forward(params, tokens[:, :P], positions[:, :P], mask, None)[1]
         nodes = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
         cache = commit(cache, kv, nodes, jnp.full((B,), P, jnp.int32))
         seen = jnp.broadcast_to(jnp.arange(S) < P, (B, T, S))
         mask = jnp.concatenate([seen, jnp.broadcast_to(causal[P:, P:], (B, T, T))], axis=-1)
-        return llama.forward(config, params, tokens[:, P:], positions[:, P:], mask, cache)[:2]
+        return forward(params, tokens[:, P:], positions[:, P:], mask, cache)[:2]
 
     got = run(stacked, init_cache(config, B, S))
     want = run(unrolled, init_cache(config, B, S, per_layer=True))
