@@ -214,7 +214,8 @@ def _attend_cache_blocks(q_BTKGH, new, cache, mask_BTS, bad_BTK, scale, softcap,
     one ``cache_block`` of slots per iteration of a ``while`` loop of ``ceil(n / block)`` trips
     (named scope ``cache_blocks``, which ``hlo_census`` counts at a given trip count). A step
     then reads the filled part of the cache, not all of it. Equal to the one-pass softmax to
-    float rounding; a visible non-finite new key makes the queries that see it NaN, as there.
+    float rounding; a visible non-finite new key makes the queries that see it NaN, as there,
+    and a query that sees nothing stays finite (a mean of the values read; there, of all).
     ``cache``: ``(k, v, layer)``, the stacked ``[L, B, KVH, S, H]`` caches and the layer read.
     Returns ``[B, T, KVH, G, H]``."""
     B, T, KVH, G, H = q_BTKGH.shape
