@@ -134,11 +134,8 @@ def attention(
     Cache slots are finite (``kv_cache.commit`` stores non-finite entries as 0; a row that met
     one stops, see ``decode``).
 
-    ``cache_len`` (int32 scalar, :func:`visible_cache_len`; the accelerator path): read the
-    cache only up to it, block by block (:func:`_attend_cache_blocks`), not all ``S`` slots.
-    ``layer`` (int32 scalar): ``cache_k/v`` are the stacked ``[L, B, KVH, S, H]`` caches and
-    this layer's is read in place (a scan over layers that sliced its layer's cache out first
-    would copy all of it).
+    ``cache_len`` (:func:`visible_cache_len`): read the cache up to it, by blocks; ``layer``:
+    ``cache_k/v`` stacked ``[L, ...]``, this layer's read in place (:func:`_attend_cache_blocks`).
     """
     B, T, NH, H = q_BTNH.shape
     KVH = k_BTKH.shape[2]
@@ -152,9 +149,9 @@ def attention(
     # (keys, values, einsum subscript): the cache [B, KVH, S, H], the new tokens [B, T, KVH, H].
     parts = [(k_BTKH, v_BTKH, "bskh")]
     if cache_k is not None and cache_len is not None and cache_block(cache_k.shape[-2]):
-        here = (cache_k, cache_v, jnp.zeros((), jnp.int32) if layer is None else layer)
+        here = (cache_k, cache_v, layer)
         if layer is None:
-            here = (cache_k[None], cache_v[None], here[2])
+            here = (cache_k[None], cache_v[None], jnp.zeros((), jnp.int32))
         return _attend_cache_blocks(
             q_BTKGH, parts[0], here, mask_BTS, bad_BTK, scale, softcap, cache_len
         ).reshape(B, T, NH, H)
