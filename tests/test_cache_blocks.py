@@ -109,3 +109,20 @@ def test_the_scan_layout_reads_the_blocks_it_needs(case):
     want = run(unrolled, init_cache(config, B, S, per_layer=True))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_the_census_counts_a_named_data_dependent_loop_at_the_trips_it_is_given():
+    """``hlo_census.census(trips=...)``: a ``while`` of data-dependent trip count under the
+    ``cache_blocks`` scope is counted the given number of times (else once, and listed unknown)."""
+    from asps_jax import hlo_census
+
+    def f(x, n):
+        with jax.named_scope("cache_blocks"):
+            return jax.lax.fori_loop(0, n, lambda i, a: a + jnp.sin(a * i), x)
+
+    text = jax.jit(f).lower(jnp.ones((256, 256)), 3).compile().as_text()
+    once, thrice = hlo_census.census(text), hlo_census.census(text, trips={"cache_blocks": 3})
+    assert once.unknown_trips == 1 and thrice.unknown_trips == 0
+    assert [t for t, name in thrice.loops if "cache_blocks" in name] == [3]
+    body = (thrice.traffic_bytes - once.traffic_bytes) / 2  # one trip's bytes
+    assert body >= 2 * 256 * 256 * 4, body  # reads and writes the array at least once per trip
