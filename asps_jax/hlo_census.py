@@ -20,8 +20,11 @@ where
 A ``while`` loop's trip count is XLA's ``known_trip_count`` where it gives one, else read from the
 loop's condition (``i < N`` with ``i`` starting at a constant); a loop whose count neither gives
 (a data-dependent loop: the redraw of an exact draw) is counted once and listed in
-``Census.unknown_trips``. The result is a model of HBM traffic (reuse inside a fusion assumed,
-across fusions not), made to compare programs and hold them within bounds, not a profile.
+``Census.unknown_trips``, unless its op name holds a scope given in ``census``'s ``trips`` (the
+length-aware attention's ``cache_blocks``: the caller says how many blocks a step reads, e.g.
+the mean over a generation's lengths), which then gives its count. The result is a model of HBM
+traffic (reuse inside a fusion assumed, across fusions not), made to compare programs and hold
+them within bounds, not a profile.
 """
 
 from __future__ import annotations
@@ -282,7 +285,7 @@ def _collective_shape(comps: dict, ins: Instr) -> tuple:
     return arrays[1] if tuple_result else arrays[0]
 
 
-def _walk(comps: dict, name: str, times: int, out: Census) -> None:
+def _walk(comps: dict, name: str, times: int, out: Census, given: dict) -> None:
     comp = comps.get(name, {})
     for ins in comp.values():
         out.traffic_bytes += times * _bytes(comps, comp, ins)
@@ -301,22 +304,24 @@ def _walk(comps: dict, name: str, times: int, out: Census) -> None:
         if ins.opcode == "while":
             trips = trip_count(comps, comp, ins)
             m = re.search(r'op_name="([^"]*)"', ins.attrs)
+            if trips is None and m:
+                trips = next((n for scope, n in given.items() if f"/{scope}/" in m.group(1)), None)
             out.loops[(trips, m.group(1) if m else ins.name)] += times
             out.unknown_trips += trips is None
-            _walk(comps, ins.called("body")[0], times * (1 if trips is None else trips), out)
+            _walk(comps, ins.called("body")[0], times * (1 if trips is None else trips), out, given)
         elif ins.opcode == "conditional":
             branches = [b for key in ("branch_computations", "true_computation",
                         "false_computation") for b in ins.called(key)]  # fmt: skip
             costs = []
             for b in branches:
                 part = Census()
-                _walk(comps, b, times, part)
+                _walk(comps, b, times, part, given)
                 costs.append(part)
             if costs:
                 best = max(costs, key=lambda c: c.traffic_bytes)
                 _merge(out, best)
         elif ins.opcode == "call":
-            _walk(comps, ins.called("to_apply")[0], times, out)
+            _walk(comps, ins.called("to_apply")[0], times, out, given)
 
 
 def _merge(out: Census, part: Census) -> None:
@@ -328,11 +333,12 @@ def _merge(out: Census, part: Census) -> None:
     out.host_transfers += part.host_transfers
 
 
-def census(text: str) -> Census:
-    """The figures of one call of the program whose optimized HLO is ``text``."""
+def census(text: str, trips: dict[str, int] | None = None) -> Census:
+    """The figures of one call of the program whose optimized HLO is ``text``; ``trips``: the
+    trip count of a data-dependent loop by a scope its op name holds (``{"cache_blocks": 3}``)."""
     comps, entry = parse(text)
     out = Census()
-    _walk(comps, entry, 1, out)
+    _walk(comps, entry, 1, out, dict(trips or {}))
     out.wide_types = sorted(set(re.findall(rf"\b({'|'.join(WIDE_TYPES)})\[", text)))
     out.lines = text.count("\n") + 1
     out.fusions = sum(i.opcode == "fusion" for c in comps.values() for i in c.values())

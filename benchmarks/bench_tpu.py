@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from asps_jax import decode, hlo_census, sampler, sharding  # noqa: E402
 from asps_jax.cli.args import DTYPES, build_parser, check, sampling_kwargs  # noqa: E402
-from asps_jax.models import base, cards, loader  # noqa: E402
+from asps_jax.models import base, cards, layers, loader  # noqa: E402
 
 GIB = 1 << 30
 HBM_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95, "v6e": 32}  # per chip
@@ -211,7 +211,16 @@ def compile_step(decoder, step_args, options=None):
     return compiled, time.process_time() - cpu
 
 
-def compile_program(name, decoder, step_args, hbm_bytes, hlo_dir=None) -> dict:
+def cache_blocks_read(prompt_tokens: int, max_new_tokens: int) -> int:
+    """Cache blocks a step's length-aware attention reads (``layers.attention``'s
+    ``cache_blocks`` loop, whose trip count is data-dependent), for the census: the mean over the
+    cache lengths of a generation (prompt to prompt + new tokens) of ``ceil(length / block)``,
+    rounded up."""
+    lengths = np.arange(prompt_tokens, prompt_tokens + max(max_new_tokens, 1))
+    return int(np.ceil(np.mean(-(-lengths // layers.CACHE_BLOCK))))
+
+
+def compile_program(name, decoder, step_args, hbm_bytes, hlo_dir=None, blocks=1) -> dict:
     """Lower and compile ``Decoder.step`` for the topology; the row of figures."""
     row = {"program": name, "decoder": decoder.spec.name}
     wall = time.perf_counter()
@@ -225,7 +234,7 @@ def compile_program(name, decoder, step_args, hbm_bytes, hlo_dir=None) -> dict:
     if hlo_dir:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)
         (Path(hlo_dir) / f"{name}.hlo").write_text(text)
-    c = hlo_census.census(text)
+    c = hlo_census.census(text, trips={"cache_blocks": blocks})
     mem = compiled.memory_analysis()
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
     peak -= mem.alias_size_in_bytes
@@ -314,7 +323,8 @@ def run(args, parser) -> list[dict]:
         except ValueError as err:
             rows.append(dict(program=program, compiles=False, error=" ".join(str(err).split())))
         else:
-            rows.append(compile_program(program, decoder, step_args, hbm, args.hlo_dir))
+            blocks = cache_blocks_read(args.prompt_tokens, args.max_new_tokens)
+            rows.append(compile_program(program, decoder, step_args, hbm, args.hlo_dir, blocks))
         rows[-1].update(target=args.target, topology=args.topology, mesh=args.mesh,
                         batch=args.batch_size, method=call["method"])  # fmt: skip
         print_row(rows[-1])

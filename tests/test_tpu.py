@@ -153,3 +153,35 @@ def test_a_topology_libtpu_refuses_is_a_one_line_error(bench, capsys):
     assert bench[0].main(["--method", "ar", "--topology", "v5e:1x1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("bench_tpu.py: error: --topology v5e:1x1: ") and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_the_ar_step_reads_the_cache_block_by_block_up_to_its_length(bench):
+    """The accelerator's attention reads the KV cache in ``layers.CACHE_BLOCK``-slot blocks, a
+    ``while`` loop of ``ceil(length / block)`` trips: each counted
+    trip adds one block of keys and values of every layer (as the shapes give it) to the step's
+    modelled traffic (a loop that read the whole cache per trip would add ``S / block`` times
+    that)."""
+    from asps_jax.models import layers
+
+    module, devices = bench
+    rows = 2
+    decoder, args = module.abstract_call(
+        _abstract(bench, TARGET, "small"), None, dict(method="ar"), devices, None, rows=rows,
+        prompt_tokens=6, max_new_tokens=200,
+    )  # fmt: skip
+    text = module.compile_step(decoder, args, FAST)[0].as_text()
+    c = hlo_census.census(text)
+    _check_accelerator_program(c, "ar, one chip")
+    assert hlo_census.source_loops(c, "cache_blocks"), dict(c.loops)
+    slots = args[3].target_cache.k.shape[-2]
+    assert slots % layers.CACHE_BLOCK == 0 and slots > 2 * layers.CACHE_BLOCK, slots
+    one, all_ = (
+        hlo_census.census(text, trips={"cache_blocks": n}).traffic_bytes
+        for n in (1, slots // layers.CACHE_BLOCK)
+    )
+    batch = args[3].target_cache.k.shape[1]  # the rows' bucket
+    per_block = 2 * TARGET.num_hidden_layers * batch * TARGET.num_key_value_heads
+    per_block *= layers.CACHE_BLOCK * TARGET.head_dim * 2  # keys and values, bf16
+    added = (all_ - one) / (slots // layers.CACHE_BLOCK - 1)
+    assert per_block <= added <= 1.25 * per_block, (added, per_block)

@@ -64,6 +64,7 @@ from asps_jax.models.layers import (
     scan_layers,
     soft_cap,
     split_layers,
+    visible_cache_len,
     window_mask,
     with_features,
 )
@@ -347,7 +348,19 @@ def prepare_params(config: DecoderConfig, params: dict, wide: bool = False) -> d
     return {**params, "layers": split_layers(config.num_hidden_layers, layers)}
 
 
-def _layer(c: DecoderConfig, p: dict, x_BTE, cache_k, cache_v, *, cos, sin, mask):
+def _layer(
+    c: DecoderConfig,
+    p: dict,
+    x_BTE,
+    cache_k,
+    cache_v,
+    *,
+    cos,
+    sin,
+    mask,
+    cache_len=None,
+    layer=None,
+):
     B, T = x_BTE.shape[:2]
     norm = rms_norm_offset if c.GEMMA else rms_norm
     eps = c.rms_norm_eps
@@ -356,7 +369,10 @@ def _layer(c: DecoderConfig, p: dict, x_BTE, cache_k, cache_v, *, cos, sin, mask
     if c.QK_NORM:
         q, k = norm(q, p["q_norm"], eps), norm(k, p["k_norm"], eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn = attention(q, k, v, cache_k, cache_v, mask, c.attention_scale, c.attn_logit_softcapping)
+    attn = attention(
+        q, k, v, cache_k, cache_v, mask, c.attention_scale, c.attn_logit_softcapping,
+        cache_len=cache_len, layer=layer,
+    )  # fmt: skip
     out = attention_out(attn, p)
     if c.GEMMA:
         out = norm(out, p["post_attn_norm"], eps)
@@ -440,15 +456,17 @@ def _scanned(c: DecoderConfig, layers: dict, x, cache, tables, mask, positions, 
             local_mask = window_mask(mask, positions, c.sliding_window)
 
     def body(x_BTE, xs):
-        p, sliding, cache_k, cache_v = xs
+        p, sliding, i = xs
         pick = functools.partial(jnp.where, sliding)
         layer_mask = mask if local_mask is mask else pick(local_mask, mask)
         cos, sin = (full_cos, full_sin)
         if local_cos is not full_cos:
             cos, sin = pick(local_cos, full_cos), pick(local_sin, full_sin)
-        return _layer(c, p, x_BTE, cache_k, cache_v, cos=cos, sin=sin, mask=layer_mask)
+        at = dict(cache_len=filled, layer=i)  # each layer's cache read in place, to `filled`
+        return _layer(c, p, x_BTE, *caches, cos=cos, sin=sin, mask=layer_mask, **at)
 
     caches = (None, None) if cache is None else cache.stacked()
-    xs = (layers, jnp.asarray(sliding_L, bool), *caches)
+    filled = None if cache is None else visible_cache_len(mask)  # a window only narrows it
+    xs = (layers, jnp.asarray(sliding_L, bool), jnp.arange(len(sliding_L), dtype=jnp.int32))
     x, (new_k, new_v), streams = scan_layers(body, x, xs, features)
     return x, KVBlock(k=new_k, v=new_v), streams

@@ -107,7 +107,16 @@ def window_mask(mask_BTS: jax.Array, positions_BT: jax.Array, window: int) -> ja
 
 
 def attention(
-    q_BTNH, k_BTKH, v_BTKH, cache_k, cache_v, mask_BTS, scale: float, softcap: float | None = None
+    q_BTNH,
+    k_BTKH,
+    v_BTKH,
+    cache_k,
+    cache_v,
+    mask_BTS,
+    scale: float,
+    softcap: float | None = None,
+    cache_len: jax.Array | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention of T new queries over the cache (``cache_k/v [B, KVH, S, H]``, may
     be None) and the T new keys (``[B, T, KVH, H]``).
@@ -124,6 +133,9 @@ def attention(
     splits (a check across KV heads was an all-reduce per layer on a ``model`` mesh).
     Cache slots are finite (``kv_cache.commit`` stores non-finite entries as 0; a row that met
     one stops, see ``decode``).
+
+    ``cache_len`` (:func:`visible_cache_len`): read the cache up to it, by blocks; ``layer``:
+    ``cache_k/v`` stacked ``[L, ...]``, this layer's read in place (:func:`_attend_cache_blocks`).
     """
     B, T, NH, H = q_BTNH.shape
     KVH = k_BTKH.shape[2]
@@ -136,6 +148,15 @@ def attention(
     # concatenated: concatenating keys/values would copy the whole cache every step.
     # (keys, values, einsum subscript): the cache [B, KVH, S, H], the new tokens [B, T, KVH, H].
     parts = [(k_BTKH, v_BTKH, "bskh")]
+    if cache_k is not None and cache_len is not None and cache_block(cache_k.shape[-2]):
+        here = (cache_k, cache_v, layer)
+        if layer is None:
+            here = (cache_k[None], cache_v[None], jnp.zeros((), jnp.int32))
+        return _attend_cache_blocks(
+            q_BTKGH, parts[0], here, mask_BTS, bad_BTK, scale, softcap, cache_len
+        ).reshape(B, T, NH, H)
+    if cache_k is not None and layer is not None:
+        cache_k, cache_v = cache_k[layer], cache_v[layer]
     if cache_k is not None:
         parts.insert(0, (cache_k.astype(dtype), cache_v.astype(dtype), "bksh"))
     scores = jnp.concatenate(
@@ -165,6 +186,76 @@ def attention(
         )
         start += width
     return jnp.moveaxis(out.astype(dtype), 3, 1).reshape(B, T, NH, H)
+
+
+CACHE_BLOCK = 64  # cache slots per block of the length-aware attention (a multiple of 8)
+
+
+def cache_block(S: int) -> int:
+    """Slots per block of the length-aware attention over an ``S``-slot cache: ``CACHE_BLOCK``
+    where it divides ``S`` into two or more blocks, else 0 (the whole cache is read)."""
+    return CACHE_BLOCK if S % CACHE_BLOCK == 0 and S > CACHE_BLOCK else 0
+
+
+def visible_cache_len(mask_BTS: jax.Array) -> jax.Array:
+    """int32 scalar: one past the last cache slot any query of ``mask_BTS`` (``[B, T, S+T]``)
+    sees; slots from it on need not be read."""
+    B, T, width = mask_BTS.shape
+    seen_S = jnp.any(mask_BTS[:, :, : width - T], axis=(0, 1))
+    return jnp.max(jnp.where(seen_S, jnp.arange(1, width - T + 1, dtype=jnp.int32), 0))
+
+
+def _attend_cache_blocks(q_BTKGH, new, cache, mask_BTS, bad_BTK, scale, softcap, n):
+    """:func:`attention` reading the cache only up to slot ``n``: an online softmax (running
+    max, sum and weighted values in float32) starts from the new tokens' scores and folds in
+    one ``cache_block`` of slots per iteration of a ``while`` loop of ``ceil(n / block)`` trips
+    (named scope ``cache_blocks``, which ``hlo_census`` counts at a given trip count). A step
+    then reads the filled part of the cache, not all of it. Equal to the one-pass softmax to
+    float rounding; a visible non-finite new key makes the queries that see it NaN, as there,
+    and a query that sees nothing stays finite (a mean of the values read; there, of all).
+    ``cache``: ``(k, v, layer)``, the stacked ``[L, B, KVH, S, H]`` caches and the layer read.
+    Returns ``[B, T, KVH, G, H]``."""
+    B, T, KVH, G, H = q_BTKGH.shape
+    cache_k, cache_v, layer = cache
+    S, Sb, dtype = cache_k.shape[3], cache_block(cache_k.shape[3]), q_BTKGH.dtype
+    lowest = jnp.finfo(jnp.float32).min
+
+    def scores(keys, kv, mask_BTs):
+        s = jnp.einsum(f"btkgh,{kv}->bkgts", q_BTKGH, keys, preferred_element_type=jnp.float32)
+        return jnp.where(mask_BTs[:, None, None], soft_cap(s * scale, softcap), lowest)
+
+    k_new, v_new, _ = new
+    mask_new = mask_BTS[:, :, S:]
+    s = scores(k_new, "bskh", mask_new)
+    bad_BKS = jnp.swapaxes(bad_BTK, 1, 2)[:, :, None, None]
+    s = jnp.where(mask_new[:, None, None] & bad_BKS, jnp.nan, s)  # [B, KVH, G, T, T]
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp(s - m[..., None])
+    acc = jnp.einsum(
+        "bkgts,bskh->bkgth", p.astype(dtype), v_new, preferred_element_type=jnp.float32
+    )
+
+    def block(i, carry):
+        m, total, acc = carry
+        at = i * Sb
+        zero = jnp.zeros((), jnp.int32)
+        start, size = (layer, zero, zero, at, zero), (1, B, KVH, Sb, H)
+        keys = jax.lax.dynamic_slice(cache_k, start, size)[0].astype(dtype)
+        values = jax.lax.dynamic_slice(cache_v, start, size)[0].astype(dtype)
+        s = scores(keys, "bksh", jax.lax.dynamic_slice_in_dim(mask_BTS, at, Sb, axis=2))
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        fade = jnp.exp(m - m_new)
+        acc = acc * fade[..., None] + jnp.einsum(
+            "bkgts,bksh->bkgth", p.astype(dtype), values, preferred_element_type=jnp.float32
+        )
+        return m_new, total * fade + jnp.sum(p, axis=-1), acc
+
+    with jax.named_scope("cache_blocks"):
+        trips = (jnp.minimum(n, S) + Sb - 1) // Sb
+        m, total, acc = jax.lax.fori_loop(0, trips, block, (m, jnp.sum(p, axis=-1), acc))
+    out = (acc / total[..., None]).astype(dtype)  # [B, KVH, G, T, H]
+    return jnp.moveaxis(out, 3, 1)
 
 
 def project_qkv(h_BTE: jax.Array, p: dict) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -41,6 +41,7 @@ from asps_jax.models.layers import (
     rms_norm,
     scan_layers,
     split_layers,
+    visible_cache_len,
     with_features,
 )
 from asps_jax.models.quant import einsum, merge
@@ -276,7 +277,20 @@ def prepare_params(config: LlamaConfig, params: dict, wide: bool = False) -> dic
 
 
 def _layer(
-    c: LlamaConfig, p: dict, x_BTE, cache_k, cache_v, *, run, cos, sin, mask, scale, heads=False
+    c: LlamaConfig,
+    p: dict,
+    x_BTE,
+    cache_k,
+    cache_v,
+    *,
+    run,
+    cos,
+    sin,
+    mask,
+    scale,
+    heads=False,
+    cache_len=None,
+    layer=None,
 ):
     """One decoder layer; ``p`` holds that layer's parameters, ``[out, in]`` matrices when
     ``run`` (the one-row run layout), else ``[in, out]`` with the head axes split (the stored
@@ -302,7 +316,7 @@ def _layer(
     q = apply_rope(proj(h, "wq").reshape(B, T, NH, H), cos, sin)
     k = apply_rope(proj(h, "wk").reshape(B, T, KVH, H), cos, sin)
     v = proj(h, "wv").reshape(B, T, KVH, H)
-    attn = attention(q, k, v, cache_k, cache_v, mask, scale)
+    attn = attention(q, k, v, cache_k, cache_v, mask, scale, cache_len=cache_len, layer=layer)
     x_BTE = x_BTE + proj(attn.reshape(B, T, NH * H), "wo")
     h = rms_norm(x_BTE, p["mlp_norm"], c.rms_norm_eps)
     x_BTE = x_BTE + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
@@ -356,10 +370,16 @@ def forward(
     else:
 
         def body(x_BTE, xs):
-            p, cache_k, cache_v = xs
-            return _layer(c, p, x_BTE, cache_k, cache_v, run=False, heads=True, **kw)
+            p, i = xs
+            at = dict(cache_len=filled, layer=i)
+            return _layer(c, p, x_BTE, *cache_kv, run=False, heads=True, **at, **kw)
 
-        xs = (layers, None, None) if cache is None else (layers, *cache.stacked())
+        # The scan is the accelerator path: its attention reads each layer's cache in place
+        # (the stacked arrays and the layer's index) up to the last slot a query sees, not
+        # all of it (``layers.attention``'s ``cache_len`` and ``layer``).
+        cache_kv = (None, None) if cache is None else cache.stacked()
+        filled = None if cache is None else visible_cache_len(mask)
+        xs = (layers, jnp.arange(jax.tree.leaves(layers)[0].shape[0], dtype=jnp.int32))
         x, (new_k, new_v), streams = scan_layers(body, x, xs, features)
     streams.append(x)
     logits = output_logits(
