@@ -189,12 +189,12 @@ def _flat_laws(laws, count):
 
 
 @functools.cache
-def _simulation(name, method):
-    vocab, n, tstyle, dstyle, seed, mode = STAT_CONFIGS[name]
-    target, draft = _model(vocab, n, tstyle, dstyle, seed)
-    lq_tables, lp_tables = _flat_laws(draft, n), _flat_laws(target, n + 1)
+def _simulate_fn(method, vocab, n, mode):
+    """``fn(keys, lq_tables, lp_tables) -> (tokens, num_tokens)``: one verify_chain call per key
+    on a chain drawn from the tables. The tables are arguments, not constants of the program, so
+    the configurations of one shape (V, n, draft-length mode) share one compiled program."""
 
-    def one(key):
+    def one(key, lq_tables, lp_tables):
         k_draft, k_len, k_verify = jax.random.split(key, 3)
         prefix, toks, lq, lp = jnp.zeros((), jnp.int32), [], [], []
         for i in range(n + 1):
@@ -213,12 +213,21 @@ def _simulation(name, method):
         verdict = asps_jax.verify_chain(k_verify, x, lq, lp, method=method, draft_length=length)
         return verdict.tokens, verdict.num_tokens
 
+    return jax.jit(jax.vmap(one, in_axes=(0, None, None)))
+
+
+@functools.cache
+def _simulation(name, method):
+    vocab, n, tstyle, dstyle, seed, mode = STAT_CONFIGS[name]
+    target, draft = _model(vocab, n, tstyle, dstyle, seed)
+    lq_tables, lp_tables = _flat_laws(draft, n), _flat_laws(target, n + 1)
     keys = jax.random.split(jax.random.key(12345), NUM_KEYS)
-    tokens, num = jax.jit(jax.vmap(one))(keys)
+    tokens, num = _simulate_fn(method, vocab, n, mode)(keys, tuple(lq_tables), tuple(lp_tables))
     return np.asarray(tokens), np.asarray(num), target, draft
 
 
 @pytest.mark.slow
+@pytest.mark.optimized  # the run of 200,000 keys outweighs its compile (tests/conftest.py)
 @pytest.mark.parametrize("name", list(STAT_CONFIGS))
 @pytest.mark.parametrize("method", METHODS)
 def test_statistical_law_and_length(method, name):
