@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_checkpoints import FAMILY_CONFIGS
+from test_scan_layout import prefill_then_chain
 
-from asps_jax.kv_cache import commit, init_cache
+from asps_jax.kv_cache import init_cache
 from asps_jax.models import base, layers, llama
 
 B, T, NH, KVH, H = 2, 3, 4, 2, 8
@@ -92,18 +93,10 @@ def test_the_scan_layout_reads_the_blocks_it_needs(case):
     forward = base.forward_for(config, ())
     P = 70
     tokens = jax.random.randint(jax.random.key(2), (B, P + T), 0, V, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(P + T, dtype=jnp.int32), (B, P + T))
-    causal = jnp.tril(jnp.ones((P + T, P + T), bool))
 
     @jax.jit
     def run(params, cache):
-        mask = jnp.broadcast_to(causal[:P, :P], (B, P, P))
-        kv = forward(params, tokens[:, :P], positions[:, :P], mask, None)[1]
-        nodes = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-        cache = commit(cache, kv, nodes, jnp.full((B,), P, jnp.int32))
-        seen = jnp.broadcast_to(jnp.arange(S) < P, (B, T, S))
-        mask = jnp.concatenate([seen, jnp.broadcast_to(causal[P:, P:], (B, T, T))], axis=-1)
-        return forward(params, tokens[:, P:], positions[:, P:], mask, cache)[:2]
+        return prefill_then_chain(forward, params, cache, tokens, P)[1][:2]
 
     got = run(stacked, init_cache(config, B, S))
     want = run(unrolled, init_cache(config, B, S, per_layer=True))

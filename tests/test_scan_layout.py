@@ -52,6 +52,23 @@ def _model(case: str):
     return config, family.init_params(config, jax.random.key(1))
 
 
+def prefill_then_chain(forward, params, cache, tokens_BL, prompt_len: int):
+    """``(kv, out)``: the first ``prompt_len`` tokens of each row forwarded without a cache
+    (causal), their keys / values ``kv`` committed into ``cache``, then ``out``, the forward of
+    the remaining tokens (causal) over that cache."""
+    (B, L), P = tokens_BL.shape, prompt_len
+    T, S = L - P, cache.max_len
+    positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    causal = jnp.tril(jnp.ones((L, L), bool))
+    mask = jnp.broadcast_to(causal[:P, :P], (B, P, P))
+    kv = forward(params, tokens_BL[:, :P], positions[:, :P], mask, None)[1]
+    nodes = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    cache = commit(cache, kv, nodes, jnp.full((B,), P, jnp.int32))
+    seen = jnp.broadcast_to(jnp.arange(S) < P, (B, T, S))
+    mask = jnp.concatenate([seen, jnp.broadcast_to(causal[P:, P:], (B, T, T))], axis=-1)
+    return kv, forward(params, tokens_BL[:, P:], positions[:, P:], mask, cache)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_scan_and_unrolled_layouts_give_the_same_forward(case, monkeypatch):
@@ -64,18 +81,10 @@ def test_scan_and_unrolled_layouts_give_the_same_forward(case, monkeypatch):
     assert base.prepare_params(config, stacked) is stacked  # the decoding loop's scan layout
     forward = base.forward_for(config, FEATURES)
     tokens = jax.random.randint(jax.random.key(2), (B, P + T), 0, V, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(P + T, dtype=jnp.int32), (B, P + T))
-    causal = jnp.tril(jnp.ones((P + T, P + T), bool))
 
     @jax.jit
     def run(params, cache):
-        mask = jnp.broadcast_to(causal[:P, :P], (B, P, P))
-        _, kv, _ = forward(params, tokens[:, :P], positions[:, :P], mask, None)
-        nodes = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-        cache = commit(cache, kv, nodes, jnp.full((B,), P, jnp.int32))
-        seen = jnp.broadcast_to(jnp.arange(P + T) < P, (B, T, P + T))
-        mask = jnp.concatenate([seen, jnp.broadcast_to(causal[P:, P:], (B, T, T))], axis=-1)
-        return kv, forward(params, tokens[:, P:], positions[:, P:], mask, cache)
+        return prefill_then_chain(forward, params, cache, tokens, P)
 
     slots = P + T
     per_layer = init_cache(config, B, slots, per_layer=True)
